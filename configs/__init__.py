@@ -1,0 +1,1 @@
+"""Shipped experiment configs (YAML); `jaxpar train NAME` finds them by name."""

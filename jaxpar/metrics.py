@@ -1,0 +1,49 @@
+"""Per-step metrics: a progress bar with ETA, JSONL and TensorBoard events in the run dir."""
+
+import json
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
+from tensorboardX import SummaryWriter
+
+
+class MetricsLogger:
+  def __init__(self, run_dir, total_steps: int, *, start_step: int = 0, console: Console | None = None,
+               show_progress: bool = True):
+    self.run_dir = Path(run_dir)
+    self.run_dir.mkdir(parents=True, exist_ok=True)
+    self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+    self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
+    self.console = console or Console()
+    self.progress = Progress(
+        TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("eta"),
+        TimeRemainingColumn(), console=self.console, disable=not show_progress)
+    self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
+    self.progress.start()
+    self.history: list[dict] = []
+
+  def log(self, step: int, metrics: dict, *, echo: bool = False):
+    record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
+    self.history.append(record)
+    self.jsonl.write(json.dumps(record) + "\n")
+    for key, value in metrics.items():
+      self.tensorboard.add_scalar(f"train/{key}", float(value), step)
+    status = (f"loss {record['loss']:.3f}  {record.get('tokens_per_s', 0):,.0f} tok/s  "
+              f"mfu {100 * record.get('mfu', 0):.1f}%")
+    self.progress.update(self.task, completed=step, status=status)
+    if echo:
+      line = (f"step {step:>6}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
+              f"lr {record['lr']:.2e}")
+      if "step_time_s" in record:
+        line += (f"  {record['step_time_s'] * 1e3:.0f} ms  {record['tokens_per_s']:,.0f} tok/s  "
+                 f"mfu {100 * record['mfu']:.1f}%")
+      self.progress.console.print(line, markup=False, highlight=False)
+
+  def close(self):
+    self.progress.stop()
+    self.jsonl.close()
+    self.tensorboard.close()

@@ -1,0 +1,65 @@
+"""Logical-axis rules: which mesh axes each logical array axis is split over.
+
+Parameters use `embed, heads, kv_heads, head_dim, mlp, vocab, layers`; activations use
+`batch, length` and `act_*` names, so that a parameter's `embed` can live on `fsdp`
+while an activation's batch uses the same mesh axis.
+"""
+
+# Batch is split over every axis that holds different data.
+_BATCH = ("data", "fsdp")
+
+_COMMON = (
+  ("batch", _BATCH),
+  ("length", "context"),
+  ("act_embed", None),
+  ("head_dim", None),
+  ("norm", None),
+  ("layers", None),
+)
+
+_TENSOR = (
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("mlp", "tensor"),
+  ("vocab", "tensor"),
+  ("act_heads", "tensor"),
+  ("act_kv_heads", "tensor"),
+  ("act_mlp", "tensor"),
+  ("act_vocab", "tensor"),
+)
+
+_NO_TENSOR = tuple((name, None) for name, _ in _TENSOR)
+
+PRESETS = {
+  # Plain data parallelism: every device holds all parameters (ZeRO-0).
+  "dp": _COMMON + (("embed", None),) + _NO_TENSOR,
+  # ZeRO-3 / FSDP: parameters and optimizer state split over fsdp, gathered per layer.
+  "fsdp": _COMMON + (("embed", "fsdp"),) + _NO_TENSOR,
+  # Megatron tensor parallelism: column/row-split heads and MLP, vocab-split embedding.
+  "tp": _COMMON + (("embed", None),) + _TENSOR,
+  # Both; the default, since size-1 axes make either part a no-op.
+  "fsdp_tp": _COMMON + (("embed", "fsdp"),) + _TENSOR,
+}
+
+
+def resolve_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
+  """A preset name or an explicit list of (logical, mesh axes) -> normalized rules."""
+  if isinstance(rules, str):
+    if rules not in PRESETS:
+      raise ValueError(f"mesh.rules={rules!r} is not a preset; use one of {sorted(PRESETS)} "
+                       "or a list of [logical_name, mesh_axes] pairs")
+    rules = PRESETS[rules]
+  normalized = []
+  for name, axes in rules:
+    if axes is None:
+      axes = ()
+    elif isinstance(axes, str):
+      axes = (axes,)
+    normalized.append((name, tuple(axes)))
+  return tuple(normalized)
+
+
+def unused_mesh_axes(rules, axis_sizes: dict[str, int]) -> list[str]:
+  """Mesh axes of size > 1 that no rule mentions (their devices would do duplicate work)."""
+  used = {axis for _, axes in rules for axis in axes}
+  return [a for a, s in axis_sizes.items() if s > 1 and a not in used]

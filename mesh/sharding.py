@@ -1,0 +1,60 @@
+"""The one place logical axis names become PartitionSpecs and NamedShardings."""
+
+import logging
+import math
+
+import jax
+from flax import nnx
+from flax.core import spmd as core_spmd
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.mesh.rules import resolve_rules
+
+log = logging.getLogger(__name__)
+
+
+def logical_to_spec(names, shape, mesh, rules) -> PartitionSpec:
+  """Map logical names to mesh axes. A dimension that the mapped mesh axes do not divide
+  is replicated (with a warning) rather than left to fail deep inside XLA; a mesh axis
+  already used by an earlier dimension is not used again."""
+  table = dict(rules)
+  used = set()
+  spec = []
+  for dim, name in enumerate(names):
+    axes = tuple(a for a in table.get(name, ()) if a not in used and mesh.shape[a] > 1) if name else ()
+    if name is not None and name not in table:
+      raise ValueError(f"logical axis {name!r} has no rule; add it to mesh.rules")
+    split = math.prod(mesh.shape[a] for a in axes)
+    if axes and shape is not None and shape[dim] % split:
+      log.warning("replicating logical axis %r (size %d): mesh axes %s (%d devices) do not divide it",
+                  name, shape[dim], axes, split)
+      axes = ()
+    used.update(axes)
+    spec.append(axes[0] if len(axes) == 1 else (axes or None))
+  return PartitionSpec(*spec)
+
+
+def logical_to_sharding(names, shape, mesh, rules) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(names, shape, mesh, rules))
+
+
+def _names_of(variable):
+  names = variable.get_metadata().get("out_sharding")
+  return tuple(names) if names else (None,) * len(variable.shape)
+
+
+def state_shardings(state, mesh, rules):
+  """NamedShardings for an (abstract) nnx.State, read from each Variable's axis names."""
+  def one(variable):
+    return variable.replace(logical_to_sharding(_names_of(variable), variable.shape, mesh, rules))
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def constrain(x, names):
+  """Pin an activation's layout by logical names, using the rules of the enclosing
+  `nnx.logical_axis_rules(...)` (no-op outside a mesh or without rules)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  rules = resolve_rules(core_spmd.get_logical_axis_rules())
+  if mesh.empty or not rules:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh, rules))

@@ -1,0 +1,46 @@
+"""Grouped-query self-attention with RoPE and optional qk-norm (Qwen3)."""
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar import pallas_kernels
+from jaxpar.mesh import constrain
+from jaxpar.models.init import fan_in
+from jaxpar.models.norm import RMSNorm
+from jaxpar.models.rope import apply_rope
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    e, h, kv, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    proj_init = fan_in(in_axis=0, out_axis=(1, 2))
+    self.q = nnx.Param(proj_init(rngs.params(), (e, h, d), param_dtype),
+                       out_sharding=("embed", "heads", "head_dim"))
+    self.k = nnx.Param(proj_init(rngs.params(), (e, kv, d), param_dtype),
+                       out_sharding=("embed", "kv_heads", "head_dim"))
+    self.v = nnx.Param(proj_init(rngs.params(), (e, kv, d), param_dtype),
+                       out_sharding=("embed", "kv_heads", "head_dim"))
+    self.o = nnx.Param(fan_in(in_axis=(0, 1), out_axis=2)(rngs.params(), (h, d, e), param_dtype),
+                       out_sharding=("heads", "head_dim", "embed"))
+    if cfg.qk_norm:
+      norm = dict(eps=cfg.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                  names=("head_dim",))
+      self.q_norm, self.k_norm = RMSNorm(d, **norm), RMSNorm(d, **norm)
+    else:
+      self.q_norm = self.k_norm = None
+    self.implementation = cfg.attention
+    self.dtype = compute_dtype
+
+  def __call__(self, x, positions, segment_ids, inv_freq):
+    dt = self.dtype
+    q = jnp.einsum("ble,ehd->blhd", x, self.q[...].astype(dt))
+    k = jnp.einsum("ble,ehd->blhd", x, self.k[...].astype(dt))
+    v = jnp.einsum("ble,ehd->blhd", x, self.v[...].astype(dt))
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = constrain(apply_rope(q, positions, inv_freq), ("batch", "length", "act_heads", "head_dim"))
+    k = constrain(apply_rope(k, positions, inv_freq), ("batch", "length", "act_kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
+    out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=segment_ids,
+                                   implementation=self.implementation)
+    return jnp.einsum("blhd,hde->ble", out, self.o[...].astype(dt))

@@ -1,0 +1,26 @@
+"""SwiGLU feed-forward block (Shazeer, 2020), as in Llama."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.mesh import constrain
+from jaxpar.models.init import fan_in
+
+
+class MLP(nnx.Module):
+  def __init__(self, embed_dim, mlp_dim, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    init = fan_in()
+    self.gate = nnx.Param(init(rngs.params(), (embed_dim, mlp_dim), param_dtype),
+                          out_sharding=("embed", "mlp"))
+    self.up = nnx.Param(init(rngs.params(), (embed_dim, mlp_dim), param_dtype),
+                        out_sharding=("embed", "mlp"))
+    self.down = nnx.Param(init(rngs.params(), (mlp_dim, embed_dim), param_dtype),
+                          out_sharding=("mlp", "embed"))
+    self.dtype = compute_dtype
+
+  def __call__(self, x):
+    gate = jnp.einsum("ble,em->blm", x, self.gate[...].astype(self.dtype))
+    up = jnp.einsum("ble,em->blm", x, self.up[...].astype(self.dtype))
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+    return jnp.einsum("blm,me->ble", hidden, self.down[...].astype(self.dtype))

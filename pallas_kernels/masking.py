@@ -1,0 +1,66 @@
+"""Masking and soft-capping shared by every attention kernel and the chunked path.
+
+Positions are absolute token indices into the keys; queries sit at
+`q_offset + i` (the last q_len of kv_len positions). Everything here works on
+traced scalars, numpy ints and broadcastable arrays, so the same code builds a
+[bq, bk] tile mask inside a kernel and decides which tiles to skip.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+# Finite, so a tile that is fully masked for a row gives exp(0)=1 instead of NaN;
+# the next live tile's larger running max zeroes those terms out.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def soft_cap(logits, cap):
+  """Gemma-style logit soft-capping: cap * tanh(logits / cap)."""
+  return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def soft_cap_grad(capped, cap):
+  """d capped / d logits, written in terms of the capped logits (tanh' = 1 - tanh^2)."""
+  return 1.0 if cap is None else 1.0 - jnp.square(capped / cap)
+
+
+def token_mask(q_pos, k_pos, *, causal, sliding_window, kv_len, q_seg=None, k_seg=None):
+  """True where the query at q_pos may see the key at k_pos (broadcasting)."""
+  mask = k_pos < kv_len  # keys past kv_len are block padding
+  if causal:
+    mask = mask & (k_pos <= q_pos)
+  if sliding_window is not None:
+    mask = mask & (q_pos - k_pos < sliding_window)
+  if q_seg is not None:
+    mask = mask & (q_seg == k_seg)
+  return mask
+
+
+def first_live_key(q_lo, *, sliding_window):
+  """Smallest key position any query >= q_lo may see (ignoring segments)."""
+  if sliding_window is None:
+    return 0
+  return jnp.maximum(q_lo - sliding_window + 1, 0)
+
+
+def last_live_key(q_hi, *, causal, kv_len):
+  """Largest key position any query <= q_hi may see (ignoring segments)."""
+  return jnp.minimum(q_hi, kv_len - 1) if causal else kv_len - 1
+
+
+def kv_block_range(q_lo, q_hi, block_k, *, causal, sliding_window, kv_len):
+  """[first, last] kv block indices that can hold a visible key for queries q_lo..q_hi."""
+  first = first_live_key(q_lo, sliding_window=sliding_window) // block_k
+  last = last_live_key(q_hi, causal=causal, kv_len=kv_len) // block_k
+  return first, last
+
+
+def q_block_range(k_lo, k_hi, block_q, num_q_blocks, *, q_offset, causal, sliding_window):
+  """[first, last] q block indices (of num_q_blocks) whose queries can see keys k_lo..k_hi."""
+  first_pos = k_lo if causal else 0  # causal: only queries at or after the key
+  last_pos = num_q_blocks * block_q - 1 + q_offset
+  if sliding_window is not None:
+    last_pos = jnp.minimum(last_pos, k_hi + sliding_window - 1)
+  first = jnp.clip(first_pos - q_offset, 0, None) // block_q
+  last = jnp.clip(last_pos - q_offset, 0, None) // block_q
+  return first, last
