@@ -16,7 +16,8 @@ def _split_microbatches(batch, count: int):
   return jax.tree.map(split, batch)
 
 
-def make_train_step(graphdef, optimizer, schedule, *, z_loss: float, microbatches: int):
+def make_gradients(graphdef, *, z_loss: float, microbatches: int):
+  """(params, batch) -> (summed grads, {"ce_sum", "z_sum", "tokens"})."""
   def loss_of(params, batch):
     model = nnx.merge(graphdef, params)
     logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
@@ -36,6 +37,12 @@ def make_train_step(graphdef, optimizer, schedule, *, z_loss: float, microbatche
     zeros = jax.tree.map(jnp.zeros_like, params), {"ce_sum": 0.0, "z_sum": 0.0, "tokens": 0.0}
     (grads, aux), _ = jax.lax.scan(accumulate, zeros, _split_microbatches(batch, microbatches))
     return grads, aux
+
+  return gradients
+
+
+def make_train_step(graphdef, optimizer, schedule, *, z_loss: float, microbatches: int):
+  gradients = make_gradients(graphdef, z_loss=z_loss, microbatches=microbatches)
 
   def train_step(state, batch):
     params = state["params"]

@@ -69,19 +69,20 @@ class Trainer:
                                 transform_non_params=lambda _: replicated)
     return {"step": replicated, "params": params, "opt_state": opt}
 
+  def _create_state(self) -> dict:
+    params = init_params(self.config.model, self.config.train.seed, self.state_shardings["params"])
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.optimizer.init(params)}
+
   def abstract_state(self) -> dict:
     """ShapeDtypeStructs with shardings: for AOT compiles and checkpoint restores."""
-    shapes = jax.eval_shape(self.init_state)
+    with self.context():
+      shapes = jax.eval_shape(self._create_state)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, self.state_shardings)
 
   def init_state(self) -> dict:
-    def create():
-      params = init_params(self.config.model, self.config.train.seed, self.state_shardings["params"])
-      return {"step": jnp.zeros((), jnp.int32), "params": params,
-              "opt_state": self.optimizer.init(params)}
     with self.context():
-      return jax.jit(create, out_shardings=self.state_shardings)()
+      return jax.jit(self._create_state, out_shardings=self.state_shardings)()
 
   def tokenizer(self):
     return load_tokenizer(self.config.data.tokenizer)

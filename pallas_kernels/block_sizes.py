@@ -5,25 +5,34 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Query/key tile lengths. The backward pass uses its own pair when given."""
+  """Query/key tile lengths. The backward pass uses its own pair when given.
+
+  vmem_limit_bytes (TPU only) raises Mosaic's scoped-VMEM limit (16 MiB on v5,
+  32 MiB on v6e by default): all query heads of a kv head share one tile, so
+  large head_dim x group tiles need more.
+  """
   block_q: int
   block_k: int
   block_q_bwd: int | None = None
   block_k_bwd: int | None = None
+  vmem_limit_bytes: int | None = None
 
   @property
   def bwd(self):
-    return BlockSizes(self.block_q_bwd or self.block_q, self.block_k_bwd or self.block_k)
+    return BlockSizes(self.block_q_bwd or self.block_q, self.block_k_bwd or self.block_k,
+                      vmem_limit_bytes=self.vmem_limit_bytes)
 
 
-# TPU: tiles are multiples of the 128-lane vreg. v6e has twice v5e's VMEM and a
-# 256-wide MXU, so it takes longer key tiles; v5e keeps 512 so head_dim 256 with
-# 8 query heads per kv head still fits its 16 MiB VMEM.
+_MiB = 1 << 20
+# TPU: tiles are multiples of the 128-lane vreg. Physical VMEM per core is 16 MiB
+# on v4, 64 MiB on v5p and 128 MiB on v5e/v6e; the limits leave headroom for
+# head_dim 256 with 8 query heads per kv head. v5p/v6e have the faster MXUs, so
+# longer key tiles amortise the per-step softmax bookkeeping.
 _TPU_DEFAULTS = {
-    "v4": BlockSizes(512, 512),
-    "v5e": BlockSizes(512, 512, 256, 512),
-    "v5p": BlockSizes(512, 1024, 512, 512),
-    "v6e": BlockSizes(512, 1024, 512, 512),
+    "v4": BlockSizes(256, 512, 256, 256),
+    "v5e": BlockSizes(512, 512, 512, 512, vmem_limit_bytes=48 * _MiB),
+    "v5p": BlockSizes(512, 1024, 512, 512, vmem_limit_bytes=48 * _MiB),
+    "v6e": BlockSizes(512, 1024, 512, 512, vmem_limit_bytes=96 * _MiB),
 }
 # GPU (Triton): tiles live in registers/shared memory, so they are much smaller.
 _GPU_DEFAULT = BlockSizes(64, 64, 32, 32)

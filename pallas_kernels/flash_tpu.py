@@ -38,6 +38,7 @@ class _Static:
   block_k: int
   block_q_bwd: int
   block_k_bwd: int
+  vmem_limit_bytes: int | None
   interpret: bool
 
 
@@ -173,8 +174,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_r
     dq_ref[...] = (dq_scr[...] * st.scale).astype(dq_ref.dtype)
 
 
-def _params(semantics):
-  return pltpu.CompilerParams(dimension_semantics=semantics)
+def _out(shape, dtype, like):
+  """Output shape that varies over the same mesh axes as `like` (inside shard_map)."""
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
+
+def _params(st):
+  return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+                              vmem_limit_bytes=st.vmem_limit_bytes)
 
 
 def _cost(q, k, v, st, passes):
@@ -228,12 +235,11 @@ def _forward(q, k, v, q_seg, kv_seg, st):
       grid=(batch, num_kv_heads, q_len // bq, kv_len // bk),
       in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
       out_specs=[q_spec, lse_spec],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, num_heads, q_len, _LANES), jnp.float32)],
+      out_shape=[_out(q.shape, q.dtype, q), _out((batch, num_heads, q_len, _LANES), jnp.float32, q)],
       scratch_shapes=[pltpu.VMEM((group, bq, _LANES), jnp.float32),
                       pltpu.VMEM((group, bq, _LANES), jnp.float32),
                       pltpu.VMEM((group, bq, head_dim), jnp.float32)],
-      compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
+      compiler_params=_params(st),
       cost_estimate=_cost(q, k, v, st, passes=2),
       interpret=st.interpret,
       name="flash_attention_fwd",
@@ -270,10 +276,10 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, st):
       grid=(batch, num_kv_heads, num_k_blocks, num_q_blocks),
       in_specs=[qo_spec, kv_spec, kv_spec, qo_spec, row_spec, row_spec, *seg_specs],
       out_specs=[kv_spec, kv_spec],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_shape=[_out(k.shape, k.dtype, k), _out(v.shape, v.dtype, v)],
       scratch_shapes=[pltpu.VMEM((bk, head_dim), jnp.float32),
                       pltpu.VMEM((bk, head_dim), jnp.float32)],
-      compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
+      compiler_params=_params(st),
       cost_estimate=_cost(q, k, v, st, passes=4),
       interpret=st.interpret,
       name="flash_attention_dkv",
@@ -296,9 +302,9 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, st):
       grid=(batch, num_kv_heads, num_q_blocks, num_k_blocks),
       in_specs=[qo_spec, kv_spec, kv_spec, qo_spec, row_spec, row_spec, *seg_specs],
       out_specs=qo_spec,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=_out(q.shape, q.dtype, q),
       scratch_shapes=[pltpu.VMEM((group, bq, head_dim), jnp.float32)],
-      compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
+      compiler_params=_params(st),
       cost_estimate=_cost(q, k, v, st, passes=3),
       interpret=st.interpret,
       name="flash_attention_dq",
@@ -346,7 +352,8 @@ def flash_attention_tpu(q, k, v, *, segment_ids=None, causal=True, sliding_windo
   kv_pad = tiling.round_up(kv_len, math.lcm(tiles["block_k"], tiles["block_k_bwd"]))
   st = _Static(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                scale=q.shape[-1] ** -0.5 if scale is None else scale,
-               q_offset=kv_len - q_len, kv_len=kv_len, interpret=interpret, **tiles)
+               q_offset=kv_len - q_len, kv_len=kv_len, vmem_limit_bytes=blocks.vmem_limit_bytes,
+               interpret=interpret, **tiles)
   to_kernel = lambda x, n: tiling.pad_axis(x, 1, n).transpose(0, 2, 1, 3)
   q_seg = kv_seg = None
   if segment_ids is not None:

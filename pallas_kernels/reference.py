@@ -47,3 +47,40 @@ def attention_reference(q, k, v, *, causal=True, segment_ids=None, sliding_windo
   out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
+
+
+def gather_pages(pages, page_table):
+  """Paged cache [Hkv, num_pages, page_size, D] + page_table [B, n] -> [B, n * page_size, Hkv, D]."""
+  num_kv_heads, _, page_size, head_dim = pages.shape
+  batch, pages_per_seq = page_table.shape
+  seq = pages[:, page_table]  # [Hkv, B, n, page_size, D]
+  return seq.reshape(num_kv_heads, batch, pages_per_seq * page_size, head_dim).transpose(1, 2, 0, 3)
+
+
+def decode_attention_reference(q, k_cache, v_cache, lengths, *, page_table=None,
+                               sliding_window=None, logit_soft_cap=None, scale=None):
+  """One new query token per sequence against a KV cache with ragged lengths.
+
+  q: [B, Hq, D]; lengths: int [B], the valid cache entries per sequence (the new
+  token's own key included, at position lengths - 1). The cache is contiguous
+  k/v [B, S, Hkv, D], or paged: k/v [Hkv, num_pages, page_size, D] with
+  page_table int [B, pages_per_seq]. Returns [B, Hq, D]; sequences with length 0 get 0.
+  """
+  if page_table is not None:
+    k_cache, v_cache = gather_pages(k_cache, page_table), gather_pages(v_cache, page_table)
+  batch, num_heads, head_dim = q.shape
+  num_kv_heads = k_cache.shape[2]
+  scale = head_dim ** -0.5 if scale is None else scale
+  qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  logits = jnp.einsum("bhgd,bkhd->bhgk", qg, k_cache, preferred_element_type=jnp.float32) * scale
+  if logit_soft_cap is not None:
+    logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+  k_pos = jnp.arange(k_cache.shape[1])[None, :]
+  mask = k_pos < lengths[:, None]
+  if sliding_window is not None:
+    mask &= lengths[:, None] - 1 - k_pos < sliding_window
+  logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+  probs = jnp.where(mask[:, None, None], jax.nn.softmax(logits, axis=-1), 0.0)
+  out = jnp.einsum("bhgk,bkhd->bhgd", probs.astype(v_cache.dtype), v_cache,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(batch, num_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,173 @@
+"""Memory-efficient attention in plain XLA: FlashAttention-2's algorithm with loops.
+
+The CPU path (and the fallback for shapes the kernels do not take). Forward: for each
+query block, an online softmax over the key blocks it can see. Backward (custom VJP):
+recompute probabilities from the saved log-sum-exp, one key block at a time, so no
+[Lq, Lk] buffer exists in either direction: memory is O(L * D + block_q * block_k).
+Key blocks that are fully masked (causal, window) are skipped by the loop bounds.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxpar.pallas_kernels import masking, tiling, validation
+from jaxpar.pallas_kernels.block_sizes import default_block_sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  causal: bool
+  sliding_window: int | None
+  logit_soft_cap: float | None
+  scale: float
+  q_offset: int
+  kv_len: int
+  block_q: int
+  block_k: int
+
+
+def _blocks(x, block):
+  """[B, L, ...] -> [L // block, B, block, ...]."""
+  x = x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:])
+  return jnp.moveaxis(x, 1, 0)
+
+
+def _unblock(x):
+  """[n, B, block, ...] -> [B, n * block, ...]."""
+  x = jnp.moveaxis(x, 0, 1)
+  return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _logits(st, q, k, i, j, q_seg, k_seg):
+  """Capped logits [B, Hkv, G, bq, bk] of q block i vs k block j, and the mask."""
+  raw = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * st.scale
+  capped = masking.soft_cap(raw, st.logit_soft_cap)
+  q_pos = st.q_offset + i * st.block_q + jnp.arange(st.block_q)[:, None]
+  k_pos = j * st.block_k + jnp.arange(st.block_k)[None, :]
+  segs = {}
+  if q_seg is not None:
+    segs = dict(q_seg=q_seg[:, None, None, :, None], k_seg=k_seg[:, None, None, None, :])
+  mask = masking.token_mask(q_pos, k_pos, causal=st.causal, sliding_window=st.sliding_window,
+                            kv_len=st.kv_len, **segs)
+  return capped, mask
+
+
+def _kv_range(st, i):
+  q_lo = st.q_offset + i * st.block_q
+  return masking.kv_block_range(q_lo, q_lo + st.block_q - 1, st.block_k, causal=st.causal,
+                                sliding_window=st.sliding_window, kv_len=st.kv_len)
+
+
+def _forward(st, q, k, v, q_seg, kv_seg):
+  """q: [nq, B, bq, Hkv, G, D]; k, v: [nk, B, bk, Hkv, D] -> o like q, lse [nq, B, Hkv, G, bq]."""
+  batch, bq, num_kv_heads, group, head_dim = q.shape[1:]
+
+  def q_block(args):
+    i, qi, qsi = args
+    first, last = _kv_range(st, i)
+
+    def step(j, carry):
+      m, l, acc = carry
+      s, mask = _logits(st, qi, k[j], i, j, qsi, None if kv_seg is None else kv_seg[j])
+      s = jnp.where(mask, s, masking.MASK_VALUE)
+      m_next = jnp.maximum(m, s.max(axis=-1))
+      p = jnp.exp(s - m_next[..., None])
+      alpha = jnp.exp(m - m_next)
+      pv = jnp.einsum("bhgqk,bkhd->bhgqd", p.astype(v.dtype), v[j],
+                      preferred_element_type=jnp.float32)
+      return m_next, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
+
+    stats = (batch, num_kv_heads, group, bq)
+    init = (jnp.full(stats, masking.MASK_VALUE), jnp.zeros(stats),
+            jnp.zeros(stats + (head_dim,)))
+    m, l, acc = lax.fori_loop(first, last + 1, step, init)
+    l = jnp.where(l == 0.0, 1.0, l)  # rows that saw only padding stay finite
+    o = jnp.einsum("bhgqd->bqhgd", acc / l[..., None]).astype(qi.dtype)
+    return o, m + jnp.log(l)
+
+  return lax.map(q_block, (jnp.arange(q.shape[0]), q, q_seg))
+
+
+def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
+  num_q_blocks = q.shape[0]
+  delta = jnp.einsum("nbqhgd,nbqhgd->nbhgq", o.astype(jnp.float32), do.astype(jnp.float32))
+
+  def kv_block(j, carry):
+    dq, dk, dv = carry
+    kj, vj = k[j], v[j]
+    k_lo = j * st.block_k
+    first, last = masking.q_block_range(k_lo, k_lo + st.block_k - 1, st.block_q, num_q_blocks,
+                                        q_offset=st.q_offset, causal=st.causal,
+                                        sliding_window=st.sliding_window)
+
+    def q_step(i, inner):
+      dq, dkj, dvj = inner
+      s, mask = _logits(st, q[i], kj, i, j, None if q_seg is None else q_seg[i],
+                        None if kv_seg is None else kv_seg[j])
+      p = jnp.exp(jnp.where(mask, s, masking.MASK_VALUE) - lse[i][..., None])
+      dvj += jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), do[i],
+                        preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bqhgd,bkhd->bhgqk", do[i], vj, preferred_element_type=jnp.float32)
+      ds = p * (dp - delta[i][..., None]) * masking.soft_cap_grad(s, st.logit_soft_cap)
+      ds = ds.astype(q.dtype)
+      dkj += jnp.einsum("bhgqk,bqhgd->bkhd", ds, q[i], preferred_element_type=jnp.float32)
+      dqi = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kj, preferred_element_type=jnp.float32)
+      return dq.at[i].add(dqi), dkj, dvj
+
+    zeros = jnp.zeros(kj.shape, jnp.float32)
+    dq, dkj, dvj = lax.fori_loop(first, last + 1, q_step, (dq, zeros, zeros))
+    return dq, dk.at[j].set(dkj), dv.at[j].set(dvj)
+
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
+          jnp.zeros(v.shape, jnp.float32))
+  dq, dk, dv = lax.fori_loop(0, k.shape[0], kv_block, init)
+  return ((dq * st.scale).astype(q.dtype), (dk * st.scale).astype(k.dtype), dv.astype(v.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunked(st, q, k, v, q_seg, kv_seg):
+  return _forward(st, q, k, v, q_seg, kv_seg)[0]
+
+
+def _chunked_fwd(st, q, k, v, q_seg, kv_seg):
+  o, lse = _forward(st, q, k, v, q_seg, kv_seg)
+  return o, (q, k, v, q_seg, kv_seg, o, lse)
+
+
+def _chunked_bwd(st, res, do):
+  q, k, v, q_seg, kv_seg, o, lse = res
+  return (*_backward(st, q, k, v, q_seg, kv_seg, o, lse, do), None, None)
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def chunked_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
+                      logit_soft_cap=None, scale=None, block_sizes=None):
+  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] -> [B, Lq, Hq, D], without an Lq x Lk buffer."""
+  validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap,
+                                  head_dims=None)
+  blocks = block_sizes or default_block_sizes("cpu")
+  batch, q_len, num_heads, head_dim = q.shape
+  kv_len, num_kv_heads = k.shape[1], k.shape[2]
+  validation.check_block("block_q", blocks.block_q, 1)
+  validation.check_block("block_k", blocks.block_k, 1)
+  bq, bk = min(blocks.block_q, q_len), min(blocks.block_k, kv_len)
+  q_pad, kv_pad = tiling.round_up(q_len, bq), tiling.round_up(kv_len, bk)
+  st = _Static(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+               scale=head_dim ** -0.5 if scale is None else scale, q_offset=kv_len - q_len,
+               kv_len=kv_len, block_q=bq, block_k=bk)
+  group = num_heads // num_kv_heads
+  qb = _blocks(tiling.pad_axis(q, 1, q_pad).reshape(batch, q_pad, num_kv_heads, group, head_dim), bq)
+  kb = _blocks(tiling.pad_axis(k, 1, kv_pad), bk)
+  vb = _blocks(tiling.pad_axis(v, 1, kv_pad), bk)
+  q_seg = kv_seg = None
+  if segment_ids is not None:
+    q_seg = _blocks(tiling.pad_axis(segment_ids[:, kv_len - q_len:], 1, q_pad), bq)
+    kv_seg = _blocks(tiling.pad_axis(segment_ids, 1, kv_pad), bk)
+  o = _unblock(_chunked(st, qb, kb, vb, q_seg, kv_seg))
+  return o.reshape(batch, q_pad, num_heads, head_dim)[:, :q_len]

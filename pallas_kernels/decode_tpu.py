@@ -1,0 +1,106 @@
+"""Paged decode attention for TPU (Mosaic): one new token per sequence, ragged lengths.
+
+Grid (batch, kv_head, page). The page table and lengths are scalar-prefetched into
+SMEM so the K/V index maps can fetch the right page; steps past a sequence's end
+re-use the last live page (no DMA) and skip compute. All query heads of a kv head
+form one [group, head_dim] tile, so GQA reads each page once.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from jaxpar.pallas_kernels import decode_common, masking, validation
+
+_LANES = 128
+_NT = (((1,), (1,)), ((), ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  sliding_window: int | None
+  logit_soft_cap: float | None
+  scale: float
+  page_size: int
+  pages_per_seq: int
+
+
+def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *, st):
+  b, j = pl.program_id(0), pl.program_id(2)
+  length = lengths_ref[b]
+
+  @pl.when(j == 0)
+  def _init():
+    m_scr[...] = jnp.full(m_scr.shape, masking.MASK_VALUE, jnp.float32)
+    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+    acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+  first, last = decode_common.live_pages(length, st.page_size, st.sliding_window)
+
+  @pl.when((j >= first) & (j <= last))
+  def _step():
+    k, v = k_ref[...], v_ref[...]
+    s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32) * st.scale
+    k_pos = j * st.page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
+    mask = masking.token_mask(length - 1, k_pos, causal=True, sliding_window=st.sliding_window,
+                              kv_len=length)
+    s = jnp.where(mask, masking.soft_cap(s, st.logit_soft_cap), masking.MASK_VALUE)
+    m_prev = m_scr[...]
+    m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    p = jnp.exp(s - m_next[:, :1])
+    alpha = jnp.exp(m_prev - m_next)
+    l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_scr[...] = acc_scr[...] * alpha[:, :1] + pv
+    m_scr[...] = m_next
+
+  @pl.when(j == st.pages_per_seq - 1)
+  def _finish():
+    l = l_scr[...]
+    o_ref[...] = (acc_scr[...] / jnp.where(l == 0.0, 1.0, l)[:, :1]).astype(o_ref.dtype)
+
+
+def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, sliding_window=None,
+                               logit_soft_cap=None, scale=None, interpret=False):
+  """q: [B, Hq, D]; k/v_pages: [Hkv, num_pages, page_size, D]; lengths: [B]; page_table: [B, n]."""
+  decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table,
+                                  validation.SUPPORTED_HEAD_DIMS)
+  batch, num_heads, head_dim = q.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  if page_size % 8:
+    raise ValueError(f"page_size={page_size} must be a multiple of 8 for the TPU decode kernel")
+  group = num_heads // num_kv_heads
+  pages_per_seq = page_table.shape[1]
+  st = _Static(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+               scale=head_dim ** -0.5 if scale is None else scale, page_size=page_size,
+               pages_per_seq=pages_per_seq)
+
+  def page_index(b, h, j, lengths_ref, table_ref):
+    page = decode_common.clamp_page(j, lengths_ref[b], page_size, sliding_window)
+    return (h, table_ref[b * pages_per_seq + page], 0, 0)
+
+  q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, j, *_: (b, h, 0, 0))
+  page_spec = pl.BlockSpec((None, None, page_size, head_dim), page_index)
+  qg = q.reshape(batch, num_kv_heads, group, head_dim)
+  out = pl.pallas_call(
+      functools.partial(_kernel, st=st),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,
+          grid=(batch, num_kv_heads, pages_per_seq),
+          in_specs=[q_spec, page_spec, page_spec],
+          out_specs=q_spec,
+          scratch_shapes=[pltpu.VMEM((group, _LANES), jnp.float32),
+                          pltpu.VMEM((group, _LANES), jnp.float32),
+                          pltpu.VMEM((group, head_dim), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype, manual_axis_type=jax.typeof(q).mat),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=interpret,
+      name="paged_decode_attention",
+  )(lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages)
+  return out.reshape(batch, num_heads, head_dim)

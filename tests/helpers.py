@@ -1,0 +1,34 @@
+"""Small configs and synthetic batches shared by the tests."""
+
+import numpy as np
+
+from jaxpar.config import from_dict
+
+SMALL_MODEL = dict(vocab_size=512, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16, mlp_dim=128, max_seq_len=128)
+
+
+def small_config(mesh=None, model=None, data=None, train=None, tmp_path=None):
+  tree = {
+    "model": {**SMALL_MODEL, **(model or {})},
+    "mesh": {"fsdp": -1, "rules": "fsdp_tp", **(mesh or {})},
+    "data": {"seq_len": 32, "global_batch_size": 8, **(data or {})},
+    "train": {"steps": 3, "warmup_steps": 1, "log_every": 0,
+              "run_dir": str(tmp_path / "run") if tmp_path else "runs/test", **(train or {})},
+  }
+  return from_dict(tree)
+
+
+def synthetic_batch(config, seed=0, documents_per_row=2):
+  """A packed batch (numpy) with a document boundary inside every row."""
+  rng = np.random.default_rng(seed)
+  b, l = config.data.global_batch_size, config.data.seq_len
+  inputs = rng.integers(0, 258, (b, l), dtype=np.int32)
+  targets = rng.integers(0, 258, (b, l), dtype=np.int32)
+  cut = l // documents_per_row
+  segment_ids = np.where(np.arange(l) < cut, 1, 2).astype(np.int32)[None].repeat(b, 0)
+  positions = np.where(np.arange(l) < cut, np.arange(l), np.arange(l) - cut).astype(np.int32)[None].repeat(b, 0)
+  loss_mask = np.ones((b, l), np.float32)
+  loss_mask[:, cut - 1] = 0.0
+  return {"inputs": inputs, "targets": targets, "segment_ids": segment_ids,
+          "positions": positions, "loss_mask": loss_mask}
