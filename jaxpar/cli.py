@@ -6,7 +6,8 @@ import sys
 
 from rich.console import Console
 
-console = Console()
+console = Console(soft_wrap=True)
+errors = Console(stderr=True, soft_wrap=True)
 
 
 def _split_args(args):
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
   except (ValueError, FileNotFoundError) as e:
     if ns.debug:
       raise
-    console.print(f"[bold red]error:[/bold red] {e}", markup=True, highlight=False)
+    errors.print(f"[bold red]error:[/bold red] {e}", markup=True, highlight=False)
     return 2
   except KeyboardInterrupt:
     console.print("interrupted")

@@ -41,6 +41,7 @@ class ModelConfig(_Frozen):
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   qk_norm: bool = False
+  attention_bias: bool = False  # q/k/v projection biases (Qwen2 / Qwen2.5)
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   compute_dtype: Literal["float32", "bfloat16"] = "float32"
   scan_layers: bool = True
@@ -68,7 +69,8 @@ class MeshConfig(_Frozen):
   tensor: int = 1
   num_slices: int = 1
   dcn_axis: Literal["data", "fsdp", "stage"] = "data"
-  rules: str | list[tuple[str, str | list[str] | None]] = "fsdp"
+  rules: str | list[tuple[str, str | list[str] | None]] = "fsdp_tp"
+  topology: str | None = None  # the TPU slice this config is sized for, e.g. v6e-256
 
   @model_validator(mode="after")
   def _sizes(self):
@@ -162,8 +164,8 @@ def resolve_config_path(path: str | None) -> Path:
   candidate = Path(name)
   if candidate.is_file():
     return candidate
-  shipped = importlib.resources.files("jaxpar.configs") / f"{candidate.stem}.yaml"
-  if not candidate.suffix and shipped.is_file():
+  shipped = importlib.resources.files("jaxpar.configs") / f"{name}.yaml"
+  if "/" not in name and shipped.is_file():
     return Path(str(shipped))
   raise ConfigError(f"config {name!r} not found: give a YAML path or one of {sorted(shipped_configs())}")
 
@@ -179,8 +181,8 @@ def _describe(error: ValidationError) -> str:
   msg = first["msg"].removeprefix("Value error, ")
   if first["type"] == "extra_forbidden":
     return f"unknown config key {key!r}: check the spelling (`jaxpar config show` lists valid keys)"
-  if not key:
-    return msg
+  if not key or isinstance(first.get("input"), dict):
+    return msg  # a cross-field check: its message already names the keys
   return f"{key}={first.get('input')!r}: {msg}"
 
 

@@ -22,6 +22,11 @@ class Attention(nnx.Module):
                        out_sharding=("embed", "kv_heads", "head_dim"))
     self.o = nnx.Param(fan_in(in_axis=(0, 1), out_axis=2)(rngs.params(), (h, d, e), param_dtype),
                        out_sharding=("heads", "head_dim", "embed"))
+    if cfg.attention_bias:
+      self.q_bias = nnx.Param(jnp.zeros((h, d), param_dtype), out_sharding=("heads", "head_dim"))
+      self.k_bias = nnx.Param(jnp.zeros((kv, d), param_dtype), out_sharding=("kv_heads", "head_dim"))
+      self.v_bias = nnx.Param(jnp.zeros((kv, d), param_dtype), out_sharding=("kv_heads", "head_dim"))
+    self.use_bias = cfg.attention_bias
     if cfg.qk_norm:
       norm = dict(eps=cfg.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype,
                   names=("head_dim",))
@@ -36,6 +41,9 @@ class Attention(nnx.Module):
     q = jnp.einsum("ble,ehd->blhd", x, self.q[...].astype(dt))
     k = jnp.einsum("ble,ehd->blhd", x, self.k[...].astype(dt))
     v = jnp.einsum("ble,ehd->blhd", x, self.v[...].astype(dt))
+    if self.use_bias:
+      q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
+                 v + self.v_bias[...].astype(dt))
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q = constrain(apply_rope(q, positions, inv_freq), ("batch", "length", "act_heads", "head_dim"))
