@@ -33,11 +33,22 @@ def _cmd_train(ns):
                 f"{dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or 'single device'}, "
                 f"{config.train.steps} steps of {config.data.global_batch_size} x {config.data.seq_len} tokens")
   tokenizer = trainer.tokenizer()
-  result = trainer.fit(batches=trainer.batches(tokenizer), show_progress=not ns.no_progress)
+  result = trainer.fit(batches=trainer.batches(tokenizer), show_progress=not ns.no_progress,
+                       restore=ns.restore)
   s = result.summary
-  console.print(f"[bold]done[/bold]: loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} in "
-                f"{s['wall_s']:.0f} s; {s.get('tokens_per_s', 0):,.0f} tokens/s, "
-                f"MFU {100 * s.get('mfu', 0):.1f}%; metrics in {config.train.run_dir}/metrics.jsonl")
+  if s["steps"]:
+    console.print(f"[bold]done[/bold]: loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} in "
+                  f"{s['wall_s']:.0f} s; {s.get('tokens_per_s', 0):,.0f} tokens/s, "
+                  f"MFU {100 * s.get('mfu', 0):.1f}%; metrics in {config.train.run_dir}/metrics.jsonl")
+  else:
+    console.print(f"[bold]done[/bold]: already at step {int(result.state['step'])} of "
+                  f"train.steps={config.train.steps}; raise train.steps to train on")
+  if s["stopped_by"]:
+    console.print(f"[bold]stopped[/bold] by {s['stopped_by']} at step {int(result.state['step'])}: "
+                  f"checkpoint saved in {s['checkpoint']}; run the same command to resume")
+    return
+  if "checkpoint" in s:
+    console.print(f"checkpoint: {s['checkpoint']}")
   if config.train.sample_tokens:
     with trainer.context():
       text = greedy_sample(trainer.graphdef, result.state["params"], tokenizer,
@@ -57,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "default: tiny) with dotted overrides, e.g. model.num_layers=4 mesh.fsdp=8.")
   train.add_argument("args", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
   train.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+  train.add_argument("--restore", metavar="PATH",
+                     help="start from this checkpoint (a checkpoint dir: its latest step; or one "
+                     "step dir) instead of the run dir's latest")
   train.set_defaults(func=_cmd_train)
 
   config = commands.add_parser("config", help="inspect configs")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -116,11 +116,23 @@ class TrainConfig(_Frozen):
   sample_tokens: int = 64
 
 
+class CheckpointConfig(_Frozen):
+  """Orbax checkpoints of the train state, data iterator state and config."""
+  enabled: bool = True
+  every_steps: int | None = Field(500, ge=1)  # None: no step schedule
+  every_minutes: float | None = Field(None, gt=0)  # also save when this much time has passed
+  keep_last: int | None = Field(3, ge=1)  # None: keep all
+  keep_every: int | None = Field(None, ge=1)  # also keep steps that are multiples of this
+  async_save: bool = True
+  dir: str | None = None  # default: <train.run_dir>/checkpoints
+
+
 class Config(_Frozen):
   model: ModelConfig = ModelConfig()
   mesh: MeshConfig = MeshConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
 
   @model_validator(mode="after")
   def _consistent(self):
@@ -201,7 +213,7 @@ def load_config(path: str | None = None, overrides=()) -> Config:
   except yaml.YAMLError as e:
     raise ConfigError(f"{file}: not valid YAML ({str(e).splitlines()[0]})") from None
   if not isinstance(tree, dict):
-    raise ConfigError(f"{file}: expected a mapping of sections (model, mesh, data, train)")
+    raise ConfigError(f"{file}: expected a mapping of sections (model, mesh, data, train, checkpoint)")
   for key, value in parse_overrides(overrides):
     _set_dotted(tree, key, value)
   return from_dict(tree)
@@ -213,6 +225,10 @@ def replace(config: Config, **sections) -> Config:
   for section, updates in sections.items():
     tree[section].update(updates)
   return from_dict(tree)
+
+
+def checkpoint_dir(config: Config) -> Path:
+  return Path(config.checkpoint.dir or Path(config.train.run_dir) / "checkpoints")
 
 
 def to_yaml(config: Config) -> str:

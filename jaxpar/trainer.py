@@ -11,7 +11,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import Config
+from jaxpar.checkpoint import Checkpointer, resolve as resolve_checkpoint
+from jaxpar.config import Config, checkpoint_dir
 from jaxpar.data import TrainBatches, load_tokenizer
 from jaxpar.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import build_mesh, logical_to_sharding, resolve_rules
@@ -19,6 +20,7 @@ from jaxpar.mesh.rules import unused_mesh_axes
 from jaxpar.metrics import MetricsLogger
 from jaxpar.model_state import abstract_model, count_params, init_params, param_shardings
 from jaxpar.optim import learning_rate_schedule, make_optimizer
+from jaxpar.preemption import stop_on_signals
 from jaxpar.train_step import make_train_step
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -112,24 +114,64 @@ class Trainer:
       return per_device * self.mesh.size
     return measure_matmul_flops(jnp.dtype(self.config.model.compute_dtype))
 
-  def fit(self, state=None, batches=None, *, steps=None, show_progress=True) -> TrainResult:
+  def fit(self, state=None, batches=None, *, steps=None, show_progress=True,
+          restore=None) -> TrainResult:
+    """Train `steps` more steps (default: up to train.steps in all). With no `state`, starts
+    from `restore` (a checkpoint dir or step dir), else the run's latest checkpoint, else fresh.
+    Saves on the checkpoint schedule and at the end; SIGTERM/SIGINT stop after the current
+    step with a checkpoint written (`summary["stopped_by"]`, `summary["checkpoint"]`)."""
     cfg = self.config
-    steps = cfg.train.steps if steps is None else steps
-    state = self.init_state() if state is None else state
     batches = batches or self.batches()
+    checkpointer = Checkpointer(checkpoint_dir(cfg), cfg.checkpoint) if cfg.checkpoint.enabled else None
+    try:
+      if state is None:
+        state = self._start_state(checkpointer, batches, restore)
+      start_step = int(state["step"])
+      steps = max(cfg.train.steps - start_step, 0) if steps is None else steps
+      with stop_on_signals() if checkpointer else contextlib.nullcontext() as stop:
+        state, history, summary = self._loop(state, batches, start_step, steps, show_progress,
+                                             checkpointer, stop)
+      if checkpointer is not None and history:
+        last = start_step + len(history)
+        checkpointer.save(last, state, data_state=_data_state(batches), config=cfg, force=True)
+        checkpointer.wait()
+        summary["checkpoint"] = str(checkpointer.path(last))
+    finally:
+      if checkpointer is not None:
+        checkpointer.close()
+    return TrainResult(state=state, history=history, summary=summary)
+
+  def _start_state(self, checkpointer, batches, restore):
+    if restore is not None:
+      root, step = resolve_checkpoint(restore)
+      with Checkpointer(root, read_only=True) as source:
+        state, data_state = source.restore(self.abstract_state(), step)
+    elif checkpointer is not None and checkpointer.latest_step() is not None:
+      state, data_state = checkpointer.restore(self.abstract_state())
+    else:
+      return self.init_state()
+    if data_state and hasattr(batches, "set_state"):
+      batches.set_state(data_state)
+    return state
+
+  def _loop(self, state, batches, start_step, steps, show_progress, checkpointer, stop):
+    cfg = self.config
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     flops_per_step = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak = self.peak_flops()
-    start_step = int(state["step"])
     logger = MetricsLogger(cfg.train.run_dir, start_step + steps, start_step=start_step,
                            show_progress=show_progress)
     pending, last_time, started = None, None, time.perf_counter()
     try:
-      for _ in range(steps):
+      for step in range(start_step + 1, start_step + steps + 1):
         state, metrics = self.step(state, next(batches))
+        if checkpointer is not None:
+          checkpointer.save(step, state, data_state=_data_state(batches), config=cfg)
         if pending is not None:  # read the previous step's metrics: keeps dispatch async
           last_time = self._log(logger, pending, last_time, tokens_per_step, flops_per_step, peak)
-        pending = (int(state["step"]), metrics)
+        pending = (step, metrics)
+        if stop:
+          break
       if pending is not None:
         self._log(logger, pending, last_time, tokens_per_step, flops_per_step, peak)
     finally:
@@ -139,12 +181,12 @@ class Trainer:
     summary = {"steps": len(history), "params": self.num_params,
                "first_loss": history[0]["loss"] if history else None,
                "final_loss": history[-1]["loss"] if history else None,
-               "wall_s": time.perf_counter() - started}
+               "wall_s": time.perf_counter() - started, "stopped_by": stop.signal if stop else None}
     if timed:
       step_time = sum(h["step_time_s"] for h in timed) / len(timed)
       summary.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
                      mfu=flops_per_step / step_time / peak)
-    return TrainResult(state=state, history=history, summary=summary)
+    return state, history, summary
 
   def _log(self, logger, pending, last_time, tokens_per_step, flops_per_step, peak):
     step, metrics = pending
@@ -156,6 +198,11 @@ class Trainer:
     every = self.config.train.log_every
     logger.log(step, values, echo=every > 0 and (step % every == 0 or step == 1))
     return now
+
+
+def _data_state(batches) -> dict | None:
+  """The iterator's resumable state, when it has one (TrainBatches does; a plain iterator not)."""
+  return batches.get_state() if hasattr(batches, "get_state") else None
 
 
 def train(config: Config, devices=None, **fit_kwargs) -> TrainResult:

@@ -57,7 +57,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, o_ref, lse_ref, *, st)
   def step(j, carry):
     m, l, acc = carry
     ks = pl.ds(j * bk, bk)
-    s = pl.dot(q, k_ref[ks, :], trans_b=True) * st.scale
+    s = plgpu.dot(q, k_ref[ks, :], trans_b=True) * st.scale
     k_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
     mask = _mask(st, i, j, bq, bk, q_seg, k_seg)
     s = jnp.where(mask, masking.soft_cap(s, st.logit_soft_cap), masking.MASK_VALUE)
@@ -65,7 +65,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, o_ref, lse_ref, *, st)
     p = jnp.exp(s - m_next[:, None])
     alpha = jnp.exp(m - m_next)
     v = v_ref[ks, :]
-    acc = alpha[:, None] * acc + pl.dot(p.astype(v.dtype), v)
+    acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v)
     return m_next, alpha * l + p.sum(axis=1), acc
 
   first, last = _kv_range(st, i, bq, bk)
@@ -79,10 +79,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, o_ref, lse_ref, *, st)
 
 def _bwd_tile(st, q, k, v, do, lse, delta, mask):
   """[bq, bk] probabilities and d(logits) for one query head."""
-  raw = pl.dot(q, k, trans_b=True) * st.scale
+  raw = plgpu.dot(q, k, trans_b=True) * st.scale
   capped = masking.soft_cap(raw, st.logit_soft_cap)
   p = jnp.exp(jnp.where(mask, capped, masking.MASK_VALUE) - lse[:, None])
-  dp = pl.dot(do, v, trans_b=True)
+  dp = plgpu.dot(do, v, trans_b=True)
   ds = p * (dp - delta[:, None]) * masking.soft_cap_grad(capped, st.logit_soft_cap)
   return p, ds
 
@@ -104,8 +104,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, kv_seg
     q_seg = None if seg_ref is None else seg_ref[qs]
     mask = _mask(st, i, j, bq, bk, q_seg, k_seg)
     p, ds = _bwd_tile(st, q, k, v, do, lse_ref[g, qs], delta_ref[g, qs], mask)
-    dv += pl.dot(p.astype(do.dtype), do, trans_a=True)
-    dk += pl.dot(ds.astype(q.dtype), q, trans_a=True)
+    dv += plgpu.dot(p.astype(do.dtype), do, trans_a=True)
+    dk += plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
     return dk, dv
 
   carry = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -128,7 +128,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, kv_seg_
     k = k_ref[ks, :]
     k_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
     _, ds = _bwd_tile(st, q, k, v_ref[ks, :], do, lse, delta, _mask(st, i, j, bq, bk, q_seg, k_seg))
-    return dq + pl.dot(ds.astype(k.dtype), k)
+    return dq + plgpu.dot(ds.astype(k.dtype), k)
 
   first, last = _kv_range(st, i, bq, bk)
   dq = lax.fori_loop(first, last + 1, step, jnp.zeros(q.shape, jnp.float32))

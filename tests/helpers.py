@@ -8,13 +8,15 @@ SMALL_MODEL = dict(vocab_size=512, embed_dim=64, num_layers=2, num_heads=4, num_
                    head_dim=16, mlp_dim=128, max_seq_len=128)
 
 
-def small_config(mesh=None, model=None, data=None, train=None, tmp_path=None):
+def small_config(mesh=None, model=None, data=None, train=None, tmp_path=None, checkpoint=None):
   tree = {
     "model": {**SMALL_MODEL, **(model or {})},
     "mesh": {"fsdp": -1, "rules": "fsdp_tp", **(mesh or {})},
     "data": {"seq_len": 32, "global_batch_size": 8, **(data or {})},
     "train": {"steps": 3, "warmup_steps": 1, "log_every": 0,
               "run_dir": str(tmp_path / "run") if tmp_path else "runs/test", **(train or {})},
+    # Only a test's own tmp run dir gets checkpoints: never resume another test's run.
+    "checkpoint": {"enabled": tmp_path is not None, **(checkpoint or {})},
   }
   return from_dict(tree)
 

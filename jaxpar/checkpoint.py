@@ -1,0 +1,199 @@
+"""Orbax checkpoints: train state + data iterator state + resolved config, on any mesh.
+
+A checkpoint is one step directory with four items: `params` and `opt_state` (sharded
+arrays, written per shard), `data` (the iterator state, JSON) and `config` (the resolved
+config, JSON). Orbax writes each step into a temporary directory and renames it when
+complete, so a save killed half-way never shows up as a step. Restores read into the
+*target* shardings: every device reads just its own shard, whatever mesh wrote it.
+"""
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+from jaxpar.config import CheckpointConfig
+
+_ARRAYS = ("params", "opt_state")
+_JSON = ("data", "config")
+
+
+def _handlers():
+  return {**{k: ocp.StandardCheckpointHandler() for k in _ARRAYS},
+          **{k: ocp.JsonCheckpointHandler() for k in _JSON}}
+
+
+def _save_policy(options: CheckpointConfig):
+  schedule = []
+  if options.every_steps:
+    schedule.append(policies.FixedIntervalPolicy(options.every_steps))
+  if options.every_minutes:
+    # Saves at the first step when no checkpoint exists yet, then every N minutes; decided on
+    # the primary host and broadcast, so all processes agree.
+    schedule.append(policies.ContinuousCheckpointingPolicy(
+        minimum_interval_secs=max(1, round(options.every_minutes * 60))))
+  # An empty schedule never saves: only forced saves (end of training, preemption).
+  return policies.AnySavePolicy(schedule)
+
+
+def _preservation_policy(options: CheckpointConfig):
+  keep = [policies.LatestN(options.keep_last)]
+  if options.keep_every:
+    keep.append(policies.EveryNSteps(options.keep_every))
+  return policies.AnyPreservationPolicy(keep)
+
+
+def _leaf_name(path) -> str:
+  """'layers.attn.q' for params; 'opt_state.1.0.mu.embed' style for optimizer leaves (orbax
+  stores namedtuples as dicts and tuples as lists, so names, not key types, are compared)."""
+  parts = []
+  for key in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(key, attr):
+        parts.append(str(getattr(key, attr)))
+        break
+  return ".".join(parts)
+
+
+def _shapes(tree) -> dict[str, tuple]:
+  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+  return {_leaf_name(path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def resolve(path) -> tuple[Path, int | None]:
+  """A checkpoint root (latest step) or one step directory in it -> (root, step or None)."""
+  path = Path(path)
+  if not path.exists():
+    raise ValueError(f"checkpoint path {path} does not exist: give a checkpoint directory "
+                     "(e.g. runs/NAME/checkpoints) or one step directory in it")
+  if path.name.isdigit() and (path / "_CHECKPOINT_METADATA").exists():
+    return path.parent, int(path.name)
+  return path, None
+
+
+class Checkpointer:
+  """One run's checkpoint directory: scheduled async saves, restores onto any mesh.
+
+  `read_only=True` opens an existing directory without creating or deleting anything
+  (for `--restore`, fine-tuning and inference).
+  """
+
+  def __init__(self, directory, options: CheckpointConfig = CheckpointConfig(), *, read_only=False):
+    self.directory = Path(directory).absolute()
+    if read_only and not self.directory.is_dir():
+      raise ValueError(f"checkpoint directory {self.directory} does not exist: check the path "
+                       "(checkpoints live in <train.run_dir>/checkpoints unless checkpoint.dir is set)")
+    self.manager = ocp.CheckpointManager(
+        self.directory, item_handlers=_handlers(),
+        options=ocp.CheckpointManagerOptions(
+            read_only=read_only, create=not read_only,
+            # A crash leaves a half-written tmp step dir: never listed as a step; removed here.
+            cleanup_tmp_directories=not read_only,
+            enable_async_checkpointing=options.async_save,
+            save_decision_policy=_save_policy(options),
+            preservation_policy=_preservation_policy(options)))
+    self.last_save_blocked_s = 0.0  # how long the last save held up the caller
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def path(self, step: int) -> Path:
+    return self.directory / str(step)
+
+  def save(self, step: int, state: dict, *, data_state: dict | None = None, config=None,
+           force: bool = False) -> bool:
+    """Save if the schedule says so (or `force`); returns whether a save started. Async: only
+    the device-to-host copy blocks; `wait()` blocks until the files are complete."""
+    if step in self.all_steps():
+      return False
+    started = time.perf_counter()
+    items = {k: ocp.args.StandardSave(state[k]) for k in _ARRAYS}
+    items["data"] = ocp.args.JsonSave(data_state or {})
+    items["config"] = ocp.args.JsonSave(config.model_dump(mode="json") if config is not None else {})
+    saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+    if saved:
+      self.last_save_blocked_s = time.perf_counter() - started
+    return saved
+
+  def wait(self):
+    self.manager.wait_until_finished()
+
+  def close(self):
+    self.manager.wait_until_finished()
+    self.manager.close()
+
+  def _pick_step(self, step: int | None) -> int:
+    steps = self.all_steps()
+    if not steps:
+      raise ValueError(f"{self.directory} holds no complete checkpoint: train first, or point "
+                       "at a directory with numbered step subdirectories")
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise ValueError(f"{self.directory} has no checkpoint at step {step}; it has steps {steps}")
+    return step
+
+  def _check_shapes(self, step: int, item: str, target):
+    """Compare stored and target shapes leaf by leaf before reading anything."""
+    stored = _shapes(self._read(step, lambda: self.manager.item_metadata(step)[item].tree))
+    wanted = _shapes(target)
+    where = f"checkpoint {self.path(step)}"
+    for name, shape in wanted.items():
+      if name not in stored:
+        raise ValueError(f"{where} has no {item} entry {name!r}: it was written for a different "
+                         f"model or optimizer; restore with the config it was saved with ({where}/config)")
+      if stored[name] != shape:
+        raise ValueError(f"{where}: {item} {name!r} has shape {stored[name]} but this model expects "
+                         f"{shape}; restore with the model config it was saved with ({where}/config)")
+    extra = sorted(set(stored) - set(wanted))
+    if extra:
+      raise ValueError(f"{where} has {item} entry {extra[0]!r} that this model lacks: it was written "
+                       f"for a different model or optimizer ({where}/config)")
+
+  def _read(self, step: int, fn):
+    try:
+      return fn()
+    except Exception as e:  # orbax/tensorstore raise many types for unreadable files
+      first = str(e).splitlines()[0] if str(e) else ""
+      raise ValueError(f"checkpoint {self.path(step)} is unreadable ({type(e).__name__}: {first}): "
+                       f"it is corrupt or incomplete; restore another step of {self.all_steps()}") from e
+
+  def restore(self, abstract_state: dict, step: int | None = None) -> tuple[dict, dict]:
+    """(train state placed per `abstract_state`'s shardings, data iterator state) of `step`
+    (default: the latest complete one)."""
+    step = self._pick_step(step)
+    for item in _ARRAYS:
+      self._check_shapes(step, item, abstract_state[item])
+    items = {k: ocp.args.StandardRestore(abstract_state[k]) for k in _ARRAYS}
+    restored = self._read(step, lambda: self.manager.restore(
+        step, args=ocp.args.Composite(**items, data=ocp.args.JsonRestore())))
+    step_array = jax.device_put(jnp.asarray(step, abstract_state["step"].dtype),
+                                abstract_state["step"].sharding)
+    state = {"step": step_array, "params": restored["params"], "opt_state": restored["opt_state"]}
+    return state, dict(restored["data"] or {})
+
+  def restore_params(self, abstract_params: dict, step: int | None = None) -> dict:
+    """Just the parameters (fine-tuning, inference): the optimizer state is never read."""
+    step = self._pick_step(step)
+    self._check_shapes(step, "params", abstract_params)
+    restored = self._read(step, lambda: self.manager.restore(
+        step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params))))
+    return restored["params"]
+
+  def saved_config(self, step: int | None = None) -> dict:
+    """The resolved config the checkpoint was written with, as a dict."""
+    step = self._pick_step(step)
+    return self._read(step, lambda: self.manager.restore(
+        step, args=ocp.args.Composite(config=ocp.args.JsonRestore())))["config"]
