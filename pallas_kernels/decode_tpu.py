@@ -16,9 +16,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxpar.pallas_kernels import decode_common, masking, validation
+from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
 _LANES = 128
-_NT = (((1,), (1,)), ((), ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, ac
   @pl.when((j >= first) & (j <= last))
   def _step():
     k, v = k_ref[...], v_ref[...]
-    s = lax.dot_general(q_ref[...], k, _NT, preferred_element_type=jnp.float32) * st.scale
+    s = mxu_dot(q_ref[...], k, trans_b=True) * st.scale
     k_pos = j * st.page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
     mask = masking.token_mask(length - 1, k_pos, causal=True, sliding_window=st.sliding_window,
                               kv_len=length)
@@ -55,7 +55,7 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, ac
     p = jnp.exp(s - m_next[:, :1])
     alpha = jnp.exp(m_prev - m_next)
     l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
-    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = mxu_dot(p.astype(v.dtype), v)
     acc_scr[...] = acc_scr[...] * alpha[:, :1] + pv
     m_scr[...] = m_next
 

@@ -19,10 +19,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxpar.pallas_kernels import masking, tiling, validation
 from jaxpar.pallas_kernels.block_sizes import default_block_sizes
+from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
 _LANES = 128
 _SUBLANES = 8
-_NT = (((1,), (1,)), ((), ()))  # contract the last dims: a @ b.T
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +89,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_scr, 
     qseg, kseg = _segments(qseg_ref, kseg_ref)
     mask = _tile_mask(st, st.q_offset + i * bq, j * bk, bq, bk, qseg, kseg, transposed=False)
     for g in range(group):
-      s = lax.dot_general(q_ref[g], k, _NT, preferred_element_type=jnp.float32) * st.scale
+      s = mxu_dot(q_ref[g], k, trans_b=True) * st.scale
       s = jnp.where(mask, masking.soft_cap(s, st.logit_soft_cap), masking.MASK_VALUE)
       m_prev = m_scr[g]
       m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
       p = jnp.exp(s - m_next[:, :1])
       alpha = jnp.exp(m_prev - m_next)
       l_scr[g] = alpha * l_scr[g] + p.sum(axis=1, keepdims=True)
-      pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+      pv = mxu_dot(p.astype(v.dtype), v)
       acc_scr[g] = acc_scr[g] * alpha[:, :1] + pv
       m_scr[g] = m_next
 
@@ -112,10 +112,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_scr, 
 
 def _bwd_tile(st, q, k, v, do, lse, delta, mask):
   """Transposed [bk, bq] tile of probabilities and d(logits) for one query head."""
-  raw = lax.dot_general(k, q, _NT, preferred_element_type=jnp.float32) * st.scale
+  raw = mxu_dot(k, q, trans_b=True) * st.scale
   capped = masking.soft_cap(raw, st.logit_soft_cap)
   pt = jnp.exp(jnp.where(mask, capped, masking.MASK_VALUE) - lse)
-  dpt = lax.dot_general(v, do, _NT, preferred_element_type=jnp.float32)
+  dpt = mxu_dot(v, do, trans_b=True)
   dst = pt * (dpt - delta) * masking.soft_cap_grad(capped, st.logit_soft_cap)
   return pt, dst
 
@@ -140,8 +140,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_
     for g in range(group):
       q, do = q_ref[g], do_ref[g]
       pt, dst = _bwd_tile(st, q, k, v, do, lse_ref[g], delta_ref[g], mask)
-      dv_scr[...] += jnp.dot(pt.astype(do.dtype), do, preferred_element_type=jnp.float32)
-      dk_scr[...] += jnp.dot(dst.astype(q.dtype), q, preferred_element_type=jnp.float32)
+      dv_scr[...] += mxu_dot(pt.astype(do.dtype), do)
+      dk_scr[...] += mxu_dot(dst.astype(q.dtype), q)
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _finish():
@@ -167,7 +167,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_r
     mask = _tile_mask(st, st.q_offset + i * bq, j * bk, bq, bk, qseg, kseg, transposed=True)
     for g in range(group):
       _, dst = _bwd_tile(st, q_ref[g], k, v, do_ref[g], lse_ref[g], delta_ref[g], mask)
-      dq_scr[g] += jnp.dot(dst.T.astype(k.dtype), k, preferred_element_type=jnp.float32)
+      dq_scr[g] += mxu_dot(dst.T.astype(k.dtype), k)
 
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():

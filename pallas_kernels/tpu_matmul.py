@@ -1,0 +1,15 @@
+"""The one matmul the TPU kernels use."""
+
+import jax.numpy as jnp
+from jax import lax
+
+
+def mxu_dot(a, b, *, trans_b=False):
+  """a @ b (or a @ b.T) accumulated in float32.
+
+  Low-precision operands run at the MXU's native precision whatever
+  jax_default_matmul_precision says: Mosaic rejects 'highest' for bf16.
+  """
+  precision = None if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+  dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
