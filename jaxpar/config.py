@@ -45,6 +45,9 @@ class ModelConfig(_Frozen):
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   compute_dtype: Literal["float32", "bfloat16"] = "float32"
   scan_layers: bool = True
+  # Layers per scan iteration. On CPU, unrolling a small stack halves the backward time
+  # (XLA CPU runs the while loop's per-layer gradient updates poorly); compile time grows.
+  scan_unroll: int = 1
   remat: Literal["none", "full", "save_dots", "save_dots_no_batch"] = "none"
   attention: Literal["auto", "flash", "reference", "chunked"] = "auto"
 

@@ -81,7 +81,7 @@ class Llama(nnx.Module):
 
       def body(x, layer_state):
         return layer_fn(nnx.merge(graphdef, layer_state), x, positions, segment_ids, inv_freq), None
-      x, _ = jax.lax.scan(body, x, stacked)
+      x, _ = jax.lax.scan(body, x, stacked, unroll=cfg.scan_unroll)
     else:
       for layer in self.layers:
         x = layer_fn(layer, x, positions, segment_ids, inv_freq)
