@@ -24,7 +24,7 @@ def train_flops_per_token(model_cfg, seq_len: int) -> float:
 
 def measure_matmul_flops(dtype=jnp.float32, size: int = 2048, repeats: int = 5, device=None) -> float:
   """Best-of-`repeats` FLOP/s of one large square matmul on `device` (all host cores on CPU)."""
-  device = device or jax.devices()[0]
+  device = device or jax.local_devices()[0]
   a = jax.device_put(jnp.ones((size, size), dtype), device)
   matmul = jax.jit(lambda x, y: x @ y)
   matmul(a, a).block_until_ready()

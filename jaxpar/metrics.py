@@ -4,6 +4,7 @@ import json
 import time
 from pathlib import Path
 
+import jax
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
@@ -11,17 +12,21 @@ from tensorboardX import SummaryWriter
 
 
 class MetricsLogger:
+  """Every process keeps the history; only process 0 writes files and shows progress."""
+
   def __init__(self, run_dir, total_steps: int, *, start_step: int = 0, console: Console | None = None,
                show_progress: bool = True):
+    self.writes = jax.process_index() == 0
     self.run_dir = Path(run_dir)
-    self.run_dir.mkdir(parents=True, exist_ok=True)
-    self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
-    self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"))
+    if self.writes:
+      self.run_dir.mkdir(parents=True, exist_ok=True)
+    self.jsonl = open(self.run_dir / "metrics.jsonl", "a") if self.writes else None
+    self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard")) if self.writes else None
     self.console = console or Console()
     self.progress = Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("eta"),
-        TimeRemainingColumn(), console=self.console, disable=not show_progress)
+        TimeRemainingColumn(), console=self.console, disable=not (show_progress and self.writes))
     self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
     self.progress.start()
     self.history: list[dict] = []
@@ -29,6 +34,8 @@ class MetricsLogger:
   def log(self, step: int, metrics: dict, *, echo: bool = False):
     record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
     self.history.append(record)
+    if not self.writes:
+      return
     self.jsonl.write(json.dumps(record) + "\n")
     for key, value in metrics.items():
       self.tensorboard.add_scalar(f"train/{key}", float(value), step)
@@ -45,5 +52,6 @@ class MetricsLogger:
 
   def close(self):
     self.progress.stop()
-    self.jsonl.close()
-    self.tensorboard.close()
+    if self.writes:
+      self.jsonl.close()
+      self.tensorboard.close()
