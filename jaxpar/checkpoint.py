@@ -119,7 +119,8 @@ class Checkpointer:
     if step in self.all_steps():
       return False
     started = time.perf_counter()
-    items = {k: ocp.args.StandardSave(state[k]) for k in _ARRAYS}
+    # A params-only state (an imported model) has no opt_state.
+    items = {k: ocp.args.StandardSave(state[k]) for k in _ARRAYS if k in state}
     items["data"] = ocp.args.JsonSave(data_state or {})
     items["config"] = ocp.args.JsonSave(config.model_dump(mode="json") if config is not None else {})
     saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
@@ -172,16 +173,17 @@ class Checkpointer:
 
   def restore(self, abstract_state: dict, step: int | None = None) -> tuple[dict, dict]:
     """(train state placed per `abstract_state`'s shardings, data iterator state) of `step`
-    (default: the latest complete one)."""
+    (default: the latest complete one). A params-only checkpoint gives `opt_state` None."""
     step = self._pick_step(step)
-    for item in _ARRAYS:
+    arrays = [k for k in _ARRAYS if k == "params" or (self.path(step) / k).is_dir()]
+    for item in arrays:
       self._check_shapes(step, item, abstract_state[item])
-    items = {k: ocp.args.StandardRestore(abstract_state[k]) for k in _ARRAYS}
+    items = {k: ocp.args.StandardRestore(abstract_state[k]) for k in arrays}
     restored = self._read(step, lambda: self.manager.restore(
         step, args=ocp.args.Composite(**items, data=ocp.args.JsonRestore())))
     step_array = jax.device_put(jnp.asarray(step, abstract_state["step"].dtype),
                                 abstract_state["step"].sharding)
-    state = {"step": step_array, "params": restored["params"], "opt_state": restored["opt_state"]}
+    state = {"step": step_array, "params": restored["params"], "opt_state": restored.get("opt_state")}
     return state, dict(restored["data"] or {})
 
   def restore_params(self, abstract_params: dict, step: int | None = None) -> dict:

@@ -58,6 +58,28 @@ def _cmd_train(ns):
     console.print(config.train.sample_prompt + text, markup=False, highlight=False)
 
 
+def _cmd_convert_hf_to_jaxpar(ns):
+  from jaxpar.hf import hf_to_jaxpar
+  config = hf_to_jaxpar(ns.hf_dir, ns.out)
+  m = config.model
+  console.print(f"[bold]converted[/bold] {ns.hf_dir} -> {ns.out} (step 0, parameters only): "
+                f"{m.num_layers} layers, embed {m.embed_dim}, vocab {m.vocab_size}; fine-tune with "
+                f"`jaxpar train CONFIG --restore {ns.out}` where CONFIG has this model section:")
+  console.print(_model_yaml(config), end="", markup=False, highlight=False)
+
+
+def _model_yaml(config) -> str:
+  import yaml
+  return yaml.safe_dump({"model": config.model.model_dump(mode="json")}, sort_keys=False)
+
+
+def _cmd_convert_jaxpar_to_hf(ns):
+  from jaxpar.hf import jaxpar_to_hf
+  out = jaxpar_to_hf(ns.ckpt, ns.out, dtype=ns.dtype)
+  console.print(f"[bold]converted[/bold] {ns.ckpt} -> {out}: load it with "
+                f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jaxpar", description="Train and serve LLMs on device meshes.")
   parser.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -72,6 +94,23 @@ def build_parser() -> argparse.ArgumentParser:
                      help="start from this checkpoint (a checkpoint dir: its latest step; or one "
                      "step dir) instead of the run dir's latest")
   train.set_defaults(func=_cmd_train)
+
+  convert = commands.add_parser("convert", help="convert Hugging Face <-> jaxpar checkpoints")
+  convert_commands = convert.add_subparsers(dest="convert_command", required=True)
+  to_jaxpar = convert_commands.add_parser(
+      "hf-to-jaxpar", help="HF model dir -> params-only jaxpar checkpoint",
+      description="Import a Llama 2/3, Mistral, Qwen2/2.5 or Qwen3 directory (config.json + safetensors).")
+  to_jaxpar.add_argument("hf_dir", metavar="HF_DIR")
+  to_jaxpar.add_argument("out", metavar="OUT")
+  to_jaxpar.set_defaults(func=_cmd_convert_hf_to_jaxpar)
+  to_hf = convert_commands.add_parser(
+      "jaxpar-to-hf", help="jaxpar checkpoint -> HF model dir",
+      description="Export CKPT (a checkpoint dir: its latest step; or one step dir) for transformers.")
+  to_hf.add_argument("ckpt", metavar="CKPT")
+  to_hf.add_argument("out", metavar="OUT")
+  to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                     help="tensor dtype on disk (default: the model's param_dtype)")
+  to_hf.set_defaults(func=_cmd_convert_jaxpar_to_hf)
 
   config = commands.add_parser("config", help="inspect configs")
   config_commands = config.add_subparsers(dest="config_command", required=True)

@@ -150,6 +150,10 @@ class Trainer:
       state, data_state = checkpointer.restore(self.abstract_state())
     else:
       return self.init_state()
+    if state["opt_state"] is None:  # a params-only checkpoint (an imported model): fine-tune it
+      with self.context():
+        state["opt_state"] = jax.jit(self.optimizer.init,
+                                     out_shardings=self.state_shardings["opt_state"])(state["params"])
     if data_state and hasattr(batches, "set_state"):
       batches.set_state(data_state)
     return state

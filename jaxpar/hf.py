@@ -1,0 +1,313 @@
+"""Hugging Face <-> jaxpar for Llama-family models: Llama 2/3 (rope scaling), Mistral,
+Qwen2/2.5 (q/k/v biases), Qwen3 (qk-norm).
+
+Import reads `config.json` and the `*.safetensors` files (sharded or not) tensor by tensor;
+each device reads only the slice of each tensor that its shard holds, so a model never has
+to fit on one device or in host memory. Export gathers one layer of one tensor at a time.
+Our RoPE rotates the two halves of head_dim like HF, so q/k need no permutation.
+"""
+
+import json
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxpar.checkpoint import Checkpointer, resolve
+from jaxpar.config import Config, DataConfig, MeshConfig, ModelConfig, from_dict
+from jaxpar.mesh import build_mesh, resolve_rules
+from jaxpar.model_state import abstract_model, param_shardings
+
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+# (our path inside a layer, HF name after `model.layers.{i}.`, layout); absent entries are skipped.
+_LAYER = (
+  (("attn", "q"), "self_attn.q_proj.weight", "heads_in"),
+  (("attn", "k"), "self_attn.k_proj.weight", "heads_in"),
+  (("attn", "v"), "self_attn.v_proj.weight", "heads_in"),
+  (("attn", "o"), "self_attn.o_proj.weight", "heads_out"),
+  (("attn", "q_bias"), "self_attn.q_proj.bias", "heads_bias"),
+  (("attn", "k_bias"), "self_attn.k_proj.bias", "heads_bias"),
+  (("attn", "v_bias"), "self_attn.v_proj.bias", "heads_bias"),
+  (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", "same"),
+  (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", "same"),
+  (("attn_norm", "scale"), "input_layernorm.weight", "same"),
+  (("mlp", "gate"), "mlp.gate_proj.weight", "transpose"),
+  (("mlp", "up"), "mlp.up_proj.weight", "transpose"),
+  (("mlp", "down"), "mlp.down_proj.weight", "transpose"),
+  (("mlp_norm", "scale"), "post_attention_layernorm.weight", "same"),
+)
+_TOP = (
+  (("embed",), "model.embed_tokens.weight", "same"),
+  (("final_norm", "scale"), "model.norm.weight", "same"),
+  (("unembed",), "lm_head.weight", "transpose"),
+)
+
+
+# -- configs ---------------------------------------------------------------------------
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+  """(theta, our rope_scaling) from legacy `rope_theta`/`rope_scaling` or v5 `rope_parameters`."""
+  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind == "default":
+    return theta, None
+  if kind != "llama3":
+    raise ValueError(f"rope type {kind!r} is not supported: jaxpar implements default and llama3 RoPE")
+  return theta, {"factor": params["factor"], "low_freq_factor": params["low_freq_factor"],
+                 "high_freq_factor": params["high_freq_factor"],
+                 "original_max_position": params["original_max_position_embeddings"]}
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+  kind = hf.get("model_type")
+  if kind == "mixtral":
+    raise ValueError("Mixtral (mixture of experts) is not supported yet: jaxpar has no MoE layers; "
+                     f"convert a dense model ({', '.join(DENSE_TYPES)})")
+  if kind not in DENSE_TYPES:
+    raise ValueError(f"config.json model_type={kind!r} is not supported; use one of {list(DENSE_TYPES)}")
+  if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
+    raise ValueError(f"{kind} with hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')} "
+                     "is not supported: jaxpar's MLP is bias-free SwiGLU (silu)")
+  if kind in ("llama", "mistral", "qwen3") and hf.get("attention_bias"):
+    raise ValueError(f"{kind} with attention_bias=true (o_proj bias too) is not supported")
+  heads = hf["num_attention_heads"]
+  theta, scaling = _rope(hf)
+  max_len = hf["max_position_embeddings"]
+  window = hf.get("sliding_window")
+  if window and (kind == "mistral" or hf.get("use_sliding_window")):
+    # Exact within the window; jaxpar has no sliding-window attention to go beyond it.
+    max_len = min(max_len, window)
+  return ModelConfig(
+      vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
+      max_seq_len=max_len, rope_theta=theta, rope_scaling=scaling, norm_eps=hf["rms_norm_eps"],
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=kind == "qwen3",
+      attention_bias=kind == "qwen2")
+
+
+def hf_config_from_model(cfg: ModelConfig, dtype: str) -> dict:
+  kind = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+  if cfg.qk_norm and cfg.attention_bias:
+    raise ValueError("model.qk_norm with model.attention_bias has no Hugging Face architecture")
+  scaling = cfg.rope_scaling and {
+      "rope_type": "llama3", "factor": cfg.rope_scaling.factor,
+      "low_freq_factor": cfg.rope_scaling.low_freq_factor,
+      "high_freq_factor": cfg.rope_scaling.high_freq_factor,
+      "original_max_position_embeddings": cfg.rope_scaling.original_max_position}
+  return {
+      "architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.embed_dim, "intermediate_size": cfg.mlp_dim,
+      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+      "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+      "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+      "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+      "torch_dtype": dtype}
+
+
+# -- layouts ---------------------------------------------------------------------------
+
+def _span(index: slice, size: int) -> tuple[int, int]:
+  start, stop, _ = index.indices(size)
+  return start, stop
+
+
+def _read_shard(layout: str, tensor, shape: tuple, head_dim: int, index: tuple) -> np.ndarray:
+  """Our-layout shard `index` of an HF tensor, reading only the HF slice it needs."""
+  if layout == "same":
+    return tensor[index]
+  if layout == "transpose":
+    return tensor[index[1], index[0]].T
+  heads = _span(index[1] if layout == "heads_in" else index[0], shape[1 if layout == "heads_in" else 0])
+  rows = slice(heads[0] * head_dim, heads[1] * head_dim)
+  n = heads[1] - heads[0]
+  if layout == "heads_in":  # ours [E, H, D] <- HF [H*D, E]
+    return tensor[rows, index[0]].T.reshape(-1, n, head_dim)[:, :, index[2]]
+  if layout == "heads_out":  # ours [H, D, E] <- HF [E, H*D]
+    return tensor[index[2], rows].T.reshape(n, head_dim, -1)[:, index[1], :]
+  return tensor[rows].reshape(n, head_dim)[:, index[1]]  # heads_bias: ours [H, D] <- HF [H*D]
+
+
+def _to_hf(layout: str, x: np.ndarray) -> np.ndarray:
+  if layout == "transpose":
+    x = x.T
+  elif layout == "heads_in":
+    x = x.reshape(x.shape[0], -1).T
+  elif layout == "heads_out":
+    x = x.reshape(-1, x.shape[-1]).T
+  elif layout == "heads_bias":
+    x = x.reshape(-1)
+  return np.ascontiguousarray(x)
+
+
+def _entries(params: dict, cfg: ModelConfig):
+  """(our full path, HF name, layout, index into the stacked layer axis or None) for every
+  HF tensor of the model."""
+  def present(tree, path):
+    for key in path:
+      if not isinstance(tree, dict) or key not in tree:
+        return False
+      tree = tree[key]
+    return True
+  for path, name, layout in _TOP:
+    if present(params, path):
+      yield path, name, layout, None
+  layer0 = params["layers"] if cfg.scan_layers else params["layers"][0]
+  for path, name, layout in _LAYER:
+    if present(layer0, path):
+      for i in range(cfg.num_layers):
+        if cfg.scan_layers:
+          yield ("layers",) + path, f"model.layers.{i}.{name}", layout, i
+        else:
+          yield ("layers", i) + path, f"model.layers.{i}.{name}", layout, None
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _set(tree, path, value):
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+# -- import ----------------------------------------------------------------------------
+
+class _SafetensorsDir:
+  """Lazy, sliceable access to every tensor of an HF directory (one file or a sharded index)."""
+
+  def __init__(self, hf_dir: Path):
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+      files = {name: hf_dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+    else:
+      single = hf_dir / "model.safetensors"
+      if not single.is_file():
+        raise ValueError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json: "
+                         "save the model with safe_serialization (the transformers default)")
+      with safe_open(single, "numpy") as f:
+        files = {name: single for name in f.keys()}
+    self.files = files
+    self._open = {}
+
+  def __contains__(self, name):
+    return name in self.files
+
+  def slice(self, name):
+    file = self.files[name]
+    if file not in self._open:
+      self._open[file] = safe_open(file, "numpy")
+    return self._open[file].get_slice(name)
+
+  def close(self):
+    self._open.clear()  # the handles close (and unmap their files) when dropped
+
+
+def _import_param(source, names, layout, cfg, sharding, shape, dtype, stacked):
+  """One (possibly layer-stacked) parameter, built shard by shard straight onto its devices."""
+  def shard(index):
+    if not stacked:
+      return _read_shard(layout, source.slice(names[0]), shape, cfg.head_dim, index).astype(dtype)
+    first, last = _span(index[0], shape[0])
+    return np.stack([_read_shard(layout, source.slice(names[i]), shape[1:], cfg.head_dim, index[1:])
+                     for i in range(first, last)]).astype(dtype)
+  return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: str = "float32") -> Config:
+  """Convert an HF checkpoint directory into a params-only jaxpar checkpoint at `out`
+  (step 0; `jaxpar train --restore OUT` fine-tunes it). Returns the jaxpar config."""
+  hf_dir = Path(hf_dir)
+  if not (hf_dir / "config.json").is_file():
+    raise ValueError(f"{hf_dir} has no config.json: give a Hugging Face model directory")
+  hf = json.loads((hf_dir / "config.json").read_text())
+  model = model_config_from_hf(hf).model_copy(update={"param_dtype": param_dtype})
+  config = from_dict({"model": model.model_dump(), "mesh": mesh.model_dump(),
+                      "data": {"seq_len": min(DataConfig().seq_len, model.max_seq_len)}})
+  _, abstract = abstract_model(config.model)
+  shardings = param_shardings(abstract, build_mesh(config.mesh), resolve_rules(config.mesh.rules))
+  abstract = abstract.to_pure_dict()
+  names = {}
+  for path, name, layout, _ in _entries(abstract, config.model):
+    names.setdefault(path, (layout, []))[1].append(name)
+  source = _SafetensorsDir(hf_dir)
+  params = {}
+  try:
+    for path, (layout, hf_names) in names.items():
+      missing = [n for n in hf_names if n not in source]
+      if missing:
+        raise ValueError(f"{hf_dir} has no tensor {missing[0]!r} that a {hf['model_type']} model with "
+                         "this config.json needs: the checkpoint is incomplete or of another architecture")
+      stacked = config.model.scan_layers and path[0] == "layers"
+      _set(params, path, _import_param(source, hf_names, layout, config.model, _get(shardings, path),
+                                       _get(abstract, path).shape, DTYPES[param_dtype], stacked))
+  finally:
+    source.close()
+  with Checkpointer(out) as checkpoints:
+    checkpoints.save(0, {"params": params}, config=config, force=True)
+  return config
+
+
+# -- export ----------------------------------------------------------------------------
+
+def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
+  """Write a jaxpar checkpoint's parameters as an HF directory that `transformers` loads
+  (config.json + safetensors, sharded with an index past `max_shard_bytes`). `dtype`
+  defaults to the checkpoint's model.param_dtype."""
+  root, step = resolve(ckpt)
+  with Checkpointer(root, read_only=True) as checkpoints:
+    saved = checkpoints.saved_config(step)
+    if not saved:
+      raise ValueError(f"checkpoint {root} has no saved config: it was not written by jaxpar")
+    cfg = ModelConfig.model_validate(saved["model"])
+    dtype = dtype or cfg.param_dtype
+    if dtype not in DTYPES:
+      raise ValueError(f"dtype={dtype!r} is not one of {list(DTYPES)}")
+    device_mesh = build_mesh(MeshConfig())
+    _, abstract = abstract_model(cfg)
+    shardings = param_shardings(abstract, device_mesh, resolve_rules("fsdp_tp"))
+    targets = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                           abstract.to_pure_dict(), shardings)
+    params = checkpoints.restore_params(targets, step)
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
+  shards, current, size = [], {}, 0
+  for path, name, layout, layer in _entries(params, cfg):
+    leaf = _get(params, path)
+    if layer is not None:
+      leaf = leaf[layer]  # one layer at a time on the host
+    tensor = _to_hf(layout, np.asarray(jax.device_get(leaf)).astype(DTYPES[dtype]))
+    if current and size + tensor.nbytes > max_shard_bytes:
+      shards.append(current)
+      current, size = {}, 0
+    current[name] = tensor
+    size += tensor.nbytes
+  shards.append(current)
+  _write_shards(out, shards)
+  return out
+
+
+def _write_shards(out: Path, shards: list[dict]):
+  if len(shards) == 1:
+    save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+    return
+  weight_map, total = {}, 0
+  for i, tensors in enumerate(shards):
+    file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    save_file(tensors, out / file, metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(tensors, file))
+    total += sum(t.nbytes for t in tensors.values())
+  index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+  (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
