@@ -111,6 +111,8 @@ class TrainConfig(_Frozen):
   grad_clip: float | None = 1.0
   z_loss: float = 0.0
   microbatches: int = 1
+  # Sequence positions per chunk of the fused output-projection + loss (0: plain logits).
+  logits_chunk_len: int = 128
   seed: int = 0
   log_every: int = 10
   run_dir: str = "runs/default"

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar.loss import causal_lm_loss
+from jaxpar.loss import causal_lm_loss, fused_lm_loss
 
 
 def _split_microbatches(batch, count: int):
@@ -16,12 +16,18 @@ def _split_microbatches(batch, count: int):
   return jax.tree.map(split, batch)
 
 
-def make_gradients(graphdef, *, z_loss: float, microbatches: int):
-  """(params, batch) -> (summed grads, {"ce_sum", "z_sum", "tokens"})."""
+def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_len: int = 0):
+  """(params, batch) -> (summed grads, {"ce_sum", "z_sum", "tokens"}).
+
+  logits_chunk_len > 0: the fused chunked loss (never holds all logits); 0: plain logits.
+  """
   def loss_of(params, batch):
     model = nnx.merge(graphdef, params)
-    logits = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-    return causal_lm_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
+    inputs = (batch["inputs"], batch["positions"], batch["segment_ids"])
+    if logits_chunk_len:
+      return fused_lm_loss(model.hidden_states(*inputs), model.output_projection(), batch["targets"],
+                           batch["loss_mask"], z_loss, logits_chunk_len)
+    return causal_lm_loss(model(*inputs), batch["targets"], batch["loss_mask"], z_loss)
 
   grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
@@ -41,8 +47,10 @@ def make_gradients(graphdef, *, z_loss: float, microbatches: int):
   return gradients
 
 
-def make_train_step(graphdef, optimizer, schedule, *, z_loss: float, microbatches: int):
-  gradients = make_gradients(graphdef, z_loss=z_loss, microbatches=microbatches)
+def make_train_step(graphdef, optimizer, schedule, *, z_loss: float, microbatches: int,
+                    logits_chunk_len: int):
+  gradients = make_gradients(graphdef, z_loss=z_loss, microbatches=microbatches,
+                             logits_chunk_len=logits_chunk_len)
 
   def train_step(state, batch):
     params = state["params"]

@@ -69,6 +69,18 @@ class Llama(nnx.Module):
 
   def __call__(self, tokens, positions=None, segment_ids=None):
     """tokens, positions, segment_ids: int [B, L] -> logits [B, L, vocab] (compute dtype)."""
+    x = self.hidden_states(tokens, positions, segment_ids)
+    logits = jnp.einsum("ble,ev->blv", x, self.output_projection())
+    return constrain(logits, ("batch", "length", "act_vocab"))
+
+  def output_projection(self):
+    """The [embed, vocab] matrix that turns final hidden states into logits."""
+    unembed = self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
+    return unembed.astype(jnp.dtype(self.cfg.compute_dtype))
+
+  def hidden_states(self, tokens, positions=None, segment_ids=None):
+    """Final-normed hidden states [B, L, embed]: the logits before the output projection,
+    for losses that never materialise the full [B, L, vocab] logits."""
     cfg = self.cfg
     dtype = jnp.dtype(cfg.compute_dtype)
     if positions is None:
@@ -85,7 +97,4 @@ class Llama(nnx.Module):
     else:
       for layer in self.layers:
         x = layer_fn(layer, x, positions, segment_ids, inv_freq)
-    x = self.final_norm(x)
-    unembed = self.embed[...].T if cfg.tie_embeddings else self.unembed[...]
-    logits = jnp.einsum("ble,ev->blv", x, unembed.astype(dtype))
-    return constrain(logits, ("batch", "length", "act_vocab"))
+    return self.final_norm(x)

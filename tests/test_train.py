@@ -59,6 +59,25 @@ def test_gradient_accumulation_matches_full_batch():
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
 
 
+@pytest.mark.parametrize("mesh", [{"fsdp": 1}, {"fsdp": 4, "tensor": 2}])
+def test_fused_chunked_loss_matches_plain_logits(mesh):
+  config = small_config(mesh=mesh, model={"tie_embeddings": True})
+  trainer = Trainer(config, devices=jax.devices()[:1] if mesh["fsdp"] == 1 else None)
+  state = trainer.init_state()
+  batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in synthetic_batch(config).items()}
+  results = []
+  for chunk in (0, 8):  # 32 positions in chunks of 8
+    gradients = jax.jit(make_gradients(trainer.graphdef, z_loss=1e-3, microbatches=1,
+                                       logits_chunk_len=chunk))
+    with trainer.context():
+      results.append(jax.device_get(gradients(state["params"], batch)))
+  (plain, plain_aux), (fused, fused_aux) = results
+  for key in ("ce_sum", "z_sum", "tokens"):
+    np.testing.assert_allclose(fused_aux[key], plain_aux[key], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
+
+
 def test_mesh_that_does_not_fit_devices_is_an_error():
   with pytest.raises(ValueError, match="needs 16 devices but 8 are available"):
     Trainer(small_config(mesh={"fsdp": 16}))
