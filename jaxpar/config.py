@@ -98,6 +98,16 @@ class DataConfig(_Frozen):
   global_batch_size: int = 16
   shuffle_seed: int = 0
 
+  @model_validator(mode="after")
+  def _paths_exist(self):
+    if self.source != "bundled" and not Path(self.source).exists():
+      raise ValueError(f"data.source={self.source!r} does not exist: give a .txt/.jsonl file, "
+                       "a folder of them, or 'bundled'")
+    if self.tokenizer != "byte" and not Path(self.tokenizer).exists():
+      raise ValueError(f"data.tokenizer={self.tokenizer!r} does not exist: give the path of a "
+                       "Hugging Face tokenizer.json, or 'byte'")
+    return self
+
 
 class TrainConfig(_Frozen):
   steps: int = 300

@@ -41,6 +41,8 @@ def test_shipped_configs_load(name):
   (["train.microbatches=5"], "train.microbatches=5 must divide data.global_batch_size=32"),
   (["model.remat=sometimes"], "model.remat='sometimes'"),
   (["num_layers"], "is not KEY=VALUE"),
+  (["data.source=/no/such/corpus.txt"], "data.source='/no/such/corpus.txt' does not exist"),
+  (["data.tokenizer=/no/tokenizer.json"], "data.tokenizer='/no/tokenizer.json' does not exist"),
 ])
 def test_bad_values_give_one_line_naming_the_key(overrides, message):
   with pytest.raises(ConfigError) as error:
