@@ -8,7 +8,6 @@ Key blocks that are fully masked (causal, window) are skipped by the loop bounds
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,7 @@ from jax import lax
 
 from jaxpar.pallas_kernels import masking, tiling, validation
 from jaxpar.pallas_kernels.block_sizes import default_block_sizes
+from jaxpar.pallas_kernels.lse_vjp import with_lse_vjp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,22 +128,7 @@ def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
   return ((dq * st.scale).astype(q.dtype), (dk * st.scale).astype(k.dtype), dv.astype(v.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(st, q, k, v, q_seg, kv_seg):
-  return _forward(st, q, k, v, q_seg, kv_seg)[0]
-
-
-def _chunked_fwd(st, q, k, v, q_seg, kv_seg):
-  o, lse = _forward(st, q, k, v, q_seg, kv_seg)
-  return o, (q, k, v, q_seg, kv_seg, o, lse)
-
-
-def _chunked_bwd(st, res, do):
-  q, k, v, q_seg, kv_seg, o, lse = res
-  return (*_backward(st, q, k, v, q_seg, kv_seg, o, lse, do), None, None)
-
-
-_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+_chunked = with_lse_vjp(_forward, _backward)
 
 
 def chunked_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
@@ -165,9 +150,8 @@ def chunked_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=
   qb = _blocks(tiling.pad_axis(q, 1, q_pad).reshape(batch, q_pad, num_kv_heads, group, head_dim), bq)
   kb = _blocks(tiling.pad_axis(k, 1, kv_pad), bk)
   vb = _blocks(tiling.pad_axis(v, 1, kv_pad), bk)
-  q_seg = kv_seg = None
+  q_seg, kv_seg = tiling.padded_segments(segment_ids, q_len, q_pad, kv_pad)
   if segment_ids is not None:
-    q_seg = _blocks(tiling.pad_axis(segment_ids[:, kv_len - q_len:], 1, q_pad), bq)
-    kv_seg = _blocks(tiling.pad_axis(segment_ids, 1, kv_pad), bk)
+    q_seg, kv_seg = _blocks(q_seg, bq), _blocks(kv_seg, bk)
   o = _unblock(_chunked(st, qb, kb, vb, q_seg, kv_seg))
   return o.reshape(batch, q_pad, num_heads, head_dim)[:, :q_len]

@@ -17,6 +17,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxpar.pallas_kernels import masking, tiling, validation
 from jaxpar.pallas_kernels.block_sizes import default_block_sizes
+from jaxpar.pallas_kernels.lse_vjp import with_lse_vjp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,22 +208,8 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, st):
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, st):
-  return _forward(q, k, v, q_seg, kv_seg, st)[0]
-
-
-def _flash_fwd(q, k, v, q_seg, kv_seg, st):
-  o, lse = _forward(q, k, v, q_seg, kv_seg, st)
-  return o, (q, k, v, q_seg, kv_seg, o, lse)
-
-
-def _flash_bwd(st, res, do):
-  q, k, v, q_seg, kv_seg, o, lse = res
-  return (*_backward(q, k, v, q_seg, kv_seg, o, lse, do, st), None, None)
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+# Kernels take `st` last; the shared VJP passes it first.
+_flash = with_lse_vjp(lambda st, *args: _forward(*args, st), lambda st, *args: _backward(*args, st))
 
 
 def flash_attention_gpu(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
@@ -244,11 +231,7 @@ def flash_attention_gpu(q, k, v, *, segment_ids=None, causal=True, sliding_windo
   st = _Static(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                scale=q.shape[-1] ** -0.5 if scale is None else scale,
                q_offset=kv_len - q_len, kv_len=kv_len, interpret=interpret, **tiles)
-  q_seg = kv_seg = None
-  if segment_ids is not None:
-    segment_ids = segment_ids.astype(jnp.int32)
-    q_seg = tiling.pad_axis(segment_ids[:, kv_len - q_len:], 1, q_pad)
-    kv_seg = tiling.pad_axis(segment_ids, 1, kv_pad)
+  q_seg, kv_seg = tiling.padded_segments(segment_ids, q_len, q_pad, kv_pad)
   pad = lambda x, n: tiling.pad_axis(x, 1, n)
-  o = _flash(pad(q, q_pad), pad(k, kv_pad), pad(v, kv_pad), q_seg, kv_seg, st)
+  o = _flash(st, pad(q, q_pad), pad(k, kv_pad), pad(v, kv_pad), q_seg, kv_seg)
   return o[:, :q_len]

@@ -19,6 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxpar.pallas_kernels import masking, tiling, validation
 from jaxpar.pallas_kernels.block_sizes import default_block_sizes
+from jaxpar.pallas_kernels.lse_vjp import with_lse_vjp
 from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
 _LANES = 128
@@ -312,23 +313,8 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, st):
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, st):
-  return _forward(q, k, v, q_seg, kv_seg, st)[0]
-
-
-def _flash_fwd(q, k, v, q_seg, kv_seg, st):
-  o, lse = _forward(q, k, v, q_seg, kv_seg, st)
-  return o, (q, k, v, q_seg, kv_seg, o, lse)
-
-
-def _flash_bwd(st, res, do):
-  q, k, v, q_seg, kv_seg, o, lse = res
-  dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, o, lse, do, st)
-  return dq, dk, dv, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+# Kernels take `st` last; the shared VJP passes it first.
+_flash = with_lse_vjp(lambda st, *args: _forward(*args, st), lambda st, *args: _backward(*args, st))
 
 
 def flash_attention_tpu(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
@@ -355,12 +341,8 @@ def flash_attention_tpu(q, k, v, *, segment_ids=None, causal=True, sliding_windo
                q_offset=kv_len - q_len, kv_len=kv_len, vmem_limit_bytes=blocks.vmem_limit_bytes,
                interpret=interpret, **tiles)
   to_kernel = lambda x, n: tiling.pad_axis(x, 1, n).transpose(0, 2, 1, 3)
-  q_seg = kv_seg = None
-  if segment_ids is not None:
-    segment_ids = segment_ids.astype(jnp.int32)
-    q_seg = tiling.pad_axis(segment_ids[:, kv_len - q_len:], 1, q_pad)
-    kv_seg = tiling.pad_axis(segment_ids, 1, kv_pad)
-  o = _flash(to_kernel(q, q_pad), to_kernel(k, kv_pad), to_kernel(v, kv_pad), q_seg, kv_seg, st)
+  q_seg, kv_seg = tiling.padded_segments(segment_ids, q_len, q_pad, kv_pad)
+  o = _flash(st, to_kernel(q, q_pad), to_kernel(k, kv_pad), to_kernel(v, kv_pad), q_seg, kv_seg)
   return o.transpose(0, 2, 1, 3)[:, :q_len]
 
 

@@ -19,3 +19,13 @@ def pad_axis(x, axis, length):
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, length - x.shape[axis])
   return jnp.pad(x, widths)
+
+
+def padded_segments(segment_ids, q_len, q_pad, kv_pad):
+  """(query, key) segment ids [B, q_pad] / [B, kv_pad] as int32; queries are the last
+  q_len keys. (None, None) without segments."""
+  if segment_ids is None:
+    return None, None
+  segment_ids = segment_ids.astype(jnp.int32)
+  kv_len = segment_ids.shape[1]
+  return pad_axis(segment_ids[:, kv_len - q_len:], 1, q_pad), pad_axis(segment_ids, 1, kv_pad)
