@@ -86,7 +86,10 @@ class Llama(nnx.Module):
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    x = constrain(self.embed[...].astype(dtype)[tokens], _ACTIVATION)
+    # Gather rows from a table split only by vocab: each device looks up the rows it holds
+    # and the partial results are summed, instead of resharding the whole table.
+    table = constrain(self.embed[...].astype(dtype), ("vocab", "act_embed"))
+    x = constrain(table[tokens], _ACTIVATION)
     layer_fn = self._layer_fn()
     if cfg.scan_layers:
       graphdef, stacked = nnx.split(self.layers)

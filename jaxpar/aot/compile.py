@@ -1,0 +1,111 @@
+"""Compile the real train step for a TPU topology on a CPU host and report whether it fits,
+what it communicates and how fast it would run (an estimate; see roofline.py)."""
+
+import json
+import math
+import pickle
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.aot import hlo, roofline
+from jaxpar.aot.chips import parse_slice, topology_devices
+from jaxpar.flops import train_flops_per_token
+from jaxpar.trainer import BATCH_KEYS, Trainer
+
+_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "HbmOom", "Ran out of memory")
+
+
+def abstract_batch(trainer) -> dict:
+  data = trainer.config.data
+  shape = (data.global_batch_size, data.seq_len)
+  return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
+                                  sharding=trainer.batch_sharding) for k in BATCH_KEYS}
+
+
+def per_device_bytes(tree) -> int:
+  """Bytes of one device's shards of an abstract, sharded tree (what it holds, by hand)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def compile_step(trainer):
+  """(compiled train step or None, the out-of-memory message or None)."""
+  state, batch = trainer.abstract_state(), abstract_batch(trainer)
+  with trainer.context():
+    lowered = trainer.train_step.lower(state, batch)
+    try:
+      return lowered.compile(), None
+    except Exception as e:  # XLA raises a bare XlaRuntimeError for OOM
+      if not any(m in str(e) for m in _OOM_MARKERS):
+        raise
+      lines = [line for line in str(e).splitlines() if line.strip()]
+      return None, " ".join(lines[:2])[:400]
+
+
+def compile_for_topology(config, topology: str, num_slices: int = 1):
+  """(report dict, compiled executable or None) for `config` on `num_slices` x `topology`."""
+  chip, devices = topology_devices(topology, num_slices)
+  trainer = Trainer(config, devices)
+  started = time.perf_counter()
+  compiled, oom = compile_step(trainer)
+  report = build_report(trainer, compiled, oom, chip, topology, num_slices)
+  report["compile_s"] = time.perf_counter() - started
+  return report, compiled
+
+
+def build_report(trainer, compiled, oom, chip, topology, num_slices) -> dict:
+  cfg, mesh = trainer.config, trainer.mesh
+  state = trainer.abstract_state()
+  model_flops = (train_flops_per_token(cfg.model, cfg.data.seq_len)
+                 * cfg.data.global_batch_size * cfg.data.seq_len)
+  report = {
+    "topology": topology, "libtpu_topology": parse_slice(topology)[1], "num_slices": num_slices,
+    "chip": chip.name, "devices": mesh.size,
+    "mesh": {a: s for a, s in mesh.shape.items() if s > 1},
+    "dcn_axis": cfg.mesh.dcn_axis if num_slices > 1 else None,
+    "remat": cfg.model.remat, "microbatches": cfg.train.microbatches,
+    "num_layers": cfg.model.num_layers, "params": trainer.num_params,
+    "model_flops_per_step": model_flops,
+    "hbm_bytes": chip.hbm_bytes,
+    "state_bytes": {"params": per_device_bytes(state["params"]),
+                    "opt_state": per_device_bytes(state["opt_state"])},
+    "fits": compiled is not None, "oom": oom,
+  }
+  if compiled is None:
+    return report
+  memory = compiled.memory_analysis()
+  sizes = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+           "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
+           "code": memory.generated_code_size_in_bytes}
+  sizes["total"] = (sizes["arguments"] + sizes["outputs"] - sizes["aliased"]
+                    + sizes["temporaries"] + sizes["code"])
+  slices = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
+  rows = hlo.summarize(hlo.collectives(compiled.as_text(), slices))
+  est = roofline.estimate(chip, mesh.size, model_flops, cfg.model.remat, rows, sizes["arguments"])
+  cost = compiled.cost_analysis() or {}
+  cost = cost[0] if isinstance(cost, list) else cost
+  optimal = cost.get("optimal_seconds", -1.0)
+  report.update({
+    "memory": sizes, "fits": sizes["total"] <= chip.hbm_bytes, "collectives": rows,
+    "estimate": {"step_s": est.step_s, "compute_s": est.compute_s, "ici_s": est.ici_s,
+                 "dcn_s": est.dcn_s, "memory_s": est.memory_s,
+                 "mfu": model_flops / (est.step_s * mesh.size * chip.peak_flops)},
+    # One trip of each loop and sometimes negative (DESIGN.md): shown only when positive.
+    "compiler_optimal_s": optimal if optimal > 0 else None,
+  })
+  return report
+
+
+def save(directory, report: dict, compiled) -> Path:
+  """report.json and, when it compiled, the serialized executable (train_step.exe)."""
+  from jax.experimental.serialize_executable import serialize
+  path = Path(directory)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / "report.json").write_text(json.dumps(report, indent=2))
+  if compiled is not None:
+    with open(path / "train_step.exe", "wb") as f:
+      pickle.dump(serialize(compiled), f)
+  return path
