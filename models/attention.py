@@ -5,6 +5,7 @@ from flax import nnx
 
 from jaxpar import pallas_kernels
 from jaxpar.mesh import constrain
+from jaxpar.models.dense import dense
 from jaxpar.models.init import fan_in
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.rope import apply_rope
@@ -38,9 +39,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x, positions, segment_ids, inv_freq):
     dt = self.dtype
-    q = jnp.einsum("ble,ehd->blhd", x, self.q[...].astype(dt))
-    k = jnp.einsum("ble,ehd->blhd", x, self.k[...].astype(dt))
-    v = jnp.einsum("ble,ehd->blhd", x, self.v[...].astype(dt))
+    q = dense(x, self.q[...].astype(dt))
+    k = dense(x, self.k[...].astype(dt))
+    v = dense(x, self.v[...].astype(dt))
     if self.use_bias:
       q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
                  v + self.v_bias[...].astype(dt))
@@ -51,4 +52,4 @@ class Attention(nnx.Module):
     v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
     out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=segment_ids,
                                    implementation=self.implementation)
-    return jnp.einsum("blhd,hde->ble", out, self.o[...].astype(dt))
+    return dense(out, self.o[...].astype(dt), contract=2)

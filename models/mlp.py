@@ -1,10 +1,10 @@
 """SwiGLU feed-forward block (Shazeer, 2020), as in Llama."""
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.mesh import constrain
+from jaxpar.models.dense import dense
 from jaxpar.models.init import fan_in
 
 
@@ -20,7 +20,7 @@ class MLP(nnx.Module):
     self.dtype = compute_dtype
 
   def __call__(self, x):
-    gate = jnp.einsum("ble,em->blm", x, self.gate[...].astype(self.dtype))
-    up = jnp.einsum("ble,em->blm", x, self.up[...].astype(self.dtype))
+    gate = dense(x, self.gate[...].astype(self.dtype))
+    up = dense(x, self.up[...].astype(self.dtype))
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-    return jnp.einsum("blm,me->ble", hidden, self.down[...].astype(self.dtype))
+    return dense(hidden, self.down[...].astype(self.dtype))
