@@ -80,6 +80,38 @@ def _cmd_convert_jaxpar_to_hf(ns):
                 f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
 
 
+def _compile_on_this_host():
+  """TPU topology compiles run on the CPU backend: never try to open a TPU (or GPU) here."""
+  import jax
+  jax.config.update("jax_platforms", jax.config.jax_platforms or "cpu")
+
+
+def _cmd_compile(ns):
+  _compile_on_this_host()
+  from jaxpar.aot.compile import compile_for_topology, save
+  from jaxpar.aot.report import format_report
+  from jaxpar.config import load_config
+  path, overrides = _split_args(ns.args)
+  config = load_config(path, overrides)
+  topology = ns.topology or config.mesh.topology
+  if topology is None:
+    raise ValueError("no TPU topology: pass --topology (e.g. v6e-256) or set mesh.topology")
+  report, compiled = compile_for_topology(config, topology, ns.num_slices)
+  console.print(format_report(report), markup=False, highlight=False)
+  if ns.save:
+    console.print(f"saved to {save(ns.save, report, compiled)}")
+
+
+def _cmd_plan(ns):
+  if ns.topology:
+    _compile_on_this_host()
+  from jaxpar.aot.plan import run_plan
+  from jaxpar.config import load_config
+  path, overrides = _split_args(ns.args)
+  run_plan(load_config(path, overrides), topology=ns.topology, top=ns.top, measure=ns.measure,
+           output=ns.output, echo=lambda text: console.print(text, markup=False, highlight=False))
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="jaxpar", description="Train and serve LLMs on device meshes.")
   parser.add_argument("--debug", action="store_true", help="show full tracebacks")
@@ -111,6 +143,35 @@ def build_parser() -> argparse.ArgumentParser:
   to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                      help="tensor dtype on disk (default: the model's param_dtype)")
   to_hf.set_defaults(func=_cmd_convert_jaxpar_to_hf)
+
+  compile_ = commands.add_parser(
+      "compile", help="compile the train step for a TPU topology (no TPU needed)",
+      description="Compile CONFIG's train step for a TPU slice on this host (libtpu, "
+      "JAX_PLATFORMS=cpu): per-device memory against HBM, FITS / DOES NOT FIT, estimated step "
+      "time and MFU, collectives. Prefill/decode steps: not yet (no inference engine).")
+  compile_.add_argument("args", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
+  compile_.add_argument("--topology", help="TPU slice, e.g. v6e-256 or v5p:4x4x4 "
+                        "(default: the config's mesh.topology)")
+  compile_.add_argument("--num-slices", type=int,
+                        help="slices joined over DCN, the mesh's dcn_axis spanning them "
+                        "(default: mesh.num_slices)")
+  compile_.add_argument("--save", metavar="DIR", help="write report.json, the serialized "
+                        "executable train_step.exe and its HLO here")
+  compile_.set_defaults(func=_cmd_compile)
+
+  plan = commands.add_parser(
+      "plan", help="rank mesh / remat / microbatch choices, compile-verified",
+      description="Enumerate data x fsdp x tensor meshes, remat policies and microbatch "
+      "counts for CONFIG; prune with an analytic model; compile the best K; write the winner "
+      "as a config you can pass to `jaxpar train`.")
+  plan.add_argument("args", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
+  plan.add_argument("--topology", help="TPU slice (e.g. v5p-128); default: this host's devices")
+  plan.add_argument("--top", type=int, default=3, help="candidates to compile (default 3)")
+  plan.add_argument("--measure", action="store_true",
+                    help="also run the compiled candidates here (local devices only) and report "
+                    "the rank correlation of predicted and measured step times")
+  plan.add_argument("--output", default="plan.yaml", help="where to write the winning config")
+  plan.set_defaults(func=_cmd_plan)
 
   config = commands.add_parser("config", help="inspect configs")
   config_commands = config.add_subparsers(dest="config_command", required=True)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxpar.aot import hlo, roofline
 from jaxpar.aot.chips import parse_slice, topology_devices
+from jaxpar.config import replace
 from jaxpar.flops import train_flops_per_token
 from jaxpar.trainer import BATCH_KEYS, Trainer
 
@@ -45,8 +46,12 @@ def compile_step(trainer):
       return None, " ".join(lines[:2])[:400]
 
 
-def compile_for_topology(config, topology: str, num_slices: int = 1):
-  """(report dict, compiled executable or None) for `config` on `num_slices` x `topology`."""
+def compile_for_topology(config, topology: str, num_slices: int | None = None):
+  """(report dict, compiled executable or None) for `config` on `num_slices` x `topology`
+  (default: the config's mesh.num_slices)."""
+  num_slices = num_slices or config.mesh.num_slices
+  if num_slices != config.mesh.num_slices:
+    config = replace(config, mesh={"num_slices": num_slices})
   chip, devices = topology_devices(topology, num_slices)
   trainer = Trainer(config, devices)
   started = time.perf_counter()
@@ -90,8 +95,9 @@ def build_report(trainer, compiled, oom, chip, topology, num_slices) -> dict:
   optimal = cost.get("optimal_seconds", -1.0)
   report.update({
     "memory": sizes, "fits": sizes["total"] <= chip.hbm_bytes, "collectives": rows,
-    "estimate": {"step_s": est.step_s, "compute_s": est.compute_s, "ici_s": est.ici_s,
-                 "dcn_s": est.dcn_s, "memory_s": est.memory_s,
+    "estimate": {"step_s": est.step_s, "overlapped_s": est.overlapped_s,
+                 "compute_s": est.compute_s, "ici_s": est.ici_s, "dcn_s": est.dcn_s,
+                 "memory_s": est.memory_s,
                  "mfu": model_flops / (est.step_s * mesh.size * chip.peak_flops)},
     # One trip of each loop and sometimes negative (DESIGN.md): shown only when positive.
     "compiler_optimal_s": optimal if optimal > 0 else None,
@@ -100,7 +106,8 @@ def build_report(trainer, compiled, oom, chip, topology, num_slices) -> dict:
 
 
 def save(directory, report: dict, compiled) -> Path:
-  """report.json and, when it compiled, the serialized executable (train_step.exe)."""
+  """report.json and, when it compiled, the serialized executable (train_step.exe) and its
+  HLO text (train_step.hlo.txt)."""
   from jax.experimental.serialize_executable import serialize
   path = Path(directory)
   path.mkdir(parents=True, exist_ok=True)
@@ -108,4 +115,5 @@ def save(directory, report: dict, compiled) -> Path:
   if compiled is not None:
     with open(path / "train_step.exe", "wb") as f:
       pickle.dump(serialize(compiled), f)
+    (path / "train_step.hlo.txt").write_text(compiled.as_text())
   return path

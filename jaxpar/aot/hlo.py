@@ -16,6 +16,9 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1}
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%(\S+) ")
 _COLLECTIVE = re.compile(r"= (.+?) (" + "|".join(KINDS) + r")(-start)?\(")
+# Multi-slice: libtpu lowers a DCN collective to a host-transfer send for the megascale runtime.
+_MEGASCALE = re.compile(r"= \((.+?), u32\[\], token\[\]\) send\(.*"
+                        r"_xla_megascale_transfer_type=\"(\w+)\"")
 _CALLEE = re.compile(r"(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 
@@ -74,9 +77,12 @@ def _split_computations(hlo: str) -> tuple[dict[str, list[str]], str]:
 
 
 def _trip_count(condition: list[str]) -> int:
-  """A scan's condition compares the counter with one constant: `i < N`."""
-  constants = [int(c) for line in condition for c in re.findall(r"constant\((\d+)\)", line)]
-  return max(constants, default=1)
+  """A scan's condition ends in `ROOT compare(counter, N), direction=LT`: N is the trip count
+  (1 when the condition has another form: better to undercount than to guess)."""
+  constants = dict(re.findall(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", "\n".join(condition)))
+  root = next((line for line in condition if "ROOT" in line and "direction=LT" in line), "")
+  operands = re.findall(r"%([\w.\-]+)", root.split("compare(", 1)[-1].split(")", 1)[0])
+  return next((int(constants[o]) for o in operands if o in constants), 1)
 
 
 def collectives(hlo: str, slice_of_device=None) -> list[Collective]:
@@ -92,7 +98,9 @@ def collectives(hlo: str, slice_of_device=None) -> list[Collective]:
     for line in computations.get(name, ()):
       if m := _COLLECTIVE.search(line):
         found.append(_one(m, line, weight, num_devices, slice_of_device))
-      callees = dict((k, v) for k, v in _CALLEE.findall(line))
+      elif m := _MEGASCALE.search(line):
+        found.append(_dcn(m, weight, slice_of_device))
+      callees = dict(_CALLEE.findall(line))
       if "body" in callees:
         trips = _trip_count(computations.get(callees["condition"], ()))
         visit(callees["body"], weight * trips)
@@ -106,6 +114,20 @@ def collectives(hlo: str, slice_of_device=None) -> list[Collective]:
   return found
 
 
+def _wire(kind: str, size: float, n: int) -> float:
+  """Bytes each device sends for one collective over a group of n (ring algorithms)."""
+  return {"all-gather": size * (n - 1) / n, "reduce-scatter": size * (n - 1) / n,
+          "all-reduce": 2 * size * (n - 1) / n, "all-to-all": size * (n - 1) / n,
+          "collective-permute": size}.get(kind, size)
+
+
+def _dcn(match, weight, slice_of_device) -> Collective:
+  kind = match[2].lower().replace("_", "-")
+  size = sum(_array_bytes(match[1]))
+  slices = len(set(slice_of_device)) if slice_of_device is not None else 2
+  return Collective(kind, weight, size * weight, _wire(kind, size, slices) * weight, True)
+
+
 def _one(match, line, weight, num_devices, slice_of_device) -> Collective:
   shape, kind, is_async = match[1], match[2], bool(match[3])
   sizes = _array_bytes(shape)
@@ -116,9 +138,7 @@ def _one(match, line, weight, num_devices, slice_of_device) -> Collective:
   n = groups.shape[1]
   if kind == "reduce-scatter":
     size *= n  # what each device contributes
-  wire = {"all-gather": size * (n - 1) / n, "reduce-scatter": size * (n - 1) / n,
-          "all-reduce": 2 * size * (n - 1) / n, "all-to-all": size * (n - 1) / n,
-          "collective-permute": size}[kind]
+  wire = _wire(kind, size, n)
   dcn = False
   if slice_of_device is not None and groups.max() < len(slice_of_device):
     dcn = bool((np.ptp(np.asarray(slice_of_device)[groups], axis=1) > 0).any())

@@ -2,7 +2,7 @@
 
 
 def gib(n: float) -> str:
-  return f"{n / 2 ** 30:.2f} GiB"
+  return f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
 
 
 def format_report(r: dict) -> str:
@@ -28,7 +28,8 @@ def format_report(r: dict) -> str:
               if r["compiler_optimal_s"] else "; compiler's optimal_seconds unusable (<= 0)")
   lines += [f"model FLOPs/step {r['model_flops_per_step']:.3e}; estimated step {e['step_s']:.3f} s "
             f"(compute {e['compute_s']:.3f}, ICI {e['ici_s']:.3f}, DCN {e['dcn_s']:.3f}, "
-            f"HBM {e['memory_s']:.3f}) -> estimated MFU {100 * e['mfu']:.1f}% (a roofline "
+            f"HBM {e['memory_s']:.3f}; {e['overlapped_s']:.3f} if collectives all overlap) "
+            f"-> estimated MFU {100 * e['mfu']:.1f}% (a roofline "
             f"estimate, not a measurement){compiler}",
             "collectives per step (loop trips counted), per device:",
             f"  {'kind':<20} {'link':<4} {'count':>6} {'bytes':>12} {'on wire':>12}"]

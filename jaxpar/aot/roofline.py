@@ -1,6 +1,6 @@
 """Our step-time estimate for a compiled train step on a TPU slice. An estimate, not a
 measurement; the compiler's own `optimal_seconds` is unreliable (negative on some
-programs, one loop trip only), so we build a roofline of three terms:
+programs, one loop trip only), so we add up three roofline terms:
 
   compute = model FLOPs x remat factor / (devices x chip bf16 peak)
             full remat runs the forward twice: 8 forward-passes' worth instead of 6 (x 4/3);
@@ -10,11 +10,12 @@ programs, one loop trip only), so we build a roofline of three terms:
   memory  = 2 x per-device argument bytes / HBM bandwidth: the optimizer reads and writes
             the whole train state once per step.
 
-  step = max(compute, comm) + memory
+  step = compute + comm + memory
 
-Collectives are assumed to overlap with compute (XLA's async collectives and latency-hiding
-scheduler), the optimizer's HBM traffic not. Kernel inefficiency, elementwise traffic and
-exposed collective latency are left out, so the MFU it implies is an upper bound.
+Errors go both ways: matmuls at 100% of peak and no attention/elementwise/HBM cost make it
+optimistic; no overlap of collectives with compute (XLA's async collectives do overlap
+FSDP gathers) makes it pessimistic. `overlapped_s` = max(compute, comm) + memory is the
+bound if every collective hid behind compute.
 """
 
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ class Estimate:
 
   @property
   def step_s(self) -> float:
+    return self.compute_s + self.ici_s + self.dcn_s + self.memory_s
+
+  @property
+  def overlapped_s(self) -> float:
     return max(self.compute_s, self.ici_s + self.dcn_s) + self.memory_s
 
 

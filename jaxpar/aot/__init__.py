@@ -1,0 +1,1 @@
+"""Ahead-of-time compilation for TPU topologies on a CPU host, and the parallelism planner."""

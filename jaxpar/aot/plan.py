@@ -1,0 +1,216 @@
+"""`jaxpar plan`: enumerate data x fsdp x tensor meshes, remat policies and microbatch counts,
+prune with the analytic model (cost_model.py), compile the best K, rank what compiled.
+
+On a TPU topology the ranking uses the compiled program (HBM fit + roofline.py); on this
+host's devices (simulated CPU devices) it can also run the candidates and rank by measured
+step time, reporting how well the prediction ordered them (Spearman rank correlation).
+Single slice only: multi-slice layouts are checked with `jaxpar compile --num-slices`.
+"""
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.aot import cost_model
+from jaxpar.aot.chips import topology_devices
+from jaxpar.aot.compile import build_report, compile_step
+from jaxpar.aot.cost_model import Hardware, Layout
+from jaxpar.config import replace, to_yaml
+from jaxpar.flops import measure_matmul_flops
+from jaxpar.mesh import resolve_axis_sizes
+from jaxpar.model_state import abstract_model, count_params
+from jaxpar.trainer import Trainer
+
+REMATS = ("none", "save_dots", "full")
+MICROBATCHES = (1, 2, 4, 8)
+FIT_MARGIN = 0.9  # the analytic memory is rough: keep candidates within 90% of HBM
+
+
+@dataclass
+class Candidate:
+  layout: Layout
+  predicted_s: float
+  predicted_bytes: float
+  is_default: bool = False
+  compiled: dict = field(default_factory=dict)  # fits, bytes, estimate_s (TPU)
+  measured_s: float | None = None
+
+
+def layouts(config, num_devices: int) -> list[Layout]:
+  """Every data x fsdp x tensor = num_devices split the model and batch allow."""
+  m, batch = config.model, config.data.global_batch_size
+  found = []
+  for tensor in _divisors(num_devices):
+    if m.num_heads % tensor or m.num_kv_heads % tensor:
+      continue
+    for data in _divisors(num_devices // tensor):
+      fsdp = num_devices // tensor // data
+      for remat, micro in itertools.product(REMATS, MICROBATCHES):
+        if batch % micro == 0 and (batch // micro) % (data * fsdp) == 0:
+          found.append(Layout(data, fsdp, tensor, remat, micro))
+  return found
+
+
+def default_layout(config, num_devices: int) -> Layout:
+  sizes = resolve_axis_sizes(config.mesh.axis_sizes(), num_devices)
+  return Layout(sizes["data"], sizes["fsdp"], sizes["tensor"], config.model.remat,
+                config.train.microbatches)
+
+
+def host_hardware(config) -> Hardware:
+  """This host as the target: its measured matmul rate and memory-copy bandwidth."""
+  peak = measure_matmul_flops(jnp.dtype(config.model.compute_dtype))
+  buffer = np.ones(16 * 2 ** 20, np.float32)
+  start = time.perf_counter()
+  for _ in range(5):
+    buffer.copy()
+  copy_bandwidth = 5 * buffer.nbytes / (time.perf_counter() - start)
+  return Hardware("host", None, peak, copy_bandwidth, copy_bandwidth, shared_host=True)
+
+
+def chip_hardware(chip) -> Hardware:
+  return Hardware(chip.name, chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth,
+                  chip.ici_bandwidth, shared_host=False)
+
+
+def rank(config, num_devices: int, hw: Hardware, num_params: int) -> list[Candidate]:
+  """All layouts that the analytic model says fit, fastest predicted first; the config's
+  own layout is always kept (marked default) so the winner can be compared with it."""
+  default = default_layout(config, num_devices)
+  candidates = []
+  for layout in layouts(config, num_devices):
+    memory = cost_model.memory_bytes(config, layout, num_params)
+    if hw.hbm_bytes is not None and memory > FIT_MARGIN * hw.hbm_bytes and layout != default:
+      continue
+    candidates.append(Candidate(layout, cost_model.step_seconds(config, layout, num_params, hw),
+                                memory, is_default=layout == default))
+  return sorted(candidates, key=lambda c: c.predicted_s)
+
+
+def _measure(trainer, steps: int = 5) -> float:
+  """Median seconds of `steps` train steps after one warm-up, on synthetic tokens."""
+  cfg = trainer.config
+  rng = np.random.default_rng(0)
+  shape = (cfg.data.global_batch_size, cfg.data.seq_len)
+  batch = {"inputs": rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32),
+           "targets": rng.integers(0, cfg.model.vocab_size, shape, dtype=np.int32),
+           "segment_ids": np.ones(shape, np.int32),
+           "positions": np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape).copy(),
+           "loss_mask": np.ones(shape, np.float32)}
+  batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in batch.items()}
+  state = trainer.init_state()
+  state, _ = trainer.step(state, batch)
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = trainer.step(state, batch)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def spearman(a, b) -> float:
+  ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+  return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 1 else float("nan")
+
+
+def plan(config, topology: str | None = None, top: int = 3, measure: bool = False, echo=print):
+  """(candidates that compiled and fit, best first; all compiled candidates; the winner as a
+  config; Spearman rho of predicted vs measured step times, or None without `measure`)."""
+  if measure and topology:
+    raise ValueError("--measure runs candidates on this host: drop --topology to plan for it")
+  if topology:
+    chip, devices = topology_devices(topology)
+    hw = chip_hardware(chip)
+  else:
+    chip, devices = None, jax.devices()
+    hw = host_hardware(config)
+  num_params = count_params(abstract_model(config.model)[1])
+  ranked = rank(config, len(devices), hw, num_params)
+  echo(f"{len(layouts(config, len(devices)))} layouts, {len(ranked)} kept by the analytic model "
+       f"on {len(devices)} {hw.name} devices; compiling the best {top}"
+       f"{f' and {top} spread over the rest' if measure else ''} (and the config's own)")
+  chosen = ranked[:top]
+  if measure:  # also sample the rest of the ranking: near-ties alone say little about order
+    rest = ranked[top:]
+    chosen += [rest[i] for i in sorted(set(np.linspace(0, len(rest) - 1, top).astype(int)))
+               ] if rest else []
+  chosen += [c for c in ranked if c.is_default and c not in chosen]
+  for candidate in chosen:
+    _compile_one(config, candidate, devices, chip, topology, measure)
+  ok = [c for c in chosen if c.compiled.get("fits")]
+  if not ok:
+    raise ValueError("no candidate fits: use a bigger topology or a smaller global batch")
+  key = ((lambda c: c.measured_s) if measure else
+         (lambda c: c.compiled["estimate_s"]) if chip else (lambda c: c.predicted_s))
+  ok.sort(key=key)
+  rho = spearman([c.predicted_s for c in ok], [c.measured_s for c in ok]) if measure else None
+  winner = replace(config, **ok[0].layout.overrides())
+  return ok, chosen, winner, rho
+
+
+def _compile_one(config, candidate, devices, chip, topology, measure):
+  try:
+    trainer = Trainer(replace(config, **candidate.layout.overrides()), devices)
+  except ValueError as e:  # a split the model's shapes reject
+    candidate.compiled = {"fits": False, "error": str(e)}
+    return
+  compiled, oom = compile_step(trainer)
+  if chip is not None:
+    report = build_report(trainer, compiled, oom, chip, topology, 1)
+    candidate.compiled = {"fits": report["fits"],
+                          "bytes": report.get("memory", {}).get("total"),
+                          "estimate_s": report.get("estimate", {}).get("step_s"),
+                          "mfu": report.get("estimate", {}).get("mfu"),
+                          "collectives": report.get("collectives", [])}
+    return
+  memory = compiled.memory_analysis()
+  candidate.compiled = {"fits": True, "bytes": memory.argument_size_in_bytes
+                        + memory.temp_size_in_bytes + memory.output_size_in_bytes
+                        - memory.alias_size_in_bytes}
+  if measure:
+    candidate.measured_s = _measure(trainer)
+
+
+def format_table(candidates) -> str:
+  lines = [f"{'#':>2} {'layout':<58} {'pred s':>9} {'pred GiB':>9} {'comp GiB':>9} "
+           f"{'est s':>8} {'est MFU':>8} {'meas s':>8}  collectives"]
+  for i, c in enumerate(candidates, 1):
+    k = c.compiled
+    colls = ", ".join(f"{r['kind']}x{r['count']}" for r in k.get("collectives", [])[:3])
+    fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+    lines.append(f"{i:>2} {str(c.layout) + (' (config)' if c.is_default else ''):<58} "
+                 f"{c.predicted_s:>9.3g} {c.predicted_bytes / 2 ** 30:>9.3f} "
+                 f"{fmt(k.get('bytes') and k['bytes'] / 2 ** 30, '9.3f'):>9} "
+                 f"{fmt(k.get('estimate_s'), '8.3g'):>8} "
+                 f"{fmt(k.get('mfu') and 100 * k['mfu'], '7.1f'):>8} "
+                 f"{fmt(c.measured_s, '8.3g'):>8}  {colls}")
+  return "\n".join(lines)
+
+
+def run_plan(config, topology=None, top=3, measure=False, output="plan.yaml", echo=print):
+  ok, chosen, winner, rho = plan(config, topology, top, measure, echo)
+  echo(format_table(ok))
+  failed = [c for c in chosen if not c.compiled.get("fits")]
+  for c in failed:
+    echo(f"did not fit / compile: {c.layout} {c.compiled.get('error', '')}")
+  if rho is not None:
+    echo(f"Spearman rank correlation, predicted vs measured step time: {rho:.2f} "
+         f"over {len(ok)} candidates")
+    predicted_best = min(ok, key=lambda c: c.predicted_s)
+    default = next(c for c in chosen if c.is_default)
+    echo(f"measured: predicted winner ({predicted_best.layout}) {predicted_best.measured_s:.4f} s, "
+         f"measured winner {ok[0].measured_s:.4f} s, config's layout {default.measured_s:.4f} s")
+  Path(output).write_text(to_yaml(winner))
+  echo(f"winner: {ok[0].layout}; written to {output} (jaxpar train {output})")
+  return ok, rho
+
+
+def _divisors(n: int) -> list[int]:
+  return [k for k in range(1, n + 1) if n % k == 0]

@@ -1,0 +1,150 @@
+"""`jaxpar compile`: TPU topology compiles on this CPU host (libtpu) report memory that
+matches hand computation, say DOES NOT FIT for weights that cannot fit, count collectives
+per loop trip, and see the DCN collectives of a multi-slice mesh."""
+
+import importlib.util
+import json
+
+import pytest
+
+from jaxpar.aot import hlo
+from jaxpar.aot.chips import parse_slice, topology_devices
+from jaxpar.aot.compile import abstract_batch, build_report, compile_for_topology, compile_step
+from jaxpar.aot.compile import per_device_bytes
+from jaxpar.cli import main
+from jaxpar.config import load_config
+from jaxpar.trainer import Trainer
+from tests.helpers import small_config
+
+HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
+
+
+@pytest.mark.parametrize("name,libtpu_name", [
+    ("v6e-256", "v6e:16x16"), ("v5p-128", "v5p:4x4x4"), ("v5p-512", "v5p:4x8x8"),
+    ("v5e-256", "v5e:16x16"), ("v5e-4", "v5e:2x2"), ("v5p:2x2x1", "v5p:2x2x1")])
+def test_slice_names(name, libtpu_name):
+  assert parse_slice(name)[1] == libtpu_name
+
+
+def test_bad_slice_names_say_what_exists():
+  with pytest.raises(ValueError, match="no v5p slice of that size; use one of v5p-8"):
+    parse_slice("v5p-100")
+  with pytest.raises(ValueError, match="is not like v6e-256"):
+    parse_slice("h100-8")
+
+
+FSDP_MODEL = dict(vocab_size=1024, embed_dim=256, num_layers=2, num_heads=2, num_kv_heads=2,
+                  head_dim=128, mlp_dim=512, compute_dtype="bfloat16")
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
+def test_fsdp_argument_bytes_match_hand_computation():
+  config = small_config(model=FSDP_MODEL, mesh={"fsdp": 4}, data={"seq_len": 128})
+  chip, devices = topology_devices("v5e-4")
+  trainer = Trainer(config, devices)
+  compiled, oom = compile_step(trainer)
+  assert oom is None
+  m = config.model
+  sharded = 2 * m.vocab_size * m.embed_dim + m.num_layers * (
+      2 * m.embed_dim * m.num_heads * m.head_dim + 2 * m.embed_dim * m.num_kv_heads * m.head_dim
+      + 3 * m.embed_dim * m.mlp_dim)
+  replicated = (2 * m.num_layers + 1) * m.embed_dim  # norm scales
+  params = 4 * (sharded // 4 + replicated)  # f32, split 4 ways over fsdp
+  state = trainer.abstract_state()
+  assert per_device_bytes(state["params"]) == params
+  assert per_device_bytes(state["opt_state"]) == 2 * params + 2 * 4  # Adam mu, nu + counts
+  batch = 5 * 4 * config.data.global_batch_size // 4 * config.data.seq_len
+  assert per_device_bytes(abstract_batch(trainer)) == batch
+  expected = 3 * params + 3 * 4 + batch
+  # The TPU pads each of the 3 int32 scalars (step, Adam count, schedule count) to 512 bytes.
+  assert compiled.memory_analysis().argument_size_in_bytes == expected + 3 * (512 - 4)
+  report = build_report(trainer, compiled, None, chip, "v5e-4", 1)
+  assert report["fits"] and report["memory"]["total"] < chip.hbm_bytes
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
+def test_weights_that_cannot_fit_are_reported_as_not_fitting():
+  # 1.1B f32 params replicated (plain DP): 13 GiB of params + Adam, plus grads > 16 GiB.
+  model = dict(vocab_size=131072, embed_dim=4096, num_layers=1, num_heads=32, num_kv_heads=8,
+               head_dim=128, mlp_dim=256, compute_dtype="bfloat16")
+  config = small_config(model=model, mesh={"data": 4, "fsdp": 1, "rules": "dp"},
+                        data={"seq_len": 128, "global_batch_size": 4})
+  report, compiled = compile_for_topology(config, "v5e-4")
+  assert compiled is None and not report["fits"]
+  assert "memory" in report["oom"].lower()
+
+
+def _compile_tiny(layers, topology="v6e-4", num_slices=1, **mesh):
+  overrides = [f"model.num_layers={layers}", "model.scan_unroll=1", "data.global_batch_size=8"]
+  overrides += [f"mesh.{k}={v}" for k, v in mesh.items()]
+  return compile_for_topology(load_config("tiny", overrides), topology, num_slices)[0]
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
+def test_collectives_are_counted_per_loop_trip():
+  # Scanned layers compile to one loop body whatever the depth: 8 more layers must add
+  # 8 x (one layer's gathers), which only trip-count weighting sees.
+  shallow, deep = (_compile_tiny(n) for n in (2, 10))
+  count = lambda r: sum(c["count"] for c in r["collectives"] if c["kind"] == "all-gather")  # noqa: E731
+  per_layer = (count(deep) - count(shallow)) / 8
+  assert per_layer >= 7  # q, k, v, o, gate, up, down are each gathered at least once
+  assert count(deep) == count(shallow) + 8 * per_layer
+  assert deep["estimate"]["ici_s"] > shallow["estimate"]["ici_s"]
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
+def test_multi_slice_reports_dcn_collectives():
+  report = _compile_tiny(2, "v5e-4", 2, data=2)
+  assert report["devices"] == 8 and report["dcn_axis"] == "data"
+  kinds = {(c["kind"], c["dcn"]) for c in report["collectives"]}
+  assert ("all-reduce", True) in kinds  # gradients summed across slices
+  assert ("all-gather", False) in kinds  # FSDP inside each slice
+
+
+def test_hlo_parser_on_a_handwritten_module():
+  text = """HloModule m
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ag = f32[8]{0} all-gather(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  ROOT %t = (s32[], f32[8]) tuple(%i, %ag)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]) while(%t0), condition=%cond, body=%body
+  %ar = f32[8]{0} all-reduce(%a), channel_id=2, replica_groups={{0,1},{2,3},{4,5},{6,7}}
+}
+"""
+  slices = [0, 0, 0, 0, 1, 1, 1, 1]
+  rows = {(r["kind"], r["dcn"]): r for r in hlo.summarize(hlo.collectives(text, slices))}
+  gather = rows[("all-gather", False)]
+  assert gather["count"] == 5 and gather["bytes"] == 5 * 32
+  assert gather["wire_bytes"] == pytest.approx(5 * 32 * 3 / 4)
+  assert rows[("all-reduce", False)]["wire_bytes"] == pytest.approx(2 * 32 / 2)
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
+def test_cli_compile_prints_verdict_and_saves(tmp_path, capsys):
+  assert main(["compile", "tiny", "data.global_batch_size=8", "--topology", "v5e-4",
+               "--save", str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  assert "FITS" in out and "estimated MFU" in out and "all-gather" in out
+  report = json.loads((tmp_path / "report.json").read_text())
+  assert report["fits"] and report["libtpu_topology"] == "v5e:2x2"
+  assert (tmp_path / "train_step.exe").stat().st_size > 0
+
+
+def test_cli_compile_without_topology_says_how_to_give_one(capsys):
+  assert main(["compile", "tiny"]) == 2
+  assert "pass --topology" in capsys.readouterr().err
