@@ -25,6 +25,9 @@ def causal_lm_loss(logits, targets, loss_mask, z_loss: float = 0.0):
   return ce_sum + z_sum, {"ce_sum": ce_sum, "z_sum": z_sum, "tokens": jnp.sum(mask)}
 
 
+_PROJECTION = ("act_embed", "act_vocab")  # embed gathered, vocab split as the logits are
+
+
 def _chunk_len(length: int, target: int) -> int:
   """The largest divisor of `length` not above `target`."""
   return max(d for d in range(1, min(length, target) + 1) if length % d == 0)
@@ -46,6 +49,8 @@ def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
   batch, length, embed = hidden.shape
   chunk = _chunk_len(length, chunk_len)
   count = length // chunk
+  # Gather the (FSDP-split) projection once, not once per chunk inside the loop.
+  projection = constrain(projection, _PROJECTION)
 
   def split(x):  # [B, L, ...] -> [count, B, chunk, ...]: each chunk keeps the batch sharding
     return jnp.swapaxes(x.reshape(batch, count, chunk, *x.shape[2:]), 0, 1)
@@ -68,7 +73,8 @@ def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
     return d_projection, (ce, z, jnp.sum(m), d_hidden)
 
   d_projection, (ce, z, tokens, d_hidden) = jax.lax.scan(
-      body, jnp.zeros(projection.shape, jnp.float32), (split(hidden), split(targets), split(loss_mask)))
+      body, constrain(jnp.zeros(projection.shape, jnp.float32), _PROJECTION),
+      (split(hidden), split(targets), split(loss_mask)))
   d_hidden = jnp.swapaxes(d_hidden, 0, 1).reshape(hidden.shape)
   ce_sum, z_sum = jnp.sum(ce), jnp.sum(z)
   aux = {"ce_sum": ce_sum, "z_sum": z_sum, "tokens": jnp.sum(tokens)}
