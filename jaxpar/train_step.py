@@ -61,7 +61,7 @@ def make_train_step(graphdef, optimizer, schedule, *, z_loss: float, microbatche
     new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
                  "opt_state": opt_state}
     metrics = {"loss": aux["ce_sum"] / tokens, "z_loss": aux["z_sum"] / tokens,
-               "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"]),
+               "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
                "tokens": aux["tokens"]}
     return new_state, metrics
 
