@@ -218,13 +218,7 @@ def flash_attention_gpu(q, k, v, *, segment_ids=None, causal=True, sliding_windo
   validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap)
   blocks = block_sizes or default_block_sizes("gpu")
   q_len, kv_len = q.shape[1], k.shape[1]
-  tiles = {}
-  for name, block, length in (("block_q", blocks.block_q, q_len),
-                              ("block_k", blocks.block_k, kv_len),
-                              ("block_q_bwd", blocks.bwd.block_q, q_len),
-                              ("block_k_bwd", blocks.bwd.block_k, kv_len)):
-    validation.check_block(name, block, 16, power_of_two=True)
-    tiles[name] = tiling.fit_block(block, length, 16)
+  tiles = tiling.fit_tiles(blocks, q_len, kv_len, 16, power_of_two=True)
   tiles = {n: 1 << (t - 1).bit_length() for n, t in tiles.items()}  # Triton: powers of two
   q_pad = tiling.round_up(q_len, max(tiles["block_q"], tiles["block_q_bwd"]))
   kv_pad = tiling.round_up(kv_len, max(tiles["block_k"], tiles["block_k_bwd"]))

@@ -327,13 +327,7 @@ def flash_attention_tpu(q, k, v, *, segment_ids=None, causal=True, sliding_windo
   validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap)
   blocks = block_sizes or default_block_sizes("tpu", _device_kind())
   q_len, kv_len = q.shape[1], k.shape[1]
-  tiles = {}
-  for name, block, length in (("block_q", blocks.block_q, q_len),
-                              ("block_k", blocks.block_k, kv_len),
-                              ("block_q_bwd", blocks.bwd.block_q, q_len),
-                              ("block_k_bwd", blocks.bwd.block_k, kv_len)):
-    validation.check_block(name, block, _LANES)
-    tiles[name] = tiling.fit_block(block, length, _LANES)
+  tiles = tiling.fit_tiles(blocks, q_len, kv_len, _LANES)
   q_pad = tiling.round_up(q_len, math.lcm(tiles["block_q"], tiles["block_q_bwd"]))
   kv_pad = tiling.round_up(kv_len, math.lcm(tiles["block_k"], tiles["block_k_bwd"]))
   st = _Static(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,

@@ -2,6 +2,8 @@
 
 import jax.numpy as jnp
 
+from jaxpar.pallas_kernels import validation
+
 
 def round_up(n, multiple):
   return -(-n // multiple) * multiple
@@ -29,3 +31,16 @@ def padded_segments(segment_ids, q_len, q_pad, kv_pad):
   segment_ids = segment_ids.astype(jnp.int32)
   kv_len = segment_ids.shape[1]
   return pad_axis(segment_ids[:, kv_len - q_len:], 1, q_pad), pad_axis(segment_ids, 1, kv_pad)
+
+
+def fit_tiles(blocks, q_len, kv_len, align, power_of_two=False) -> dict[str, int]:
+  """Check the forward and backward tiles of `blocks` (BlockSizes) and fit each to its
+  sequence: {"block_q", "block_k", "block_q_bwd", "block_k_bwd"}."""
+  tiles = {}
+  for name, block, length in (("block_q", blocks.block_q, q_len),
+                              ("block_k", blocks.block_k, kv_len),
+                              ("block_q_bwd", blocks.bwd.block_q, q_len),
+                              ("block_k_bwd", blocks.bwd.block_k, kv_len)):
+    validation.check_block(name, block, align, power_of_two=power_of_two)
+    tiles[name] = fit_block(block, length, align)
+  return tiles
