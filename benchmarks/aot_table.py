@@ -51,7 +51,7 @@ def main():
     run_plan(load_config(args.plan_cpu), top=4, measure=True, output="/dev/null")
     return
   rows = [row(name) for name in args.configs]
-  print(f"\n| config | topology | fits | HBM/device | est. step | est. MFU | compiler optimal_s "
+  print("\n| config | topology | fits | HBM/device | est. step | est. MFU | compiler optimal_s "
         "| MaxText measured MFU |\n|---|---|---|---|---|---|---|---|")
   for r in rows:
     published = MAXTEXT_MFU.get((r["config"], r["topology"]))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.pallas_kernels import attention_reference
-from jaxpar.pallas_kernels.chunked import chunked_attention
+from jaxpar.pallas_kernels.attention.chunked import chunked_attention
 
 _GiB = 1 << 30
 

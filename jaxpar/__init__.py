@@ -1,1 +1,28 @@
-"""jaxpar: train and serve large language models on device meshes with JAX/XLA."""
+"""jaxpar: train and serve large language models on device meshes with JAX/XLA.
+
+    import jaxpar
+    config = jaxpar.load_config("tiny", ["train.steps=100"])
+    result = jaxpar.Trainer(config).fit()
+
+Names are imported on first use, so `import jaxpar` (and the CLI's --help) stays fast.
+"""
+
+import importlib
+
+_EXPORTS = {
+  "Config": "jaxpar.config", "ConfigError": "jaxpar.config", "load_config": "jaxpar.config",
+  "Runtime": "jaxpar.runtime", "TrainState": "jaxpar.train_state",
+  "Trainer": "jaxpar.trainer", "TrainResult": "jaxpar.trainer", "train": "jaxpar.trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'jaxpar' has no attribute {name!r}")
+  return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__():
+  return sorted(list(globals()) + __all__)

@@ -1,8 +1,8 @@
 """Orbax checkpoints: train state + data iterator state + resolved config, on any mesh.
 
-A checkpoint is one step directory with four items: `params` and `opt_state` (sharded
-arrays, written per shard), `data` (the iterator state, JSON) and `config` (the resolved
-config, JSON). Orbax writes each step into a temporary directory and renames it when
+A checkpoint is one step directory of items: `params`, `opt_state` and, when the model has
+non-parameter variables, `model_state` (sharded arrays, written per shard), `data` (the
+iterator state, JSON) and `config` (the resolved config, JSON). Orbax writes each step into a temporary directory and renames it when
 complete, so a save killed half-way never shows up as a step. Restores read into the
 *target* shardings: every device reads just its own shard, whatever mesh wrote it.
 """
@@ -17,7 +17,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxpar.config import CheckpointConfig
 
-_ARRAYS = ("params", "opt_state")
+_ARRAYS = ("params", "opt_state", "model_state")
 _JSON = ("data", "config")
 
 
@@ -114,13 +114,14 @@ class Checkpointer:
 
   def save(self, step: int, state: dict, *, data_state: dict | None = None, config=None,
            force: bool = False) -> bool:
-    """Save if the schedule says so (or `force`); returns whether a save started. Async: only
-    the device-to-host copy blocks; `wait()` blocks until the files are complete."""
+    """Save `state` ({"params", "opt_state", "model_state"}; a params-only state for an
+    imported model) if the schedule says so (or `force`); returns whether a save started.
+    Async: only the device-to-host copy blocks; `wait()` blocks until the files are complete."""
     if step in self.all_steps():
       return False
     started = time.perf_counter()
-    # A params-only state (an imported model) has no opt_state.
-    items = {k: ocp.args.StandardSave(state[k]) for k in _ARRAYS if k in state}
+    items = {k: ocp.args.StandardSave(state[k]) for k in _ARRAYS
+             if k in state and jax.tree.leaves(state[k])}  # no empty items (no model_state)
     items["data"] = ocp.args.JsonSave(data_state or {})
     items["config"] = ocp.args.JsonSave(config.model_dump(mode="json") if config is not None else {})
     saved = self.manager.save(step, args=ocp.args.Composite(**items), force=force)
@@ -175,7 +176,12 @@ class Checkpointer:
     """(train state placed per `abstract_state`'s shardings, data iterator state) of `step`
     (default: the latest complete one). A params-only checkpoint gives `opt_state` None."""
     step = self._pick_step(step)
-    arrays = [k for k in _ARRAYS if k == "params" or (self.path(step) / k).is_dir()]
+    wanted_state = jax.tree.leaves(abstract_state.get("model_state", {}))
+    if wanted_state and not (self.path(step) / "model_state").is_dir():
+      raise ValueError(f"checkpoint {self.path(step)} has no model_state but this model has "
+                       "non-parameter variables: it was written for a different model")
+    arrays = [k for k in _ARRAYS if k == "params" or (self.path(step) / k).is_dir()
+              and (k != "model_state" or wanted_state)]
     for item in arrays:
       self._check_shapes(step, item, abstract_state[item])
     items = {k: ocp.args.StandardRestore(abstract_state[k]) for k in arrays}
@@ -183,7 +189,8 @@ class Checkpointer:
         step, args=ocp.args.Composite(**items, data=ocp.args.JsonRestore())))
     step_array = jax.device_put(jnp.asarray(step, abstract_state["step"].dtype),
                                 abstract_state["step"].sharding)
-    state = {"step": step_array, "params": restored["params"], "opt_state": restored.get("opt_state")}
+    state = {"step": step_array, "params": restored["params"], "opt_state": restored.get("opt_state"),
+             "model_state": restored.get("model_state", {})}
     return state, dict(restored["data"] or {})
 
   def restore_params(self, abstract_params: dict, step: int | None = None) -> dict:

@@ -1,7 +1,9 @@
 """The `jaxpar` command line: a thin layer over the Python API."""
 
 import argparse
+import glob
 import logging
+import os
 import sys
 
 from rich.console import Console
@@ -37,21 +39,22 @@ def _cmd_train(ns):
                        restore=ns.restore)
   s = result.summary
   if s["steps"]:
+    speed = (f"{s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}%" if "tokens_per_s" in s
+             else "too few steps to time")
     console.print(f"[bold]done[/bold]: loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} in "
-                  f"{s['wall_s']:.0f} s; {s.get('tokens_per_s', 0):,.0f} tokens/s, "
-                  f"MFU {100 * s.get('mfu', 0):.1f}%; metrics in {config.train.run_dir}/metrics.jsonl")
+                  f"{s['wall_s']:.0f} s; {speed}; metrics in {config.train.run_dir}/metrics.jsonl")
   else:
-    console.print(f"[bold]done[/bold]: already at step {int(result.state['step'])} of "
+    console.print(f"[bold]done[/bold]: already at step {int(result.state.step)} of "
                   f"train.steps={config.train.steps}; raise train.steps to train on")
   if s["stopped_by"]:
-    console.print(f"[bold]stopped[/bold] by {s['stopped_by']} at step {int(result.state['step'])}: "
+    console.print(f"[bold]stopped[/bold] by {s['stopped_by']} at step {int(result.state.step)}: "
                   f"checkpoint saved in {s['checkpoint']}; run the same command to resume")
     return
   if "checkpoint" in s:
     console.print(f"checkpoint: {s['checkpoint']}")
   if config.train.sample_tokens:
     with trainer.context():
-      text = greedy_sample(trainer.graphdef, result.state["params"], tokenizer,
+      text = greedy_sample(trainer.graphdef, result.state.params, tokenizer,
                            config.train.sample_prompt, config.train.sample_tokens,
                            config.model.max_seq_len)
     console.print("[bold]sample[/bold] (greedy):", markup=True)
@@ -110,6 +113,18 @@ def _cmd_plan(ns):
   path, overrides = _split_args(ns.args)
   run_plan(load_config(path, overrides), topology=ns.topology, top=ns.top, measure=ns.measure,
            output=ns.output, echo=lambda text: console.print(text, markup=False, highlight=False))
+
+
+def _skip_absent_accelerators():
+  """The `tpu` extra installs libtpu so that CPU hosts can compile for TPU pods. Left alone,
+  JAX then initialises libtpu at start-up even with no TPU attached, which prints alarming
+  warnings before anything else. A host with no TPU or GPU device files uses the CPU
+  backend directly; on a TPU VM (or with JAX_PLATFORMS set) nothing changes."""
+  if "JAX_PLATFORMS" in os.environ:
+    return
+  devices = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+  if not any(glob.glob(pattern) for pattern in devices):
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,9 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def _parse(parser, argv):
+  """Options may come anywhere, also after `key=value` overrides: what argparse leaves over
+  joins the command's overrides, and an unknown option is still an error."""
+  ns, extra = parser.parse_known_args(argv)
+  unknown = [a for a in extra if a.startswith("-") or not hasattr(ns, "args")]
+  if unknown:
+    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+  if extra:
+    ns.args = ns.args + extra
+  return ns
+
+
 def main(argv=None) -> int:
   parser = build_parser()
-  ns = parser.parse_args(argv)
+  ns = _parse(parser, argv)
+  _skip_absent_accelerators()
   logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
   try:
     ns.func(ns)

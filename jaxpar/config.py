@@ -8,58 +8,16 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, SerializeAsAny, ValidationError, model_validator
+
+from jaxpar.mesh.build import AXES as MESH_AXES
+from jaxpar.models import get_block, get_family
+from jaxpar.models.config import Frozen as _Frozen
+from jaxpar.models.config import ModelConfig, RopeScaling  # noqa: F401  (the model section)
 
 
 class ConfigError(ValueError):
   """A config problem the user can fix; the message is one line."""
-
-
-class _Frozen(BaseModel):
-  model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
-
-
-class RopeScaling(_Frozen):
-  """Llama-3 style frequency scaling of RoPE."""
-  factor: float = 8.0
-  low_freq_factor: float = 1.0
-  high_freq_factor: float = 4.0
-  original_max_position: int = 8192
-
-
-class ModelConfig(_Frozen):
-  vocab_size: int = 512
-  embed_dim: int = 128
-  num_layers: int = 2
-  num_heads: int = 4
-  num_kv_heads: int = 4
-  head_dim: int = 32
-  mlp_dim: int = 512
-  max_seq_len: int = 2048
-  rope_theta: float = 10000.0
-  rope_scaling: RopeScaling | None = None
-  norm_eps: float = 1e-5
-  tie_embeddings: bool = False
-  qk_norm: bool = False
-  attention_bias: bool = False  # q/k/v projection biases (Qwen2 / Qwen2.5)
-  param_dtype: Literal["float32", "bfloat16"] = "float32"
-  compute_dtype: Literal["float32", "bfloat16"] = "float32"
-  scan_layers: bool = True
-  # Layers per scan iteration. On CPU, unrolling a small stack halves the backward time
-  # (XLA CPU runs the while loop's per-layer gradient updates poorly); compile time grows.
-  scan_unroll: int = 1
-  remat: Literal["none", "full", "save_dots", "save_dots_no_batch"] = "none"
-  attention: Literal["auto", "flash", "reference", "chunked"] = "auto"
-
-  @model_validator(mode="after")
-  def _heads(self):
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide "
-                       f"model.num_heads={self.num_heads}")
-    return self
-
-
-MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 
 class MeshConfig(_Frozen):
@@ -72,7 +30,8 @@ class MeshConfig(_Frozen):
   tensor: int = 1
   num_slices: int = 1
   dcn_axis: Literal["data", "fsdp", "stage"] = "data"
-  rules: str | list[tuple[str, str | list[str] | None]] = "fsdp_tp"
+  # A preset name or explicit [logical, mesh axes] pairs; None: the model family's preset.
+  rules: str | list[tuple[str, str | list[str] | None]] | None = None
   topology: str | None = None  # the TPU slice this config is sized for, e.g. v6e-256
 
   @model_validator(mode="after")
@@ -143,7 +102,7 @@ class CheckpointConfig(_Frozen):
 
 
 class Config(_Frozen):
-  model: ModelConfig = ModelConfig()
+  model: SerializeAsAny[ModelConfig] = ModelConfig()  # the family's own ModelConfig subclass
   mesh: MeshConfig = MeshConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
@@ -160,6 +119,11 @@ class Config(_Frozen):
                        f"data.global_batch_size={d.global_batch_size}")
     if self.mesh.tensor > 0 and m.num_heads % self.mesh.tensor:
       raise ValueError(f"mesh.tensor={self.mesh.tensor} does not divide model.num_heads={m.num_heads}")
+    if self.mesh.context > 1:
+      raise ValueError(f"mesh.context={self.mesh.context}: attention has no context-parallel "
+                       "implementation yet, so every device would repeat the whole sequence; "
+                       "set mesh.context=1")
+    get_block("feed_forward", m.mlp)
     return self
 
 
@@ -202,9 +166,9 @@ def shipped_configs() -> list[str]:
   return [p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml")]
 
 
-def _describe(error: ValidationError) -> str:
+def _describe(error: ValidationError, section: str = "") -> str:
   first = error.errors()[0]
-  key = ".".join(str(p) for p in first["loc"])
+  key = ".".join((section,) * bool(section) + tuple(str(p) for p in first["loc"]))
   msg = first["msg"].removeprefix("Value error, ")
   if first["type"] == "extra_forbidden":
     return f"unknown config key {key!r}: check the spelling (`jaxpar config show` lists valid keys)"
@@ -213,9 +177,28 @@ def _describe(error: ValidationError) -> str:
   return f"{key}={first.get('input')!r}: {msg}"
 
 
-def from_dict(tree: dict) -> Config:
+def model_from_dict(model: dict) -> ModelConfig:
+  """The `model` section, validated by its family's config class (a family may add fields)."""
   try:
-    return Config.model_validate(tree)
+    family = get_family(model.get("family", ModelConfig.model_fields["family"].default))
+    return family.config.model_validate(model)
+  except ValidationError as e:
+    raise ConfigError(_describe(e, "model")) from None
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def from_dict(tree: dict) -> Config:
+  """Validate a config tree; `mesh.rules` defaults to the model family's preset."""
+  tree = dict(tree)
+  model = tree.get("model") or {}
+  if not isinstance(model, ModelConfig):
+    model = model_from_dict(model)
+  mesh = dict(tree.get("mesh") or {})
+  if mesh.get("rules") is None:
+    mesh["rules"] = get_family(model.family).rules
+  try:
+    return Config.model_validate({**tree, "model": model, "mesh": mesh})
   except ValidationError as e:
     raise ConfigError(_describe(e)) from None
 

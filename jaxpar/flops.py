@@ -5,21 +5,13 @@ import time
 import jax
 import jax.numpy as jnp
 
-
-def matmul_params(model_cfg) -> int:
-  """Parameters that take part in matmuls: every projection plus the output head."""
-  m = model_cfg
-  attn = m.embed_dim * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
-  mlp = 3 * m.embed_dim * m.mlp_dim
-  return m.num_layers * (attn + mlp) + m.embed_dim * m.vocab_size
+from jaxpar.models import get_family
 
 
 def train_flops_per_token(model_cfg, seq_len: int) -> float:
-  """6 x matmul params (forward + backward) plus causal attention scores and values:
-  per layer 2 matmuls x 2 flops x seq x heads x head_dim, halved for the causal mask, x 3."""
-  m = model_cfg
-  attention = 6 * m.num_layers * seq_len * m.num_heads * m.head_dim
-  return 6 * matmul_params(m) + attention
+  """Training FLOPs per token (6 x matmul params + causal attention), as the model's
+  family counts them."""
+  return get_family(model_cfg.family).flops_per_token(model_cfg, seq_len)
 
 
 def measure_matmul_flops(dtype=jnp.float32, size: int = 2048, repeats: int = 5, device=None) -> float:

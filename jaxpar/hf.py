@@ -1,10 +1,9 @@
-"""Hugging Face <-> jaxpar for Llama-family models: Llama 2/3 (rope scaling), Mistral,
-Qwen2/2.5 (q/k/v biases), Qwen3 (qk-norm).
+"""Hugging Face <-> jaxpar, for every registered family with an HF mapping (the `llama`
+family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3; see models/llama_hf.py for its names).
 
 Import reads `config.json` and the `*.safetensors` files (sharded or not) tensor by tensor;
 each device reads only the slice of each tensor that its shard holds, so a model never has
 to fit on one device or in host memory. Export gathers one layer of one tensor at a time.
-Our RoPE rotates the two halves of head_dim like HF, so q/k need no permutation.
 """
 
 import json
@@ -17,100 +16,43 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxpar.checkpoint import Checkpointer, resolve
-from jaxpar.config import Config, DataConfig, MeshConfig, ModelConfig, from_dict
-from jaxpar.mesh import build_mesh, resolve_rules
-from jaxpar.model_state import abstract_model, param_shardings
+from jaxpar.config import Config, DataConfig, MeshConfig, ModelConfig, from_dict, model_from_dict
+from jaxpar.models import family_names, get_family
+from jaxpar.runtime import Runtime
 
-DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-# (our path inside a layer, HF name after `model.layers.{i}.`, layout); absent entries are skipped.
-_LAYER = (
-  (("attn", "q"), "self_attn.q_proj.weight", "heads_in"),
-  (("attn", "k"), "self_attn.k_proj.weight", "heads_in"),
-  (("attn", "v"), "self_attn.v_proj.weight", "heads_in"),
-  (("attn", "o"), "self_attn.o_proj.weight", "heads_out"),
-  (("attn", "q_bias"), "self_attn.q_proj.bias", "heads_bias"),
-  (("attn", "k_bias"), "self_attn.k_proj.bias", "heads_bias"),
-  (("attn", "v_bias"), "self_attn.v_proj.bias", "heads_bias"),
-  (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", "same"),
-  (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", "same"),
-  (("attn_norm", "scale"), "input_layernorm.weight", "same"),
-  (("mlp", "gate"), "mlp.gate_proj.weight", "transpose"),
-  (("mlp", "up"), "mlp.up_proj.weight", "transpose"),
-  (("mlp", "down"), "mlp.down_proj.weight", "transpose"),
-  (("mlp_norm", "scale"), "post_attention_layernorm.weight", "same"),
-)
-_TOP = (
-  (("embed",), "model.embed_tokens.weight", "same"),
-  (("final_norm", "scale"), "model.norm.weight", "same"),
-  (("unembed",), "lm_head.weight", "transpose"),
-)
 
 
 # -- configs ---------------------------------------------------------------------------
 
-def _rope(hf: dict) -> tuple[float, dict | None]:
-  """(theta, our rope_scaling) from legacy `rope_theta`/`rope_scaling` or v5 `rope_parameters`."""
-  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-  kind = params.get("rope_type", params.get("type", "default"))
-  if kind == "default":
-    return theta, None
-  if kind != "llama3":
-    raise ValueError(f"rope type {kind!r} is not supported: jaxpar implements default and llama3 RoPE")
-  return theta, {"factor": params["factor"], "low_freq_factor": params["low_freq_factor"],
-                 "high_freq_factor": params["high_freq_factor"],
-                 "original_max_position": params["original_max_position_embeddings"]}
+def _mapping_for_type(model_type):
+  """The registered family that imports HF `model_type`."""
+  supported = []
+  for name in family_names():
+    mapping = get_family(name).hf
+    if mapping is not None:
+      if model_type in mapping.model_types:
+        return mapping
+      supported += mapping.model_types
+  if model_type == "mixtral":
+    raise ValueError("Mixtral (mixture of experts) is not supported yet: jaxpar has no MoE layers; "
+                     f"convert a dense model ({', '.join(supported)})")
+  raise ValueError(f"config.json model_type={model_type!r} is not supported; use one of {supported}")
+
+
+def _mapping_for_family(cfg: ModelConfig):
+  mapping = get_family(cfg.family).hf
+  if mapping is None:
+    raise ValueError(f"model.family={cfg.family!r} has no Hugging Face mapping")
+  return mapping
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:
-  kind = hf.get("model_type")
-  if kind == "mixtral":
-    raise ValueError("Mixtral (mixture of experts) is not supported yet: jaxpar has no MoE layers; "
-                     f"convert a dense model ({', '.join(DENSE_TYPES)})")
-  if kind not in DENSE_TYPES:
-    raise ValueError(f"config.json model_type={kind!r} is not supported; use one of {list(DENSE_TYPES)}")
-  if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
-    raise ValueError(f"{kind} with hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')} "
-                     "is not supported: jaxpar's MLP is bias-free SwiGLU (silu)")
-  if kind in ("llama", "mistral", "qwen3") and hf.get("attention_bias"):
-    raise ValueError(f"{kind} with attention_bias=true (o_proj bias too) is not supported")
-  heads = hf["num_attention_heads"]
-  theta, scaling = _rope(hf)
-  max_len = hf["max_position_embeddings"]
-  window = hf.get("sliding_window")
-  if window and (kind == "mistral" or hf.get("use_sliding_window")):
-    # Exact within the window; jaxpar has no sliding-window attention to go beyond it.
-    max_len = min(max_len, window)
-  return ModelConfig(
-      vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
-      num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
-      max_seq_len=max_len, rope_theta=theta, rope_scaling=scaling, norm_eps=hf["rms_norm_eps"],
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), qk_norm=kind == "qwen3",
-      attention_bias=kind == "qwen2")
+  return _mapping_for_type(hf.get("model_type")).config_from_hf(hf)
 
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str) -> dict:
-  kind = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
-  if cfg.qk_norm and cfg.attention_bias:
-    raise ValueError("model.qk_norm with model.attention_bias has no Hugging Face architecture")
-  scaling = cfg.rope_scaling and {
-      "rope_type": "llama3", "factor": cfg.rope_scaling.factor,
-      "low_freq_factor": cfg.rope_scaling.low_freq_factor,
-      "high_freq_factor": cfg.rope_scaling.high_freq_factor,
-      "original_max_position_embeddings": cfg.rope_scaling.original_max_position}
-  return {
-      "architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.embed_dim, "intermediate_size": cfg.mlp_dim,
-      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
-      "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-      "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
-      "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-      "torch_dtype": dtype}
+  return _mapping_for_family(cfg).config_to_hf(cfg, dtype)
 
 
 # -- layouts ---------------------------------------------------------------------------
@@ -151,17 +93,18 @@ def _to_hf(layout: str, x: np.ndarray) -> np.ndarray:
 def _entries(params: dict, cfg: ModelConfig):
   """(our full path, HF name, layout, index into the stacked layer axis or None) for every
   HF tensor of the model."""
+  mapping = _mapping_for_family(cfg)
   def present(tree, path):
     for key in path:
       if not isinstance(tree, dict) or key not in tree:
         return False
       tree = tree[key]
     return True
-  for path, name, layout in _TOP:
+  for path, name, layout in mapping.top:
     if present(params, path):
       yield path, name, layout, None
   layer0 = params["layers"] if cfg.scan_layers else params["layers"][0]
-  for path, name, layout in _LAYER:
+  for path, name, layout in mapping.layer:
     if present(layer0, path):
       for i in range(cfg.num_layers):
         if cfg.scan_layers:
@@ -235,9 +178,8 @@ def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: s
   model = model_config_from_hf(hf).model_copy(update={"param_dtype": param_dtype})
   config = from_dict({"model": model.model_dump(), "mesh": mesh.model_dump(),
                       "data": {"seq_len": min(DataConfig().seq_len, model.max_seq_len)}})
-  _, abstract = abstract_model(config.model)
-  shardings = param_shardings(abstract, build_mesh(config.mesh), resolve_rules(config.mesh.rules))
-  abstract = abstract.to_pure_dict()
+  runtime = Runtime(config.model, config.mesh)
+  shardings, abstract = runtime.param_shardings, runtime.abstract_params
   names = {}
   for path, name, layout, _ in _entries(abstract, config.model):
     names.setdefault(path, (layout, []))[1].append(name)
@@ -270,16 +212,11 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
     saved = checkpoints.saved_config(step)
     if not saved:
       raise ValueError(f"checkpoint {root} has no saved config: it was not written by jaxpar")
-    cfg = ModelConfig.model_validate(saved["model"])
+    cfg = model_from_dict(saved["model"])
     dtype = dtype or cfg.param_dtype
     if dtype not in DTYPES:
       raise ValueError(f"dtype={dtype!r} is not one of {list(DTYPES)}")
-    device_mesh = build_mesh(MeshConfig())
-    _, abstract = abstract_model(cfg)
-    shardings = param_shardings(abstract, device_mesh, resolve_rules("fsdp_tp"))
-    targets = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                           abstract.to_pure_dict(), shardings)
-    params = checkpoints.restore_params(targets, step)
+    params = checkpoints.restore_params(Runtime(cfg, MeshConfig()).abstract_targets()[0], step)
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")

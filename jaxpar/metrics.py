@@ -1,6 +1,8 @@
 """Per-step metrics: a progress bar with ETA, JSONL and TensorBoard events in the run dir."""
 
 import json
+import queue
+import threading
 import time
 from pathlib import Path
 
@@ -48,10 +50,54 @@ class MetricsLogger:
       if "step_time_s" in record:
         line += (f"  {record['step_time_s'] * 1e3:.0f} ms  {record['tokens_per_s']:,.0f} tok/s  "
                  f"mfu {100 * record['mfu']:.1f}%")
-      self.progress.console.print(line, markup=False, highlight=False)
+      self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
   def close(self):
     self.progress.stop()
     if self.writes:
       self.jsonl.close()
       self.tensorboard.close()
+
+
+class StepClock:
+  """When each dispatched step finished, seen from a background thread.
+
+  The loop reads a step's metrics one step late to keep dispatch asynchronous, so the
+  moment it reads them says little about when the step ended (on CPU the next step may
+  already have run). Here a thread waits on each step's outputs as soon as they are
+  dispatched and stamps the time they become ready; a step's time is the gap between
+  consecutive completions. The first step of a run has none: it includes compiling.
+  """
+
+  def __init__(self):
+    self._pending = queue.Queue()
+    self._finished: dict[int, float] = {}
+    self._ready = threading.Condition()
+    self._thread = threading.Thread(target=self._wait_for_steps, daemon=True)
+    self._thread.start()
+
+  def _wait_for_steps(self):
+    while (item := self._pending.get()) is not None:
+      step, outputs = item
+      try:
+        jax.block_until_ready(outputs)
+      except Exception:  # noqa: BLE001  the loop's own read of these outputs reports the error
+        pass
+      with self._ready:
+        self._finished[step] = time.perf_counter()
+        self._ready.notify_all()
+
+  def watch(self, step: int, outputs):
+    self._pending.put((step, outputs))
+
+  def step_time(self, step: int) -> float | None:
+    """Seconds between step-1 and `step` finishing (blocks until `step` has); None when
+    step-1 was not watched."""
+    with self._ready:
+      self._ready.wait_for(lambda: step in self._finished)
+      previous = self._finished.get(step - 1)
+      return None if previous is None else self._finished[step] - previous
+
+  def close(self):
+    self._pending.put(None)
+    self._thread.join()

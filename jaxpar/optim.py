@@ -1,6 +1,5 @@
 """AdamW with linear warmup + cosine decay and global-norm clipping (optax)."""
 
-import jax
 import optax
 
 
@@ -12,14 +11,11 @@ def learning_rate_schedule(train_cfg):
       end_value=train_cfg.learning_rate * train_cfg.min_lr_ratio)
 
 
-def _decay_mask(params):
-  # Norm scales are not decayed: shrinking them towards 0 only fights the normalisation.
-  return jax.tree_util.tree_map_with_path(lambda path, _: path[-1].key != "scale", params)
-
-
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
+def make_optimizer(train_cfg, decay_mask) -> optax.GradientTransformation:
+  """decay_mask: a params-shaped tree of bools, from each parameter's declared
+  `weight_decay` (Runtime.decay_mask): norm scales say False."""
   adamw = optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
-                      eps=train_cfg.eps, weight_decay=train_cfg.weight_decay, mask=_decay_mask)
+                      eps=train_cfg.eps, weight_decay=train_cfg.weight_decay, mask=decay_mask)
   if train_cfg.grad_clip is None:
     return adamw
   return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), adamw)

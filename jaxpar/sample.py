@@ -18,7 +18,7 @@ def greedy_sample(graphdef, params, tokenizer, prompt: str, num_tokens: int, max
 
   @jax.jit
   def next_token(params, tokens, position):
-    logits = nnx.merge(graphdef, params)(tokens)
+    logits, _ = nnx.merge(graphdef, params)(tokens)
     return jnp.argmax(logits[0, position - 1]).astype(jnp.int32)
 
   tokens = jnp.asarray(buffer)

@@ -1,4 +1,9 @@
-"""One training step: loss, gradients (optionally accumulated over microbatches), update."""
+"""One training step: objective, gradients (optionally accumulated over microbatches), update.
+
+The objective is cross-entropy + z-loss + the model's auxiliary losses. Everything a
+microbatch reports is a token-weighted sum (`sums`), so accumulation is a plain tree sum
+and the step divides by the token count once, whatever keys the model adds.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +11,7 @@ import optax
 from flax import nnx
 
 from jaxpar.loss import causal_lm_loss, fused_lm_loss
+from jaxpar.train_state import TrainState
 
 
 def _split_microbatches(batch, count: int):
@@ -17,32 +23,49 @@ def _split_microbatches(batch, count: int):
 
 
 def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_len: int = 0):
-  """(params, batch) -> (summed grads, {"ce_sum", "z_sum", "tokens"}).
+  """(params, batch, model_state) -> (summed grads, sums, new model_state).
 
+  sums: {"ce_sum", "z_sum", "tokens"} plus, for each auxiliary loss or metric the model
+  returns, its value x tokens under "loss/NAME" or "metric/NAME".
   logits_chunk_len > 0: the fused chunked loss (never holds all logits); 0: plain logits.
   """
-  def loss_of(params, batch):
-    model = nnx.merge(graphdef, params)
+  def objective(params, model_state, batch):
+    model = nnx.merge(graphdef, params, model_state)
     inputs = (batch["inputs"], batch["positions"], batch["segment_ids"])
     if logits_chunk_len:
-      return fused_lm_loss(model.hidden_states(*inputs), model.output_projection(), batch["targets"],
-                           batch["loss_mask"], z_loss, logits_chunk_len)
-    return causal_lm_loss(model(*inputs), batch["targets"], batch["loss_mask"], z_loss)
+      hidden, aux = model.hidden_states(*inputs)
+      total, sums = fused_lm_loss(hidden, model.output_projection(), batch["targets"],
+                                  batch["loss_mask"], z_loss, logits_chunk_len)
+    else:
+      logits, aux = model(*inputs)
+      total, sums = causal_lm_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
+    tokens = sums["tokens"]
+    for name, value in aux["losses"].items():
+      total = total + tokens * value
+      sums[f"loss/{name}"] = tokens * value
+    for name, value in aux["metrics"].items():
+      sums[f"metric/{name}"] = tokens * value
+    return total, (sums, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
 
-  grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+  grad_fn = jax.grad(objective, has_aux=True)
 
-  def gradients(params, batch):
+  def gradients(params, batch, model_state=None):
+    model_state = {} if model_state is None else model_state
     if microbatches == 1:
-      (_, aux), grads = grad_fn(params, batch)
-      return grads, aux
+      grads, (sums, model_state) = grad_fn(params, model_state, batch)
+      return grads, sums, model_state
 
     def accumulate(carry, microbatch):
-      (_, aux), grads = grad_fn(params, microbatch)
-      return jax.tree.map(jnp.add, carry, (grads, aux)), None
+      grads, sums, model_state = carry
+      g, (s, model_state) = grad_fn(params, model_state, microbatch)
+      return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s), model_state), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params), {"ce_sum": 0.0, "z_sum": 0.0, "tokens": 0.0}
-    (grads, aux), _ = jax.lax.scan(accumulate, zeros, _split_microbatches(batch, microbatches))
-    return grads, aux
+    micro = _split_microbatches(batch, microbatches)
+    first = jax.tree.map(lambda x: x[0], micro)
+    shapes = jax.eval_shape(grad_fn, params, model_state, first)[1][0]
+    zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, shapes), model_state)
+    (grads, sums, model_state), _ = jax.lax.scan(accumulate, zeros, micro)
+    return grads, sums, model_state
 
   return gradients
 
@@ -52,17 +75,18 @@ def make_train_step(graphdef, optimizer, schedule, *, z_loss: float, microbatche
   gradients = make_gradients(graphdef, z_loss=z_loss, microbatches=microbatches,
                              logits_chunk_len=logits_chunk_len)
 
-  def train_step(state, batch):
-    params = state["params"]
-    grads, aux = gradients(params, batch)
-    tokens = jnp.maximum(aux["tokens"], 1.0)
+  def train_step(state: TrainState, batch):
+    grads, sums, model_state = gradients(state.params, batch, state.model_state)
+    tokens = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / tokens, grads)
-    updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-    new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-                 "opt_state": opt_state}
-    metrics = {"loss": aux["ce_sum"] / tokens, "z_loss": aux["z_sum"] / tokens,
-               "grad_norm": optax.tree.norm(grads), "lr": schedule(state["step"]),
-               "tokens": aux["tokens"]}
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                           opt_state=opt_state, model_state=model_state)
+    metrics = {"loss": sums["ce_sum"] / tokens, "z_loss": sums["z_sum"] / tokens,
+               "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
+               "tokens": sums["tokens"]}
+    metrics.update({k.split("/", 1)[1] if k.startswith("metric/") else k: v / tokens
+                    for k, v in sums.items() if "/" in k})
     return new_state, metrics
 
   return train_step

@@ -1,4 +1,4 @@
-"""The trainer: mesh + sharded state + jitted step + data + metrics, driven by one Config."""
+"""The trainer: runtime + sharded train state + jitted step + data + metrics, from one Config."""
 
 import contextlib
 import math
@@ -8,19 +8,19 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+from rich.console import Console
 
 from jaxpar.checkpoint import Checkpointer, resolve as resolve_checkpoint
 from jaxpar.config import Config, checkpoint_dir
 from jaxpar.data import TrainBatches, load_tokenizer
 from jaxpar.flops import measure_matmul_flops, train_flops_per_token
-from jaxpar.mesh import build_mesh, logical_to_sharding, resolve_rules
-from jaxpar.mesh.rules import unused_mesh_axes
-from jaxpar.metrics import MetricsLogger
-from jaxpar.model_state import abstract_model, count_params, init_params, param_shardings
+from jaxpar.mesh import logical_to_sharding
+from jaxpar.metrics import MetricsLogger, StepClock
 from jaxpar.optim import learning_rate_schedule, make_optimizer
 from jaxpar.preemption import stop_on_signals
+from jaxpar.runtime import Runtime, with_shardings
+from jaxpar.train_state import TrainState
 from jaxpar.train_step import make_train_step
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -28,7 +28,7 @@ BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 @dataclass
 class TrainResult:
-  state: dict
+  state: TrainState
   history: list[dict] = field(default_factory=list)
   summary: dict = field(default_factory=dict)
 
@@ -36,24 +36,17 @@ class TrainResult:
 class Trainer:
   """Everything `jaxpar train` does, as plain Python calls (usable from a notebook)."""
 
-  def __init__(self, config: Config, devices=None):
+  def __init__(self, config: Config, devices=None, *, console: Console | None = None):
     self.config = config
-    self.mesh = build_mesh(config.mesh, devices)
-    self.rules = resolve_rules(config.mesh.rules)
-    unused = unused_mesh_axes(self.rules, dict(self.mesh.shape))
-    if unused:
-      raise ValueError(f"mesh.{unused[0]}={self.mesh.shape[unused[0]]} but mesh.rules="
-                       f"{config.mesh.rules!r} never uses that axis: pick rules that do "
-                       "(e.g. fsdp_tp) or set it to 1")
+    self.runtime = Runtime(config.model, config.mesh, devices, seed=config.train.seed)
+    self.console = console or Console()
     batch = config.data.global_batch_size // config.train.microbatches
     batch_shards = math.prod(self.mesh.shape[a] for a in dict(self.rules)["batch"])
     if batch % batch_shards:
       raise ValueError(f"data.global_batch_size={config.data.global_batch_size} "
                        f"(/ train.microbatches={config.train.microbatches}) must divide over the "
                        f"{batch_shards} batch shards of the mesh")
-    self.graphdef, self.abstract_params = abstract_model(config.model, config.train.seed)
-    self.num_params = count_params(self.abstract_params)
-    self.optimizer = make_optimizer(config.train)
+    self.optimizer = make_optimizer(config.train, self.runtime.decay_mask)
     self.schedule = learning_rate_schedule(config.train)
     self.state_shardings = self._state_shardings()
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
@@ -64,26 +57,36 @@ class Trainer:
     self.train_step = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),
                               out_shardings=(self.state_shardings, None), donate_argnums=0)
 
-  def _state_shardings(self) -> dict:
-    params = param_shardings(self.abstract_params, self.mesh, self.rules)
+  mesh = property(lambda self: self.runtime.mesh)
+  rules = property(lambda self: self.runtime.rules)
+  graphdef = property(lambda self: self.runtime.graphdef)
+  num_params = property(lambda self: self.runtime.num_params)
+
+  def context(self):
+    """The mesh and logical rules that tracing model code needs."""
+    return self.runtime.context()
+
+  def _state_shardings(self) -> TrainState:
+    params = self.runtime.param_shardings
     replicated = NamedSharding(self.mesh, PartitionSpec())
-    abstract_opt = jax.eval_shape(self.optimizer.init, self.abstract_params.to_pure_dict())
+    abstract_opt = jax.eval_shape(self.optimizer.init, self.runtime.abstract_params)
     opt = optax.tree_map_params(self.optimizer, lambda _, s: s, abstract_opt, params,
                                 transform_non_params=lambda _: replicated)
-    return {"step": replicated, "params": params, "opt_state": opt}
+    return TrainState(step=replicated, params=params, opt_state=opt,
+                      model_state=self.runtime.model_state_shardings)
 
-  def _create_state(self) -> dict:
-    params = init_params(self.config.model, self.config.train.seed, self.state_shardings["params"])
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.optimizer.init(params)}
+  def _create_state(self) -> TrainState:
+    params, model_state = self.runtime.create()
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=self.optimizer.init(params), model_state=model_state)
 
-  def abstract_state(self) -> dict:
+  def abstract_state(self) -> TrainState:
     """ShapeDtypeStructs with shardings: for AOT compiles and checkpoint restores."""
     with self.context():
       shapes = jax.eval_shape(self._create_state)
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, self.state_shardings)
+    return with_shardings(shapes, self.state_shardings)
 
-  def init_state(self) -> dict:
+  def init_state(self) -> TrainState:
     with self.context():
       return jax.jit(self._create_state, out_shardings=self.state_shardings)()
 
@@ -96,12 +99,6 @@ class Trainer:
       raise ValueError(f"model.vocab_size={self.config.model.vocab_size} is smaller than the "
                        f"tokenizer's {tokenizer.vocab_size} tokens: raise model.vocab_size")
     return TrainBatches(self.config.data, tokenizer, self.batch_sharding)
-
-  @contextlib.contextmanager
-  def context(self):
-    """The mesh and logical rules that tracing model code needs."""
-    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
-      yield
 
   def step(self, state, batch):
     with self.context():
@@ -127,14 +124,14 @@ class Trainer:
     try:
       if state is None:
         state = self._start_state(checkpointer, batches, restore)
-      start_step = int(state["step"])
+      start_step = int(state.step)
       steps = max(cfg.train.steps - start_step, 0) if steps is None else steps
       with stop_on_signals() if checkpointer else contextlib.nullcontext() as stop:
         state, history, summary = self._loop(state, batches, start_step, steps, show_progress,
                                              checkpointer, stop)
       if checkpointer is not None and history:
         last = start_step + len(history)
-        checkpointer.save(last, state, data_state=_data_state(batches), config=cfg, force=True)
+        checkpointer.save(last, state.items(), data_state=_data_state(batches), config=cfg, force=True)
         checkpointer.wait()
         summary["checkpoint"] = str(checkpointer.path(last))
     finally:
@@ -142,22 +139,33 @@ class Trainer:
         checkpointer.close()
     return TrainResult(state=state, history=history, summary=summary)
 
-  def _start_state(self, checkpointer, batches, restore):
+  def _start_state(self, checkpointer, batches, restore) -> TrainState:
     if restore is not None:
       root, step = resolve_checkpoint(restore)
       with Checkpointer(root, read_only=True) as source:
-        state, data_state = source.restore(self.abstract_state(), step)
+        items, data_state = source.restore(self.abstract_state().items(), step)
+        where = source.path(int(items["step"]))
     elif checkpointer is not None and checkpointer.latest_step() is not None:
-      state, data_state = checkpointer.restore(self.abstract_state())
+      items, data_state = checkpointer.restore(self.abstract_state().items())
+      where = checkpointer.path(int(items["step"]))
     else:
       return self.init_state()
-    if state["opt_state"] is None:  # a params-only checkpoint (an imported model): fine-tune it
+    state = TrainState(**items)
+    if state.opt_state is None:  # a params-only checkpoint (an imported model): fine-tune it
       with self.context():
-        state["opt_state"] = jax.jit(self.optimizer.init,
-                                     out_shardings=self.state_shardings["opt_state"])(state["params"])
+        opt_state = jax.jit(self.optimizer.init,
+                            out_shardings=self.state_shardings.opt_state)(state.params)
+      state = state.replace(opt_state=opt_state)
+      self._say(f"starting from the parameters in {where}, with a fresh optimizer")
+    else:
+      self._say(f"resumed from step {int(state.step)} ({where})")
     if data_state and hasattr(batches, "set_state"):
       batches.set_state(data_state)
     return state
+
+  def _say(self, text: str):
+    if jax.process_index() == 0:
+      self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
   def _loop(self, state, batches, start_step, steps, show_progress, checkpointer, stop):
     cfg = self.config
@@ -165,21 +173,24 @@ class Trainer:
     flops_per_step = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak = self.peak_flops()
     logger = MetricsLogger(cfg.train.run_dir, start_step + steps, start_step=start_step,
-                           show_progress=show_progress)
-    pending, last_time, started = None, None, time.perf_counter()
+                           show_progress=show_progress, console=self.console)
+    clock = StepClock()
+    pending, started = None, time.perf_counter()
     try:
       for step in range(start_step + 1, start_step + steps + 1):
         state, metrics = self.step(state, next(batches))
+        clock.watch(step, metrics)
         if checkpointer is not None:
-          checkpointer.save(step, state, data_state=_data_state(batches), config=cfg)
+          checkpointer.save(step, state.items(), data_state=_data_state(batches), config=cfg)
         if pending is not None:  # read the previous step's metrics: keeps dispatch async
-          last_time = self._log(logger, pending, last_time, tokens_per_step, flops_per_step, peak)
+          self._log(logger, clock, pending, tokens_per_step, flops_per_step, peak)
         pending = (step, metrics)
         if stop:
           break
       if pending is not None:
-        self._log(logger, pending, last_time, tokens_per_step, flops_per_step, peak)
+        self._log(logger, clock, pending, tokens_per_step, flops_per_step, peak)
     finally:
+      clock.close()
       logger.close()
     history = logger.history
     timed = [h for h in history if "step_time_s" in h][1:]  # the first timed step still warms up
@@ -193,16 +204,14 @@ class Trainer:
                      mfu=flops_per_step / step_time / peak)
     return state, history, summary
 
-  def _log(self, logger, pending, last_time, tokens_per_step, flops_per_step, peak):
+  def _log(self, logger, clock, pending, tokens_per_step, flops_per_step, peak):
     step, metrics = pending
     values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    now = time.perf_counter()
-    if last_time is not None:
-      dt = now - last_time
+    dt = clock.step_time(step)  # None for the first step of a run: it includes compiling
+    if dt is not None:
       values.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt, mfu=flops_per_step / dt / peak)
     every = self.config.train.log_every
     logger.log(step, values, echo=every > 0 and (step % every == 0 or step == 1))
-    return now
 
 
 def _data_state(batches) -> dict | None:

@@ -2,7 +2,7 @@
 
 Parameters use `embed, heads, kv_heads, head_dim, mlp, vocab, layers`; activations use
 `batch, length` and `act_*` names, so that a parameter's `embed` can live on `fsdp`
-while an activation's batch uses the same mesh axis.
+while an activation's batch uses the same mesh axis; the KV cache uses `cache_*` names.
 """
 
 # Batch is split over every axis that holds different data.
@@ -15,6 +15,7 @@ _COMMON = (
   ("head_dim", None),
   ("norm", None),
   ("layers", None),
+  ("cache_pages", None),  # KV-cache pages: one pool, indexed by every sequence's page table
 )
 
 _TENSOR = (
@@ -26,6 +27,7 @@ _TENSOR = (
   ("act_kv_heads", "tensor"),
   ("act_mlp", "tensor"),
   ("act_vocab", "tensor"),
+  ("cache_kv_heads", "tensor"),
 )
 
 _NO_TENSOR = tuple((name, None) for name, _ in _TENSOR)

@@ -1,12 +1,19 @@
-"""Pure Flax NNX model code: layers name their array axes and contain no parallelism."""
+"""Pure Flax NNX model code: layers name their array axes and contain no parallelism.
 
-from flax import nnx
+Families and blocks are registered by name (`registry.py`); importing this package
+registers the shipped ones. Nothing here changes global Flax behaviour: `build_model`
+scopes what it needs.
+"""
 
-from jaxpar.models.llama import Llama
+from jaxpar.models import llama, mlp  # noqa: F401  (register the shipped family and block)
+from jaxpar.models.attention import Attention
+from jaxpar.models.config import ModelConfig, RopeScaling
+from jaxpar.models.decoder import DecoderLayer, LayerContext
+from jaxpar.models.mlp import MLP
+from jaxpar.models.registry import (HFMapping, ModelFamily, block_names, build_model, family_names,
+                                    get_block, get_family, register_block, register_family)
+from jaxpar.models.transformer import Transformer
 
-# jaxpar places parameters itself (jit out_shardings from jaxpar.mesh, which replicates
-# a dimension the mesh does not divide); Flax's eager placement would need a mesh at
-# every construction and apply its own rules, so it is off.
-nnx.use_eager_sharding(False)
-
-__all__ = ["Llama"]
+__all__ = ["Attention", "DecoderLayer", "HFMapping", "LayerContext", "MLP", "ModelConfig",
+           "ModelFamily", "RopeScaling", "Transformer", "block_names", "build_model",
+           "family_names", "get_block", "get_family", "register_block", "register_family"]

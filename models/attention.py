@@ -5,6 +5,7 @@ from flax import nnx
 
 from jaxpar import pallas_kernels
 from jaxpar.mesh import constrain
+from jaxpar.models import kv_cache
 from jaxpar.models.dense import dense
 from jaxpar.models.init import fan_in
 from jaxpar.models.norm import RMSNorm
@@ -12,6 +13,15 @@ from jaxpar.models.rope import apply_rope
 
 
 class Attention(nnx.Module):
+  """Causal GQA over [B, L, embed] -> [B, L, embed].
+
+  Parameters: q [embed, heads, head_dim], k and v [embed, kv_heads, head_dim],
+  o [heads, head_dim, embed]; optional q/k/v biases (Qwen2) and q/k RMSNorms (Qwen3).
+  Without a cache it attends within each packed segment; with one it first writes the
+  new keys and values into the cache's pages and attends to everything cached up to
+  each query's position.
+  """
+
   def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
     e, h, kv, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     proj_init = fan_in(in_axis=0, out_axis=(1, 2))
@@ -37,7 +47,8 @@ class Attention(nnx.Module):
     self.implementation = cfg.attention
     self.dtype = compute_dtype
 
-  def __call__(self, x, positions, segment_ids, inv_freq):
+  def __call__(self, x, context, cache=None):
+    """x [B, L, embed] -> ([B, L, embed], cache)."""
     dt = self.dtype
     q = dense(x, self.q[...].astype(dt))
     k = dense(x, self.k[...].astype(dt))
@@ -47,9 +58,15 @@ class Attention(nnx.Module):
                  v + self.v_bias[...].astype(dt))
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    q = constrain(apply_rope(q, positions, inv_freq), ("batch", "length", "act_heads", "head_dim"))
-    k = constrain(apply_rope(k, positions, inv_freq), ("batch", "length", "act_kv_heads", "head_dim"))
+    positions = context.positions
+    q = constrain(apply_rope(q, positions, context.inv_freq), ("batch", "length", "act_heads", "head_dim"))
+    k = constrain(apply_rope(k, positions, context.inv_freq), ("batch", "length", "act_kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
-    out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=segment_ids,
-                                   implementation=self.implementation)
-    return dense(out, self.o[...].astype(dt), contract=2)
+    if cache is None:
+      out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=context.segment_ids,
+                                     implementation=self.implementation)
+    else:
+      cache = kv_cache.write(cache, k, v, positions, context.page_table)
+      out = pallas_kernels.paged_attention(q, cache["k"], cache["v"], positions, context.page_table,
+                                           implementation=self.implementation)
+    return dense(out, self.o[...].astype(dt), contract=2), cache

@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward block (Shazeer, 2020), as in Llama."""
+"""SwiGLU feed-forward block (Shazeer, 2020), as in Llama: the `dense` block."""
 
 import jax
 from flax import nnx
@@ -6,9 +6,15 @@ from flax import nnx
 from jaxpar.mesh import constrain
 from jaxpar.models.dense import dense
 from jaxpar.models.init import fan_in
+from jaxpar.models.registry import register_block
 
 
 class MLP(nnx.Module):
+  """down(silu(x @ gate) * (x @ up)): [B, L, embed] -> ([B, L, embed], {}).
+
+  Parameters: gate, up [embed, mlp]; down [mlp, embed]. No auxiliary outputs.
+  """
+
   def __init__(self, embed_dim, mlp_dim, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
     init = fan_in()
     self.gate = nnx.Param(init(rngs.params(), (embed_dim, mlp_dim), param_dtype),
@@ -23,4 +29,8 @@ class MLP(nnx.Module):
     gate = dense(x, self.gate[...].astype(self.dtype))
     up = dense(x, self.up[...].astype(self.dtype))
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-    return dense(hidden, self.down[...].astype(self.dtype))
+    return dense(hidden, self.down[...].astype(self.dtype)), {}
+
+
+register_block("feed_forward", "dense",
+               lambda cfg, **kwargs: MLP(cfg.embed_dim, cfg.mlp_dim, **kwargs))

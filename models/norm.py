@@ -6,8 +6,11 @@ from flax import nnx
 
 
 class RMSNorm(nnx.Module):
+  """x / rms(x) * scale over the last axis; `scale` [dim] is declared `weight_decay=False`
+  (shrinking it towards 0 would only fight the normalisation)."""
+
   def __init__(self, dim: int, *, eps: float, param_dtype, compute_dtype, names=("norm",)):
-    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=names)
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=names, weight_decay=False)
     self.eps = eps
     self.compute_dtype = compute_dtype
 

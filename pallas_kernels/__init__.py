@@ -1,14 +1,18 @@
-"""Attention kernels behind one door each.
+"""Pallas kernels by family, each behind one door next to its pure-jnp reference.
 
-Models call `attention(...)` (training/prefill) and `decode_attention(...)` (one new
-token against a KV cache) only; they pick the kernel for the backend and shape.
+Models call these entry points only; they pick the kernel for the backend and shape and
+run it per device through the logical `shard_map` helper of `jaxpar.mesh`:
+
+- attention: `attention(...)` (training / prefill), `decode_attention(...)` (one new token
+  against a KV cache), `paged_attention(...)` (new tokens against a paged cache).
 """
 
-from jaxpar.pallas_kernels.block_sizes import BlockSizes, default_block_sizes
-from jaxpar.pallas_kernels.dispatch import (IMPLEMENTATIONS, attention, choose_implementation,
-                                            decode_attention)
-from jaxpar.pallas_kernels.reference import attention_reference, decode_attention_reference
+from jaxpar.pallas_kernels.attention.block_sizes import BlockSizes, default_block_sizes
+from jaxpar.pallas_kernels.attention.dispatch import (IMPLEMENTATIONS, attention, choose_implementation,
+                                                      decode_attention, paged_attention)
+from jaxpar.pallas_kernels.attention.reference import (attention_reference, decode_attention_reference,
+                                                       paged_attention_reference)
 
 __all__ = ["IMPLEMENTATIONS", "BlockSizes", "attention", "attention_reference",
            "choose_implementation", "decode_attention", "decode_attention_reference",
-           "default_block_sizes"]
+           "default_block_sizes", "paged_attention", "paged_attention_reference"]

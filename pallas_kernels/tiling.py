@@ -1,8 +1,7 @@
-"""Fitting tiles to sequences: clamp the tile to the sequence, pad the sequence to the tile."""
+"""Fitting tiles to arrays: check a tile, clamp it to the sequence, pad the sequence to it.
+Shared by every kernel family."""
 
 import jax.numpy as jnp
-
-from jaxpar.pallas_kernels import validation
 
 
 def round_up(n, multiple):
@@ -41,6 +40,14 @@ def fit_tiles(blocks, q_len, kv_len, align, power_of_two=False) -> dict[str, int
                               ("block_k", blocks.block_k, kv_len),
                               ("block_q_bwd", blocks.bwd.block_q, q_len),
                               ("block_k_bwd", blocks.bwd.block_k, kv_len)):
-    validation.check_block(name, block, align, power_of_two=power_of_two)
+    check_block(name, block, align, power_of_two=power_of_two)
     tiles[name] = fit_block(block, length, align)
   return tiles
+
+
+def check_block(name, block, align, power_of_two=False):
+  """A tile length must be a positive multiple of the hardware alignment."""
+  if not isinstance(block, int) or block <= 0 or block % align:
+    raise ValueError(f"{name}={block!r} must be a positive multiple of {align} on this backend")
+  if power_of_two and block & (block - 1):
+    raise ValueError(f"{name}={block} must be a power of two for the Triton kernels")

@@ -12,13 +12,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jaxpar.pallas_kernels import BlockSizes, attention_reference
-from jaxpar.pallas_kernels.chunked import chunked_attention
-from jaxpar.pallas_kernels.flash_gpu import flash_attention_gpu
-from jaxpar.pallas_kernels.flash_tpu import flash_attention_tpu
+from jaxpar.pallas_kernels.attention.chunked import chunked_attention
+from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
+from jaxpar.pallas_kernels.attention.flash_tpu import flash_attention_tpu
 
 TOLERANCE = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2}
 

@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxpar import pallas_kernels
-from jaxpar.pallas_kernels.decode_gpu import paged_decode_attention_gpu
-from jaxpar.pallas_kernels.flash_gpu import flash_attention_gpu
+from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gpu
+from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
 
 AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None

@@ -59,7 +59,7 @@ def fsdp8_checkpoint(tmp_path_factory):
   tmp_path = tmp_path_factory.mktemp("fsdp8")
   trainer = Trainer(_config(tmp_path, "run", mesh={"fsdp": 8}))
   state = trainer.fit(steps=1, show_progress=False).state
-  return trainer.config, Path(trainer.config.train.run_dir) / "checkpoints", _numpy(state)
+  return trainer.config, Path(trainer.config.train.run_dir) / "checkpoints", _numpy(state.items())
 
 
 TARGETS = {
@@ -74,7 +74,7 @@ def test_restore_onto_another_mesh(fsdp8_checkpoint, target, tmp_path):
   _, directory, saved = fsdp8_checkpoint
   mesh, devices = TARGETS[target]
   trainer = Trainer(_config(tmp_path, "run", mesh=mesh), devices=jax.devices()[:devices])
-  abstract = trainer.abstract_state()
+  abstract = trainer.abstract_state().items()
   with Checkpointer(directory, read_only=True) as checkpoints:
     state, data_state = checkpoints.restore(abstract)
     params = checkpoints.restore_params(abstract["params"])

@@ -52,8 +52,8 @@ def test_fsdp_argument_bytes_match_hand_computation():
   replicated = (2 * m.num_layers + 1) * m.embed_dim  # norm scales
   params = 4 * (sharded // 4 + replicated)  # f32, split 4 ways over fsdp
   state = trainer.abstract_state()
-  assert per_device_bytes(state["params"]) == params
-  assert per_device_bytes(state["opt_state"]) == 2 * params + 2 * 4  # Adam mu, nu + counts
+  assert per_device_bytes(state.params) == params
+  assert per_device_bytes(state.opt_state) == 2 * params + 2 * 4  # Adam mu, nu + counts
   batch = 5 * 4 * config.data.global_batch_size // 4 * config.data.seq_len
   assert per_device_bytes(abstract_batch(trainer)) == batch
   expected = 3 * params + 3 * 4 + batch

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from jaxpar import pallas_kernels
-from jaxpar.pallas_kernels.decode_gpu import paged_decode_attention_gpu
-from jaxpar.pallas_kernels.decode_tpu import paged_decode_attention_tpu
-from jaxpar.pallas_kernels.reference import decode_attention_reference, gather_pages
+from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gpu
+from jaxpar.pallas_kernels.attention.decode_tpu import paged_decode_attention_tpu
+from jaxpar.pallas_kernels.attention.reference import decode_attention_reference, gather_pages
 
 
 def paged_inputs(batch=3, num_heads=8, num_kv_heads=2, head_dim=128, page_size=16,

@@ -14,7 +14,7 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.cli import main
 from jaxpar.config import replace
 from jaxpar.hf import hf_to_jaxpar, jaxpar_to_hf, model_config_from_hf
-from jaxpar.model_state import abstract_model
+from jaxpar.runtime import abstract_model
 from jaxpar.trainer import Trainer
 
 torch = pytest.importorskip("torch")
@@ -50,11 +50,12 @@ def _hf_logits(model, tokens):
 
 
 def _our_logits(checkpoint, config, tokens):
-  graphdef, abstract = abstract_model(config.model)
+  graphdef, abstract, _ = abstract_model(config.model)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), abstract.to_pure_dict())
+  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
+                        nnx.to_pure_dict(abstract))
   params = Checkpointer(checkpoint, read_only=True).restore_params(target)
-  return np.asarray(nnx.merge(graphdef, params)(jnp.asarray(tokens)))
+  return np.asarray(nnx.merge(graphdef, params)(jnp.asarray(tokens))[0])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

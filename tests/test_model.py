@@ -1,4 +1,4 @@
-"""The Llama-family model: layer stacking, remat, masking, RoPE, dtypes."""
+"""The decoder model (llama family): layer stacking, remat, masking, RoPE, dtypes."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jaxpar.config import ModelConfig, RopeScaling
-from jaxpar.models import Llama
+from jaxpar.models import build_model
 from jaxpar.models.rope import rope_frequencies
 from tests.helpers import SMALL_MODEL
 
@@ -15,11 +15,11 @@ TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 258, (2, 24)), jnp.int
 
 
 def _model(**overrides):
-  return Llama(ModelConfig(**{**SMALL_MODEL, **overrides}), nnx.Rngs(0))
+  return build_model(ModelConfig(**{**SMALL_MODEL, **overrides}), nnx.Rngs(0))
 
 
 def _logits(model, tokens=TOKENS, positions=None, segment_ids=None):
-  return nnx.jit(lambda m, t, p, s: m(t, p, s))(model, tokens, positions, segment_ids)
+  return nnx.jit(lambda m, t, p, s: m(t, p, s)[0])(model, tokens, positions, segment_ids)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,8 @@ def scanned():
 
 def test_scan_and_unrolled_layers_agree(scanned):
   unrolled = _model(scan_layers=False)
-  stacked = nnx.state(scanned).to_pure_dict()
-  params = nnx.state(unrolled).to_pure_dict()
+  stacked = nnx.to_pure_dict(nnx.state(scanned))
+  params = nnx.to_pure_dict(nnx.state(unrolled))
   for i in range(SMALL_MODEL["num_layers"]):
     params["layers"][i] = jax.tree.map(lambda x: x[i], stacked["layers"])
   for key in ("embed", "final_norm", "unembed"):
@@ -42,7 +42,7 @@ def test_scan_and_unrolled_layers_agree(scanned):
 @pytest.mark.parametrize("remat", ["full", "save_dots", "save_dots_no_batch"])
 def test_remat_policies_keep_gradients(scanned, remat):
   def grads(model):
-    return nnx.jit(nnx.grad(lambda m: jnp.mean(m(TOKENS) ** 2)))(model)
+    return nnx.jit(nnx.grad(lambda m: jnp.mean(m(TOKENS)[0] ** 2)))(model)
   rematted = _model(remat=remat)
   for a, b in zip(jax.tree.leaves(grads(rematted)), jax.tree.leaves(grads(scanned))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -77,7 +77,7 @@ def test_llama3_rope_scaling_keeps_high_and_divides_low_frequencies():
 
 def test_gqa_qk_norm_bias_and_tied_variants_run():
   model = _model(num_kv_heads=1, qk_norm=True, attention_bias=True, tie_embeddings=True)
-  state = nnx.state(model).to_pure_dict()
+  state = nnx.to_pure_dict(nnx.state(model))
   assert state["layers"]["attn"]["k"].shape == (2, 64, 1, 16)
   assert "q_norm" in state["layers"]["attn"] and "q_bias" in state["layers"]["attn"]
   assert "unembed" not in state

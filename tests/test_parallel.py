@@ -23,14 +23,14 @@ STRATEGIES = {
 def _run_one_step(trainer, batch):
   """Initial params, grads, loss and updated params of one step, as numpy."""
   state = trainer.init_state()
-  initial = jax.device_get(state["params"])
+  initial = jax.device_get(state.params)
   gradients = jax.jit(make_gradients(trainer.graphdef, z_loss=0.0, microbatches=1))
   global_batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in batch.items()}
   with trainer.context():
-    grads, aux = gradients(state["params"], global_batch)
+    grads, aux, _ = gradients(state.params, global_batch)
   new_state, metrics = trainer.step(state, global_batch)
   return {"initial": initial, "grads": jax.device_get(grads), "loss": float(metrics["loss"]),
-          "params": jax.device_get(new_state["params"]), "state": new_state}
+          "params": jax.device_get(new_state.params), "state": new_state}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def _bytes_on_device(tree, device):
 
 def test_state_bytes_per_device_are_total_over_shards(strategy):
   name, trainer, shards, run = strategy
-  state = {"params": run["state"]["params"], "opt_state": run["state"]["opt_state"]}
+  state = {"params": run["state"].params, "opt_state": run["state"].opt_state}
   total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
   for device in trainer.mesh.devices.flat:
     per_device = _bytes_on_device(state, device)

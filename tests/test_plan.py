@@ -9,7 +9,7 @@ from jaxpar.aot import cost_model, plan
 from jaxpar.aot.cost_model import Hardware, Layout
 from jaxpar.cli import main
 from jaxpar.config import load_config
-from jaxpar.model_state import abstract_model, count_params
+from jaxpar.runtime import abstract_model, count_params
 from tests.helpers import small_config
 
 GIB = 2 ** 30

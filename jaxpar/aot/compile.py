@@ -75,8 +75,8 @@ def build_report(trainer, compiled, oom, chip, topology, num_slices) -> dict:
     "num_layers": cfg.model.num_layers, "params": trainer.num_params,
     "model_flops_per_step": model_flops,
     "hbm_bytes": chip.hbm_bytes,
-    "state_bytes": {"params": per_device_bytes(state["params"]),
-                    "opt_state": per_device_bytes(state["opt_state"])},
+    "state_bytes": {"params": per_device_bytes(state.params),
+                    "opt_state": per_device_bytes(state.opt_state)},
     "fits": compiled is not None, "oom": oom,
   }
   if compiled is None:

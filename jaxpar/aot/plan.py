@@ -23,7 +23,7 @@ from jaxpar.aot.cost_model import Hardware, Layout
 from jaxpar.config import replace, to_yaml
 from jaxpar.flops import measure_matmul_flops
 from jaxpar.mesh import resolve_axis_sizes
-from jaxpar.model_state import abstract_model, count_params
+from jaxpar.runtime import abstract_model, count_params
 from jaxpar.trainer import Trainer
 
 REMATS = ("none", "save_dots", "full")

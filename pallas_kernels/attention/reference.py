@@ -84,3 +84,31 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, page_table=None,
   out = jnp.einsum("bhgk,bkhd->bhgd", probs.astype(v_cache.dtype), v_cache,
                    preferred_element_type=jnp.float32)
   return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
+
+
+def paged_attention_reference(q, k_pages, v_pages, q_positions, page_table, *,
+                              sliding_window=None, logit_soft_cap=None, scale=None):
+  """Several new query tokens per sequence against a paged cache holding their keys.
+
+  q: [B, T, Hq, D] at q_positions int [B, T]; a query at position p sees the cached keys
+  at positions 0..p (within `sliding_window` of p). Negative positions are padding and
+  get 0. Pages: [Hkv, num_pages, page_size, D]; page_table: int [B, pages_per_seq].
+  """
+  k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+  batch, q_len, num_heads, head_dim = q.shape
+  num_kv_heads = k.shape[2]
+  scale = head_dim ** -0.5 if scale is None else scale
+  qg = q.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
+  logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+  if logit_soft_cap is not None:
+    logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
+  k_pos = jnp.arange(k.shape[1])[None, None, :]
+  q_pos = q_positions[:, :, None]
+  mask = k_pos <= q_pos
+  if sliding_window is not None:
+    mask &= q_pos - k_pos < sliding_window
+  mask = mask[:, None, None]  # [B, 1, 1, T, S]
+  logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  probs = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)

@@ -11,23 +11,43 @@ Kernels run per device inside `jax.shard_map` over the current mesh.
 
 import functools
 
-from jaxpar.pallas_kernels import sharding, validation
-from jaxpar.pallas_kernels.block_sizes import default_block_sizes
-from jaxpar.pallas_kernels.chunked import chunked_attention
-from jaxpar.pallas_kernels.decode_gpu import paged_decode_attention_gpu
-from jaxpar.pallas_kernels.decode_tpu import paged_decode_attention_tpu
-from jaxpar.pallas_kernels.flash_gpu import flash_attention_gpu
-from jaxpar.pallas_kernels.flash_tpu import flash_attention_tpu
-from jaxpar.pallas_kernels.reference import attention_reference, decode_attention_reference
+import jax.numpy as jnp
+
+from jaxpar.mesh import logical_shard_map, mesh_axes
+from jaxpar.pallas_kernels.attention import validation
+from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
+from jaxpar.pallas_kernels.attention.chunked import chunked_attention
+from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gpu
+from jaxpar.pallas_kernels.attention.decode_tpu import paged_decode_attention_tpu
+from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
+from jaxpar.pallas_kernels.attention.flash_tpu import flash_attention_tpu
+from jaxpar.pallas_kernels.attention.reference import (attention_reference, decode_attention_reference,
+                                                       paged_attention_reference)
+from jaxpar.pallas_kernels.platform import current_device_kind, current_platform, interpret
 
 IMPLEMENTATIONS = ("auto", "flash", "reference", "chunked")
 # On CPU the one-shot reference beats the loops up to about this many keys.
 CPU_REFERENCE_MAX_KV_LEN = 1024
+# Logical names of the kernels' arguments. Query and key/value heads share one name so
+# both are split over the same mesh axes (or neither): contiguous head blocks keep every
+# query head with its kv head under GQA.
+_HEADS = "act_kv_heads"
+_SEQUENCE = ("batch", None, _HEADS, "head_dim")  # [B, L, H, D]; length whole per device
+_PAGES = (_HEADS, None, None, "head_dim")  # [Hkv, num_pages, page_size, D]; pages shared
 
 
 def _check_implementation(implementation):
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"attention implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+
+
+def _check_length_not_split():
+  """Until context parallelism exists, a mesh that splits `length` must not reach attention:
+  every device would silently gather the whole sequence and repeat the same work."""
+  axes = mesh_axes("length")
+  if axes:
+    raise ValueError(f"the mesh splits sequence length over {axes} (mesh.context > 1), but "
+                     "attention has no context-parallel implementation yet: set mesh.context=1")
 
 
 def choose_implementation(implementation, platform, head_dim, kv_len):
@@ -48,8 +68,9 @@ def attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
   the last Lq positions); sliding_window: keys at most this far back (incl. self);
   logit_soft_cap: cap * tanh(logits / cap); block_sizes: kernel tiles (BlockSizes).
   """
-  platform = sharding.current_platform()
+  platform = current_platform()
   impl = choose_implementation(implementation, platform, q.shape[-1], k.shape[1])
+  _check_length_not_split()
   options = dict(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                  scale=scale)
   if impl == "reference":
@@ -60,11 +81,11 @@ def attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
     return chunked_attention(q, k, v, segment_ids=segment_ids, block_sizes=block_sizes, **options)
   validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap)
   kernel = flash_attention_gpu if platform == "gpu" else flash_attention_tpu
-  blocks = block_sizes or default_block_sizes(platform, sharding.current_device_kind())
-  run = functools.partial(kernel, block_sizes=blocks, interpret=platform not in ("tpu", "gpu"),
-                          **options)
-  return sharding.shard_over_mesh(lambda q, k, v, seg: run(q, k, v, segment_ids=seg),
-                                  (q, k, v, segment_ids), ((0, 2), (0, 2), (0, 2), (0, None)))
+  blocks = block_sizes or default_block_sizes(platform, current_device_kind())
+  run = functools.partial(kernel, block_sizes=blocks, interpret=interpret(platform), **options)
+  return logical_shard_map(lambda q, k, v, seg: run(q, k, v, segment_ids=seg),
+                           (_SEQUENCE, _SEQUENCE, _SEQUENCE, ("batch", None)),
+                           _SEQUENCE)(q, k, v, segment_ids)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_window=None,
@@ -78,7 +99,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
   TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode).
   """
   _check_implementation(implementation)
-  platform = sharding.current_platform()
+  platform = current_platform()
   options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale)
   use_kernel = page_table is not None and (
       implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")))
@@ -86,7 +107,25 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
     return decode_attention_reference(q, k_cache, v_cache, lengths, page_table=page_table,
                                       **options)
   kernel = paged_decode_attention_gpu if platform == "gpu" else paged_decode_attention_tpu
-  run = functools.partial(kernel, interpret=platform not in ("tpu", "gpu"), **options)
-  return sharding.shard_over_mesh(
-      run, (q, k_cache, v_cache, lengths, page_table),
-      ((0, 1), (None, 0), (None, 0), (0, None), (0, None)))
+  run = functools.partial(kernel, interpret=interpret(platform), **options)
+  token = ("batch", _HEADS, "head_dim")
+  return logical_shard_map(run, (token, _PAGES, _PAGES, ("batch",), ("batch", None)),
+                           token)(q, k_cache, v_cache, lengths, page_table)
+
+
+def paged_attention(q, k_pages, v_pages, q_positions, page_table, *, sliding_window=None,
+                    logit_soft_cap=None, scale=None, implementation="auto"):
+  """New tokens against a paged KV cache that already holds their keys -> [B, T, Hq, D].
+
+  q: [B, T, Hq, D] at q_positions int [B, T] (negative: padding, output 0); each query
+  sees the cached keys at positions 0..its own. k/v pages: [Hkv, num_pages, page_size, D];
+  page_table: int [B, pages_per_seq]. One token per sequence (decode) goes to
+  `decode_attention` and its kernels; several (prefill) to the reference over the pages.
+  """
+  _check_implementation(implementation)
+  options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale)
+  if q.shape[1] == 1:
+    lengths = jnp.maximum(q_positions[:, 0] + 1, 0)
+    return decode_attention(q[:, 0], k_pages, v_pages, lengths, page_table=page_table,
+                            implementation=implementation, **options)[:, None]
+  return paged_attention_reference(q, k_pages, v_pages, q_positions, page_table, **options)

@@ -30,10 +30,3 @@ def check_attention_args(q, k, v, segment_ids=None, sliding_window=None, logit_s
   if logit_soft_cap is not None and logit_soft_cap <= 0:
     raise ValueError(f"logit_soft_cap={logit_soft_cap} must be > 0")
 
-
-def check_block(name, block, align, power_of_two=False):
-  """A tile length must be a positive multiple of the hardware alignment."""
-  if not isinstance(block, int) or block <= 0 or block % align:
-    raise ValueError(f"{name}={block!r} must be a positive multiple of {align} on this backend")
-  if power_of_two and block & (block - 1):
-    raise ValueError(f"{name}={block} must be a power of two for the Triton kernels")

@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxpar.pallas_kernels import decode_common, masking, validation
+from jaxpar.pallas_kernels.attention import decode_common, masking, validation
 from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
 _LANES = 128

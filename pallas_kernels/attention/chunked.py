@@ -9,13 +9,13 @@ Key blocks that are fully masked (causal, window) are skipped by the loop bounds
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpar.pallas_kernels import masking, tiling, validation
-from jaxpar.pallas_kernels.block_sizes import default_block_sizes
-from jaxpar.pallas_kernels.lse_vjp import with_lse_vjp
+from jaxpar.pallas_kernels import tiling
+from jaxpar.pallas_kernels.attention import masking, validation
+from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
+from jaxpar.pallas_kernels.attention.lse_vjp import with_lse_vjp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +139,8 @@ def chunked_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=
   blocks = block_sizes or default_block_sizes("cpu")
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
-  validation.check_block("block_q", blocks.block_q, 1)
-  validation.check_block("block_k", blocks.block_k, 1)
+  tiling.check_block("block_q", blocks.block_q, 1)
+  tiling.check_block("block_k", blocks.block_k, 1)
   bq, bk = min(blocks.block_q, q_len), min(blocks.block_k, kv_len)
   q_pad, kv_pad = tiling.round_up(q_len, bq), tiling.round_up(kv_len, bk)
   st = _Static(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,

@@ -15,9 +15,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxpar.pallas_kernels import masking, tiling, validation
-from jaxpar.pallas_kernels.block_sizes import default_block_sizes
-from jaxpar.pallas_kernels.lse_vjp import with_lse_vjp
+from jaxpar.pallas_kernels import tiling
+from jaxpar.pallas_kernels.attention import masking, validation
+from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
+from jaxpar.pallas_kernels.attention.lse_vjp import with_lse_vjp
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,45 @@
+"""One pre-norm decoder layer: attention, then the feed-forward block the config names.
+
+The layer is `(x, context, cache) -> (x, aux, cache)`: `aux` holds the block's auxiliary
+losses and metrics (empty for a dense MLP), `cache` this layer's KV cache (None in training).
+"""
+
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxpar.mesh import constrain
+from jaxpar.models.attention import Attention
+from jaxpar.models.norm import RMSNorm
+from jaxpar.models.registry import get_block
+
+ACTIVATION = ("batch", "length", "act_embed")
+
+
+@struct.dataclass
+class LayerContext:
+  """What every layer of one forward pass shares (closed over by the layer scan).
+
+  positions, segment_ids: int [B, L]; inv_freq: RoPE frequencies [head_dim / 2];
+  page_table: int [B, pages] when attending through a paged KV cache, else None.
+  """
+  positions: jnp.ndarray
+  segment_ids: jnp.ndarray | None
+  inv_freq: jnp.ndarray
+  page_table: jnp.ndarray | None = None
+
+
+class DecoderLayer(nnx.Module):
+  """x + attention(norm(x)), then x + feed_forward(norm(x)); x is [B, L, embed]."""
+
+  def __init__(self, cfg, rngs: nnx.Rngs, *, feed_forward: str | None = None):
+    dtypes = dict(param_dtype=jnp.dtype(cfg.param_dtype), compute_dtype=jnp.dtype(cfg.compute_dtype))
+    self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, **dtypes)
+    self.attn = Attention(cfg, rngs=rngs, **dtypes)
+    self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, **dtypes)
+    self.mlp = get_block("feed_forward", feed_forward or cfg.mlp)(cfg, rngs=rngs, **dtypes)
+
+  def __call__(self, x, context: LayerContext, cache=None):
+    attended, cache = self.attn(self.attn_norm(x), context, cache)
+    x = constrain(x + attended, ACTIVATION)
+    fed, aux = self.mlp(self.mlp_norm(x))
+    return constrain(x + fed, ACTIVATION), aux, cache

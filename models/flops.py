@@ -1,0 +1,22 @@
+"""Training FLOPs per token of a decoder, counted MaxText's way."""
+
+
+def attention_params(cfg) -> int:
+  return cfg.embed_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+
+
+def causal_attention_flops(cfg, seq_len: int) -> float:
+  """Scores and values per token, forward + backward: per layer 2 matmuls x 2 flops x seq x
+  heads x head_dim, halved for the causal mask, x 3."""
+  return 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+
+
+def dense_matmul_params(cfg) -> int:
+  """Parameters that take part in matmuls: every projection plus the output head."""
+  mlp = 3 * cfg.embed_dim * cfg.mlp_dim
+  return cfg.num_layers * (attention_params(cfg) + mlp) + cfg.embed_dim * cfg.vocab_size
+
+
+def dense_train_flops_per_token(cfg, seq_len: int) -> float:
+  """6 x matmul params (forward + backward) plus causal attention."""
+  return 6 * dense_matmul_params(cfg) + causal_attention_flops(cfg, seq_len)

@@ -1,0 +1,51 @@
+"""The paged KV cache a model's attention reads and writes during generation.
+
+Per layer, keys and values live in pages `[kv_heads, num_pages, page_size, head_dim]`
+(the layout the paged decode kernels read); a sequence's `page_table` row lists its pages
+in order, so position p is slot p % page_size of page page_table[p // page_size]. A
+contiguous cache is the special case of one page per sequence. Caches are stacked over
+layers like the weights, and carry logical names so they shard like the model (kv heads
+over `tensor`).
+"""
+
+import jax
+import jax.numpy as jnp
+
+# Logical names of one layer's k or v pages, and of the stacked cache.
+PAGE_NAMES = ("cache_kv_heads", "cache_pages", None, "head_dim")
+STACKED_NAMES = ("layers",) + PAGE_NAMES
+
+
+def page_shape(cfg, num_pages: int, page_size: int) -> tuple[int, ...]:
+  return (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+
+
+def init_pages(cfg, num_layers: int, num_pages: int, page_size: int, dtype) -> dict:
+  """A zeroed stacked cache {"k", "v"}: [num_layers, kv_heads, num_pages, page_size, head_dim]."""
+  shape = (num_layers,) + page_shape(cfg, num_pages, page_size)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def write(cache: dict, k, v, positions, page_table) -> dict:
+  """Store new keys/values [B, T, kv_heads, head_dim] at `positions` [B, T].
+
+  Negative positions (padding) and positions past the page table are dropped, so ragged
+  batches need no masking by the caller.
+  """
+  _, num_pages, page_size, _ = cache["k"].shape
+  capacity = page_table.shape[1] * page_size
+  valid = (positions >= 0) & (positions < capacity)
+  safe = jnp.where(valid, positions, 0)
+  page = jnp.take_along_axis(page_table, safe // page_size, axis=1)
+  page = jnp.where(valid, page, num_pages)  # out of range: the scatter drops it
+  slot = safe % page_size
+
+  def put(pages, new):  # pages [Hkv, P, S, D]; new [B, T, Hkv, D]
+    return pages.at[:, page, slot].set(jnp.moveaxis(new, 2, 0).astype(pages.dtype), mode="drop")
+
+  return {"k": put(cache["k"], k), "v": put(cache["v"], v)}
+
+
+def bytes_per_token(cfg, dtype) -> int:
+  """Cache bytes one token takes across all layers (keys and values)."""
+  return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jax.numpy.dtype(dtype).itemsize

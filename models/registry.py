@@ -1,0 +1,85 @@
+"""Model families and blocks, registered by name.
+
+A family is one entry: the module that builds the model, its config class (the `model`
+section), its FLOPs per token, its default sharding preset and its Hugging Face mapping.
+Blocks are the interchangeable parts a config picks (`model.mlp: dense | moe`). Adding a
+family or a block is a `register_*` call; nothing else in the tree is edited.
+"""
+
+import dataclasses
+from typing import Any, Callable
+
+from flax import nnx
+
+from jaxpar.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class HFMapping:
+  """How a family's parameters and config correspond to a Hugging Face checkpoint.
+
+  `top` and `layer` list (our path, HF tensor name, layout) triples; layer names follow
+  `model.layers.{i}.`. Layouts: same, transpose, heads_in, heads_out, heads_bias
+  (see jaxpar/hf.py). Entries whose parameter the model lacks are skipped.
+  """
+  model_types: tuple[str, ...]
+  config_from_hf: Callable[[dict], ModelConfig]
+  config_to_hf: Callable[[ModelConfig, str], dict]
+  top: tuple[tuple[tuple[str, ...], str, str], ...]
+  layer: tuple[tuple[tuple[str, ...], str, str], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+  name: str
+  module: Callable[[Any, nnx.Rngs], nnx.Module]  # (model config, rngs) -> the model
+  flops_per_token: Callable[[Any, int], float]  # (model config, seq_len) -> training FLOPs
+  config: type[ModelConfig] = ModelConfig
+  rules: str = "fsdp_tp"  # the sharding preset used when the config names none
+  hf: HFMapping | None = None
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+_BLOCKS: dict[str, dict[str, Callable]] = {"feed_forward": {}}
+
+
+def register_family(family: ModelFamily) -> ModelFamily:
+  _FAMILIES[family.name] = family
+  return family
+
+
+def family_names() -> list[str]:
+  return sorted(_FAMILIES)
+
+
+def get_family(name: str) -> ModelFamily:
+  if name not in _FAMILIES:
+    raise ValueError(f"model.family={name!r} is not a registered family; use one of {family_names()}")
+  return _FAMILIES[name]
+
+
+def register_block(kind: str, name: str, factory: Callable) -> Callable:
+  """factory(model_config, *, param_dtype, compute_dtype, rngs) -> module whose call
+  returns (output, aux dict)."""
+  _BLOCKS.setdefault(kind, {})[name] = factory
+  return factory
+
+
+def block_names(kind: str) -> list[str]:
+  return sorted(_BLOCKS.get(kind, {}))
+
+
+def get_block(kind: str, name: str) -> Callable:
+  blocks = _BLOCKS.get(kind, {})
+  if name not in blocks:
+    option = {"feed_forward": "model.mlp"}.get(kind, kind)
+    raise ValueError(f"{option}={name!r} is not a registered {kind} block; use one of {block_names(kind)}")
+  return blocks[name]
+
+
+def build_model(model_cfg, rngs: nnx.Rngs) -> nnx.Module:
+  """The family's module for `model_cfg`. Flax's eager sharding stays off while it is built:
+  jaxpar places parameters itself (jit out_shardings from jaxpar.mesh), and eager placement
+  would need a mesh at every construction."""
+  with nnx.use_eager_sharding(False):
+    return get_family(model_cfg.family).module(model_cfg, rngs)

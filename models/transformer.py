@@ -1,0 +1,124 @@
+"""A decoder-only language model: embedding -> layer stack(s) -> final norm -> projection.
+
+Pure model code: arrays carry logical axis names; no mesh axes, no collectives. The
+feed-forward block is the config's (`model.mlp`); with `model.first_dense_layers` the
+first layers use the dense block instead, as their own scanned group.
+"""
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.mesh import constrain
+from jaxpar.models import kv_cache
+from jaxpar.models.decoder import ACTIVATION, DecoderLayer, LayerContext
+from jaxpar.models.init import embedding_init, fan_in
+from jaxpar.models.norm import RMSNorm
+from jaxpar.models.rope import rope_frequencies
+from jaxpar.models.stack import create_layers, run_layers, with_remat
+
+
+def layer_groups(cfg) -> list[tuple[str, int, str]]:
+  """(attribute, layer count, feed-forward block) of each scanned group, in order."""
+  groups = [("dense_layers", cfg.first_dense_layers, "dense"),
+            ("layers", cfg.num_layers - cfg.first_dense_layers, cfg.mlp)]
+  return [g for g in groups if g[1] > 0]
+
+
+def reduce_aux(per_group: list[dict]) -> dict:
+  """Per-layer aux outputs ({"losses": {...}, "metrics": {...}}, stacked over each group's
+  layers) -> losses summed over all layers, metrics averaged over the layers that have them."""
+  losses, metrics, counts = {}, {}, {}
+  for aux in per_group:
+    for name, value in aux.get("losses", {}).items():
+      losses[name] = losses.get(name, 0.0) + jnp.sum(value, axis=0)
+    for name, value in aux.get("metrics", {}).items():
+      metrics[name] = metrics.get(name, 0.0) + jnp.sum(value, axis=0)
+      counts[name] = counts.get(name, 0) + value.shape[0]
+  return {"losses": losses, "metrics": {k: v / counts[k] for k, v in metrics.items()}}
+
+
+class Transformer(nnx.Module):
+  """tokens int [B, L] ("batch", "length") -> logits [B, L, vocab] plus auxiliary outputs.
+
+  Parameters: embed [vocab, embed]; the layers, stacked with a leading `layers` axis when
+  `scan_layers`; final_norm; unembed [embed, vocab] unless `tie_embeddings`.
+  """
+
+  def __init__(self, cfg, rngs: nnx.Rngs):
+    self.cfg = cfg
+    param_dtype, compute_dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
+    self.embed = nnx.Param(embedding_init(cfg.embed_dim)(rngs.params(), (cfg.vocab_size, cfg.embed_dim), param_dtype),
+                           out_sharding=("vocab", "embed"))
+    for name, count, block in layer_groups(cfg):
+      setattr(self, name, create_layers(lambda r, block=block: DecoderLayer(cfg, r, feed_forward=block),
+                                        count, rngs, scan=cfg.scan_layers))
+    self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=param_dtype,
+                              compute_dtype=compute_dtype)
+    if not cfg.tie_embeddings:
+      self.unembed = nnx.Param(fan_in()(rngs.params(), (cfg.embed_dim, cfg.vocab_size), param_dtype),
+                               out_sharding=("embed", "vocab"))
+
+  def __call__(self, tokens, positions=None, segment_ids=None):
+    """-> (logits [B, L, vocab] in the compute dtype, aux {"losses", "metrics"})."""
+    x, aux = self.hidden_states(tokens, positions, segment_ids)
+    logits = jnp.einsum("ble,ev->blv", x, self.output_projection())
+    return constrain(logits, ("batch", "length", "act_vocab")), aux
+
+  def output_projection(self):
+    """The [embed, vocab] matrix that turns final hidden states into logits."""
+    unembed = self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
+    return unembed.astype(jnp.dtype(self.cfg.compute_dtype))
+
+  def hidden_states(self, tokens, positions=None, segment_ids=None):
+    """Final-normed hidden states [B, L, embed] and aux: the logits before the output
+    projection, for losses that never materialise the full [B, L, vocab] logits."""
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    context = LayerContext(positions, segment_ids, self._inv_freq())
+    x, aux, _ = self._run_stack(self._embed(tokens), context, None)
+    return self.final_norm(x), aux
+
+  def decode(self, tokens, positions, cache: dict, page_table, logits_index=None):
+    """Generation: new tokens [B, T] at positions [B, T] (negative: padding) through the
+    paged KV cache {group: {"k", "v"}} -> (logits, updated cache). Logits are
+    [B, T, vocab], or [B, vocab] at each row's `logits_index` [B] when given."""
+    context = LayerContext(positions, None, self._inv_freq(), page_table)
+    x, _, cache = self._run_stack(self._embed(tokens), context, cache)
+    x = self.final_norm(x)
+    if logits_index is not None:
+      x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
+      return jnp.einsum("be,ev->bv", x, self.output_projection()), cache
+    return jnp.einsum("ble,ev->blv", x, self.output_projection()), cache
+
+  def init_cache(self, num_pages: int, page_size: int, dtype=None) -> dict:
+    """A zeroed paged KV cache for every layer group."""
+    dtype = dtype or jnp.dtype(self.cfg.compute_dtype)
+    return {name: kv_cache.init_pages(self.cfg, count, num_pages, page_size, dtype)
+            for name, count, _ in layer_groups(self.cfg)}
+
+  def _inv_freq(self):
+    cfg = self.cfg
+    return rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+  def _embed(self, tokens):
+    # Gather rows from a table split only by vocab: each device looks up the rows it holds
+    # and the partial results are summed, instead of resharding the whole table.
+    table = constrain(self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype)), ("vocab", "act_embed"))
+    return constrain(table[tokens], ACTIVATION)
+
+  def _run_stack(self, x, context, cache):
+    """Every layer group in order -> (x, reduced aux, updated cache or None)."""
+    cfg = self.cfg
+    block = with_remat(lambda layer, x, context, cache: layer(x, context, cache), cfg.remat)
+
+    def layer_fn(layer, x, layer_cache):
+      x, aux, layer_cache = block(layer, x, context, layer_cache)
+      return x, {"aux": aux, "cache": layer_cache}
+
+    per_group, new_cache = [], {}
+    for name, _, _ in layer_groups(cfg):
+      x, outputs = run_layers(getattr(self, name), layer_fn, x, None if cache is None else cache[name],
+                              scan=cfg.scan_layers, unroll=cfg.scan_unroll)
+      per_group.append(outputs["aux"])
+      new_cache[name] = outputs["cache"]
+    return x, reduce_aux(per_group), None if cache is None else new_cache
