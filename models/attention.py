@@ -5,7 +5,7 @@ from flax import nnx
 
 from jaxpar import pallas_kernels
 from jaxpar.mesh import constrain
-from jaxpar.models import kv_cache
+from jaxpar.models import kv_cache, kv_quant
 from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
 from jaxpar.models.norm import RMSNorm
@@ -60,7 +60,9 @@ class Attention(nnx.Module):
     q = constrain(apply_rope(q, positions, context.inv_freq), ("batch", "length", "act_heads", "head_dim"))
     k = constrain(apply_rope(k, positions, context.inv_freq), ("batch", "length", "act_kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
-    if cache is None:
+    if cache is None and context.kv_quantization is not None:
+      out = kv_quant.cached_attention(q, k, v, context.kv_quantization, context.segment_ids)
+    elif cache is None:
       out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=context.segment_ids,
                                      implementation=self.implementation)
     else:
