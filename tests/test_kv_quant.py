@@ -90,9 +90,10 @@ def test_cached_attention_is_the_reference_when_nothing_is_sealed():
   q = jax.random.normal(kq, (2, 64, 4, 32))
   k, v = jax.random.normal(kk, (2, 64, 2, 32)), jax.random.normal(kv, (2, 64, 2, 32))
   want = pallas_kernels.attention_reference(q, k, v, causal=True)
-  got = kv_quant.cached_attention(q, k, v, KVQuantization("int2", page_size=16, window=64))
+  run = jax.jit(kv_quant.cached_attention, static_argnums=3)
+  got = run(q, k, v, KVQuantization("int2", page_size=16, window=64))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  errors = [float(jnp.abs(kv_quant.cached_attention(q, k, v, KVQuantization(m, 16, 16)) - want).max())
+  errors = [float(jnp.abs(run(q, k, v, KVQuantization(m, 16, 16)) - want).max())
             for m in kv_quant.KV_MODES]
   assert 0 < errors[0] < errors[1] < errors[2]  # fewer bits, more error; int8 still not exact
 

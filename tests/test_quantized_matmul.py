@@ -76,26 +76,25 @@ def test_quantize_weight_round_trip_and_bytes(mode, group, zero_point):
   assert qw.nbytes == qw.values.nbytes + 4 * groups * n * (2 if zero_point else 1)
 
 
-# (mode, group, zero_point, m, k, n): m, n not multiples of the tiles; k = 320 is no multiple
-# of a 128-lane tile (the weight is padded), k = 384 spans several K tiles.
-CASES = [("int8", None, False, 37, 384, 200), ("int8", None, False, 5, 320, 136),
-         ("int4", 32, False, 37, 320, 200), ("int4", 64, True, 9, 384, 136),
-         ("int4", 128, True, 1, 384, 72), ("w8a8", None, False, 37, 320, 200)]
-IDS = [f"{c[0]}-g{c[1]}-{'asym' if c[2] else 'sym'}-{c[3]}x{c[4]}x{c[5]}" for c in CASES]
+# (mode, group, zero_point, m, k, n, dtype): m, n not multiples of the tiles; k = 320 is no
+# multiple of a 128-lane tile (the weight is padded), k = 384 spans several K tiles.
+F32, BF16 = jnp.float32, jnp.bfloat16
+CASES = [("int8", None, False, 37, 384, 200, F32), ("int8", None, False, 5, 320, 136, BF16),
+         ("int4", 32, False, 37, 320, 200, F32), ("int4", 64, True, 9, 384, 136, BF16),
+         ("int4", 128, True, 1, 384, 72, F32), ("w8a8", None, False, 37, 320, 200, F32)]
+IDS = [f"{c[0]}-g{c[1]}-{'asym' if c[2] else 'sym'}-{c[3]}x{c[4]}x{c[5]}-{jnp.dtype(c[6]).name}"
+       for c in CASES]
 KERNELS = {"tpu": functools.partial(quantized_matmul_tpu, blocks=MatmulBlocks(32, 128, 256)),
            "gpu": functools.partial(quantized_matmul_gpu, blocks=MatmulBlocks(16, 64, 64))}
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
-@pytest.mark.parametrize("mode,group,zero_point,m,k,n", CASES, ids=IDS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mode,group,zero_point,m,k,n,dtype", CASES, ids=IDS)
 def test_kernel_interpret_matches_reference(backend, mode, group, zero_point, m, k, n, dtype):
-  if mode == "w8a8" and dtype == jnp.bfloat16:
-    pytest.skip("W8A8 kernels see int8 activations whatever the model dtype")
   x, w = _inputs(m, k, n, dtype)
   qw = quantize_weight(w, mode, group, zero_point=zero_point)
   kernel = jax.jit(functools.partial(KERNELS[backend], interpret=True))
-  if mode == "w8a8":
+  if mode == "w8a8":  # the kernels see int8 activations whatever the model dtype
     xq, xs = quantize.quantize_rows(x)
     np.testing.assert_array_equal(kernel(xq, qw, xs), reference.w8a8_reference(xq, xs, qw))
     return
