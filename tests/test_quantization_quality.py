@@ -5,7 +5,7 @@ each decode step would read the quantized cache).
 
 The issue's bar: int8 within 1% of the float perplexity. The other bounds are stated here
 from measurements (see README), with room for run-to-run change; the measured values sit
-at a quarter of them or less.
+at half of them or less.
 """
 
 import jax

@@ -69,3 +69,23 @@ def test_gpu_kernels_lower_for_cuda(mode, group, zero_point):
                                disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])
   module = exported(x, w.values, w.scales, w.zeros, x_scales).mlir_module()
   assert module.count(triton) == 1
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
+def test_tpu_quantized_model_forward_compiles():
+  """A whole int4 model (QuantizedKernel projections, logical names -> shard_map specs) on
+  v6e, fsdp 2 x tensor 2: every projection of the scanned layer is a Mosaic kernel."""
+  from jax.experimental import topologies
+
+  from jaxpar.runtime import Runtime
+  from tests.helpers import small_config
+  config = small_config(model={"head_dim": 32, "quantization": {"mode": "int4", "group_size": 32}},
+                        mesh={"fsdp": 2, "tensor": 2})
+  devices = topologies.get_topology_desc(platform="tpu", topology_name="v6e:2x2").devices
+  runtime = Runtime(config.model, config.mesh, devices)
+  params = runtime.abstract_targets()[0]
+  tokens = jax.ShapeDtypeStruct((4, 64), jnp.int32, sharding=NamedSharding(runtime.mesh, P(("data", "fsdp"))))
+  with runtime.context():
+    hlo = jax.jit(lambda p, t: runtime.merge(p)(t)[0]).lower(params, tokens).compile().as_text()
+  assert hlo.count("quantized_matmul_int4") >= 7  # q, k, v, o, gate, up, down

@@ -22,10 +22,6 @@ TPU_DEFAULT = MatmulBlocks(256, 512, 512)
 GPU_DEFAULT = MatmulBlocks(64, 64, 64)
 
 
-def default_blocks(platform: str) -> MatmulBlocks:
-  return GPU_DEFAULT if platform == "gpu" else TPU_DEFAULT
-
-
 def check_blocks(blocks: MatmulBlocks, platform: str):
   """TPU: rows in whole int8 sublane tiles (32), N and K in whole lanes (128). GPU: powers
   of two of at least 16 (the smallest tensor-core dot)."""

@@ -43,7 +43,7 @@ class QuantizedWeight:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
 
 
-def check_group_size(mode: str, group_size, k: int, what: str = "K"):
+def check_group_size(mode: str, group_size, k: int):
   """The group size a mode needs, checked against the contracted dimension K."""
   if mode not in MODES:
     raise ValueError(f"mode={mode!r} is not one of {MODES}")
@@ -55,7 +55,7 @@ def check_group_size(mode: str, group_size, k: int, what: str = "K"):
   if group_size not in GROUP_SIZES:
     raise ValueError(f"group_size={group_size!r} must be one of {GROUP_SIZES} for mode='int4'")
   if k % group_size:
-    raise ValueError(f"group_size={group_size} does not divide {what}={k}: pick a group size "
+    raise ValueError(f"group_size={group_size} does not divide K={k}: pick a group size "
                      f"that divides it ({[g for g in GROUP_SIZES if k % g == 0] or 'none of ' + str(GROUP_SIZES)})")
 
 
