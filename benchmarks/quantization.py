@@ -118,21 +118,24 @@ def _decode_memory(config, devices, batch=8, context=4096, page_size=128):
   pages_per_seq = context // page_size
   shard = lambda names, shape, dtype: jax.ShapeDtypeStruct(
       shape, dtype, sharding=logical_to_sharding(names, shape, runtime.mesh, runtime.rules))
-  cache_shape = (config.model.num_layers,) + kv_cache.page_shape(config.model, batch * pages_per_seq, page_size)
-  cache = {"layers": {k: shard(kv_cache.STACKED_NAMES, cache_shape, jnp.bfloat16) for k in ("k", "v")}}
+  pages = kv_cache.page_shape(config.model, batch * pages_per_seq, page_size)
+  page_pool = shard(kv_cache.STACKED_NAMES, (config.model.num_layers,) + pages, jnp.bfloat16)
+  cache = {"layers": {"k": page_pool, "v": page_pool}}
   tokens = shard(("batch", None), (batch, 1), jnp.int32)
   table = shard(("batch", None), (batch, pages_per_seq), jnp.int32)
 
   def decode(params, tokens, cache, table):
     model = runtime.merge(params)
     positions = jnp.full(tokens.shape, context - 1, jnp.int32)
-    return model.decode(tokens, positions, cache, table, logits_index=jnp.zeros(tokens.shape[0], jnp.int32))
+    last = jnp.zeros(tokens.shape[0], jnp.int32)
+    return model.decode(tokens, positions, cache, table, logits_index=last)
 
   started = time.perf_counter()
   with runtime.context():
     compiled = jax.jit(decode, donate_argnums=2).lower(params, tokens, cache, table).compile()
   m = compiled.memory_analysis()
-  weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+  weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                for x in jax.tree.leaves(params))
   kernels = compiled.as_text().count("tpu_custom_call")
   return weights, m.argument_size_in_bytes, m.temp_size_in_bytes, time.perf_counter() - started, kernels
 
@@ -140,10 +143,11 @@ def _decode_memory(config, devices, batch=8, context=4096, page_size=128):
 def tpu_table(topology):
   from jaxpar.aot.chips import topology_devices
   chip, devices = topology_devices(topology)
-  base = load_config("llama3-8b", ["model.param_dtype=bfloat16", "mesh.fsdp=1", f"mesh.tensor={len(devices)}",
-                                   "mesh.rules=tp"])
+  base = load_config("llama3-8b", ["model.param_dtype=bfloat16", "mesh.fsdp=1",
+                                   f"mesh.tensor={len(devices)}", "mesh.rules=tp"])
   print(f"\nllama3-8b decode step on {topology} ({len(devices)} chips, tensor parallel), compile-only:")
-  print("| weights | weights per chip | arguments per chip (weights + KV cache) | temporaries | Pallas calls | compile |")
+  print("| weights | weights per chip | arguments per chip (weights + KV cache) | temporaries "
+        "| Pallas calls | compile |")
   print("| --- | --- | --- | --- | --- | --- |")
   for name, section in (("bf16", None), ("int8", quantization_section("int8")),
                         ("int4 (group 128)", quantization_section("int4", 128))):

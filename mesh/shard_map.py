@@ -105,6 +105,7 @@ def logical_shard_map(fn, in_names, out_names, *, sum_over=(), check_vma=True):
       out = fn(*full)
       return jax.tree.map(lambda o: jax.lax.psum(o, summed), out) if summed else out
 
-    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(_spec(in_names[i], chosen) for i in present),
-                         out_specs=out_specs, check_vma=check_vma)(*(args[i] for i in present))
+    in_specs = tuple(_spec(in_names[i], chosen) for i in present)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=check_vma)(*(args[i] for i in present))
   return wrapped

@@ -16,7 +16,8 @@ class Attention(nnx.Module):
   """Causal GQA over [B, L, embed] -> [B, L, embed].
 
   Parameters: q [embed, heads, head_dim], k and v [embed, kv_heads, head_dim],
-  o [heads, head_dim, embed] (each a QuantizedKernel under model.quantization); optional q/k/v biases (Qwen2) and q/k RMSNorms (Qwen3).
+  o [heads, head_dim, embed] (each a QuantizedKernel under model.quantization); optional
+  q/k/v biases (Qwen2) and q/k RMSNorms (Qwen3).
   Without a cache it attends within each packed segment; with one it first writes the
   new keys and values into the cache's pages and attends to everything cached up to
   each query's position.

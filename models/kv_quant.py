@@ -11,7 +11,8 @@ Works on the paged layout of `kv_cache.py`, [..., page_size, head_dim] per kv he
 
 Values are packed along head_dim (two or four per byte, `pallas_kernels.matmul.packing`).
 Every element is within half a quantization step of its float value, plus the bfloat16
-rounding of its scale and zero point (2^-9 relative). How the engine stores sealed and open pages is the engine's business; these
+rounding of its scale and zero point (2^-9 relative). How the engine stores sealed and
+open pages is the engine's business; these
 functions define what a quantized page holds and what a decode step reads back.
 """
 

@@ -28,7 +28,8 @@ IMPLEMENTATIONS = ("auto", "pallas", "xla")
 
 def choose_implementation(implementation: str, platform: str) -> str:
   if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"quantized matmul implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+    raise ValueError(f"quantized matmul implementation={implementation!r} is not one of "
+                     f"{IMPLEMENTATIONS}")
   if implementation != "auto":
     return implementation
   return "pallas" if platform in ("tpu", "gpu") else "xla"

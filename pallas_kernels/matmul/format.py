@@ -18,6 +18,8 @@ import dataclasses
 
 import jax
 
+from jaxpar.pallas_kernels import tiling
+
 MODES = ("int8", "int4", "w8a8")
 GROUP_SIZES = (32, 64, 128)
 INT4_SYMMETRIC_ZERO = 8
@@ -55,8 +57,9 @@ def check_group_size(mode: str, group_size, k: int):
   if group_size not in GROUP_SIZES:
     raise ValueError(f"group_size={group_size!r} must be one of {GROUP_SIZES} for mode='int4'")
   if k % group_size:
+    fits = [g for g in GROUP_SIZES if k % g == 0] or f"none of {GROUP_SIZES}"
     raise ValueError(f"group_size={group_size} does not divide K={k}: pick a group size "
-                     f"that divides it ({[g for g in GROUP_SIZES if k % g == 0] or 'none of ' + str(GROUP_SIZES)})")
+                     f"that divides it ({fits})")
 
 
 def check_weight(w: QuantizedWeight):
@@ -72,3 +75,12 @@ def check_weight(w: QuantizedWeight):
   if w.zeros is not None and (w.mode != "int4" or w.zeros.shape != w.scales.shape):
     raise ValueError(f"zeros (shape {w.zeros.shape}) must match scales {w.scales.shape} and "
                      "only mode='int4' takes them")
+
+
+def pad_weight(w: QuantizedWeight, k: int, n: int) -> QuantizedWeight:
+  """Zero rows/columns up to [k, n]: padded rows and columns contribute nothing."""
+  per_row = 2 if w.mode == "int4" else 1
+  groups = k // w.group_size if w.mode == "int4" else 1
+  pad = lambda a, rows: None if a is None else tiling.pad_axis(tiling.pad_axis(a, 0, rows), 1, n)
+  return dataclasses.replace(w, values=pad(w.values, k // per_row), scales=pad(w.scales, groups),
+                             zeros=pad(w.zeros, groups))

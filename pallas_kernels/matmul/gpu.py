@@ -20,8 +20,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxpar.pallas_kernels import tiling
 from jaxpar.pallas_kernels.matmul import block_sizes
-from jaxpar.pallas_kernels.matmul.format import INT4_SYMMETRIC_ZERO, QuantizedWeight
-from jaxpar.pallas_kernels.matmul.tpu import pad_weight
+from jaxpar.pallas_kernels.matmul.format import INT4_SYMMETRIC_ZERO, QuantizedWeight, pad_weight
 
 
 @dataclasses.dataclass(frozen=True)

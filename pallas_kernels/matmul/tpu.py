@@ -20,7 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxpar.pallas_kernels import tiling
 from jaxpar.pallas_kernels.matmul import block_sizes
-from jaxpar.pallas_kernels.matmul.format import INT4_SYMMETRIC_ZERO, QuantizedWeight
+from jaxpar.pallas_kernels.matmul.format import INT4_SYMMETRIC_ZERO, QuantizedWeight, pad_weight
 from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
 
@@ -69,15 +69,6 @@ def _kernel(*refs, st):
     @pl.when(k == st.k_steps - 1)
     def _scale():
       o_ref[...] *= s_ref[...]
-
-
-def pad_weight(w: QuantizedWeight, k: int, n: int) -> QuantizedWeight:
-  """Zero rows/columns up to [k, n]: padded rows and columns contribute nothing."""
-  per_row = 2 if w.mode == "int4" else 1
-  groups = k // w.group_size if w.mode == "int4" else 1
-  pad = lambda a, rows: tiling.pad_axis(tiling.pad_axis(a, 0, rows), 1, n) if a is not None else None
-  return dataclasses.replace(w, values=pad(w.values, k // per_row), scales=pad(w.scales, groups),
-                             zeros=pad(w.zeros, groups))
 
 
 def quantized_matmul_tpu(x, w: QuantizedWeight, x_scales=None, *, blocks=None, interpret=False):
