@@ -107,9 +107,13 @@ def cached_attention(q, k, v, spec: KVQuantization, segment_ids=None):
   and the rest in float, exactly the cache's content when token t is decoded.
 
   q [B, L, Hq, D]; k, v [B, L, Hkv, D] with L a multiple of page_size -> [B, L, Hq, D].
+  Sequences are unpacked (a token's position is its index), as a cache holds them.
   """
   b, l, hq, d = q.shape
   hkv = k.shape[2]
+  if segment_ids is not None:
+    raise ValueError("a quantized KV cache holds one sequence per row: evaluate unpacked "
+                     "sequences (segment_ids=None)")
   if l % spec.page_size:
     raise ValueError(f"sequence length {l} must be a multiple of page_size={spec.page_size}")
   k_q, v_q = dequantize_pages(quantize_pages(_as_pages(k, spec.page_size), _as_pages(v, spec.page_size),
@@ -121,10 +125,7 @@ def cached_attention(q, k, v, spec: KVQuantization, segment_ids=None):
   pos = jnp.arange(l)
   use_q = sealed(pos[:, None], pos[None, :], spec)
   logits = jnp.where(use_q, scores(k_q), scores(k))
-  mask = pos[None, :] <= pos[:, None]
-  if segment_ids is not None:
-    mask = mask & (segment_ids[:, None, :] == segment_ids[:, :, None])[:, None, None]
-  probs = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1)
+  probs = jax.nn.softmax(jnp.where(pos[None, :] <= pos[:, None], logits, -1e30), axis=-1)
   mix = lambda p, values: jnp.einsum("bhgqk,bkhd->bqhgd", p, values.astype(jnp.float32))
   out = mix(jnp.where(use_q, probs, 0.0), v_q) + mix(jnp.where(use_q, 0.0, probs), v)
   return out.reshape(b, l, hq, d).astype(q.dtype)

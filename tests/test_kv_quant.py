@@ -106,3 +106,5 @@ def test_bad_options_name_the_option():
   q = jnp.ones((1, 40, 2, 16))
   with pytest.raises(ValueError, match="sequence length 40 must be a multiple of page_size=16"):
     kv_quant.cached_attention(q, q, q, KVQuantization("int8"))
+  with pytest.raises(ValueError, match="unpacked sequences"):
+    kv_quant.cached_attention(q, q, q, KVQuantization("int8"), jnp.ones((1, 40), jnp.int32))
