@@ -12,7 +12,7 @@ max |logit| against float32 on 8 windows. The KV rows attend as each decode step
 quantized cache (`kv_quant.cached_attention`; newest 32 tokens in float).
 CPU decode tokens/s against unquantized decode needs the inference engine's paged cache
 path (issue 9); it is not measured here.
-TPU: llama3-8b's decode step (one new token for each of 8 sequences over a 4096-token paged
+TPU: llama3-8b's decode step (weights bf16, int8, int4 or W8A8) (one new token for each of 8 sequences over a 4096-token paged
 bf16 cache) compiled through libtpu on tensor-parallel chips; argument bytes (weights +
 cache) and temporaries per device from compiled.memory_analysis().
 """
@@ -150,7 +150,8 @@ def tpu_table(topology):
         "| Pallas calls | compile |")
   print("| --- | --- | --- | --- | --- | --- |")
   for name, section in (("bf16", None), ("int8", quantization_section("int8")),
-                        ("int4 (group 128)", quantization_section("int4", 128))):
+                        ("int4 (group 128)", quantization_section("int4", 128)),
+                        ("w8a8", quantization_section("w8a8"))):
     config = base if section is None else replace(base, model={"quantization": section})
     weights, args, temp, seconds, kernels = _decode_memory(config, devices)
     print(f"| {name} | {weights / _GiB:.2f} GiB | {args / _GiB:.2f} GiB | {temp / _GiB:.2f} GiB | "
