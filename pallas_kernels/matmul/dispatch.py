@@ -83,7 +83,7 @@ def quantized_matmul(x, w: QuantizedWeight, *, names=(None, None), implementatio
     interpreted = interpret(platform)
     run = functools.partial(kernel, blocks=block_sizes, interpret=interpreted)
     k_name, n_name = names
-    per_row = (k_name, n_name) if w.mode == "int4" else (None, n_name)
+    scale_names = (k_name, n_name) if w.mode == "int4" else (None, n_name)  # per group | channel
 
     def per_device(*arrays):
       x2, x_scales, values, scales, zeros = _varying_alike(arrays)
@@ -91,7 +91,8 @@ def quantized_matmul(x, w: QuantizedWeight, *, names=(None, None), implementatio
       return run(x2, local, x_scales)
 
     y = logical_shard_map(per_device,
-                          (("batch", k_name), ("batch", None), (k_name, n_name), per_row, per_row),
+                          (("batch", k_name), ("batch", None), (k_name, n_name), scale_names,
+                           scale_names),
                           ("batch", n_name), sum_over=(k_name,) if k_name else (),
                           # Pallas' interpreter starts outputs as mesh-invariant values, which
                           # the varying-axes check rejects once a kernel accumulates into them.
