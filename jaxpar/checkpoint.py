@@ -195,11 +195,19 @@ class Checkpointer:
 
   def restore_params(self, abstract_params: dict, step: int | None = None) -> dict:
     """Just the parameters (fine-tuning, inference): the optimizer state is never read."""
+    return self.restore_item("params", abstract_params, step)
+
+  def restore_item(self, item: str, abstract: dict, step: int | None = None) -> dict:
+    """One array item (`params`, `model_state`) of `step`, placed per `abstract`'s shardings."""
     step = self._pick_step(step)
-    self._check_shapes(step, "params", abstract_params)
+    if not jax.tree.leaves(abstract):
+      return {}
+    if not (self.path(step) / item).is_dir():
+      raise ValueError(f"checkpoint {self.path(step)} has no {item}: it was written for a different model")
+    self._check_shapes(step, item, abstract)
     restored = self._read(step, lambda: self.manager.restore(
-        step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params))))
-    return restored["params"]
+        step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract)})))
+    return restored[item]
 
   def saved_config(self, step: int | None = None) -> dict:
     """The resolved config the checkpoint was written with, as a dict."""

@@ -82,13 +82,20 @@ class Transformer(nnx.Module):
     """Generation: new tokens [B, T] at positions [B, T] (negative: padding) through the
     paged KV cache {group: {"k", "v"}} -> (logits, updated cache). Logits are
     [B, T, vocab], or [B, vocab] at each row's `logits_index` [B] when given."""
-    context = LayerContext(positions, None, self._inv_freq(), page_table)
-    x, _, cache = self._run_stack(self._embed(tokens), context, cache)
-    x = self.final_norm(x)
+    x, cache = self._decode_hidden(tokens, positions, cache, page_table)
     if logits_index is not None:
       x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
       return jnp.einsum("be,ev->bv", x, self.output_projection()), cache
     return jnp.einsum("ble,ev->blv", x, self.output_projection()), cache
+
+  def prefill_cache(self, tokens, positions, cache: dict, page_table) -> dict:
+    """Only write the new tokens' keys and values into the cache (no logits): prefill."""
+    return self._decode_hidden(tokens, positions, cache, page_table)[1]
+
+  def _decode_hidden(self, tokens, positions, cache, page_table):
+    context = LayerContext(positions, None, self._inv_freq(), page_table)
+    x, _, cache = self._run_stack(self._embed(tokens), context, cache)
+    return self.final_norm(x), cache
 
   def init_cache(self, num_pages: int, page_size: int, dtype=None) -> dict:
     """A zeroed paged KV cache for every layer group."""
