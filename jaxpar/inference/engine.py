@@ -95,9 +95,8 @@ class Engine:
       return ([bos] if bos is not None and getattr(self.tokenizer, "add_bos", False) else []) + ids
     return [int(t) for t in prompt]
 
-  def submit(self, prompt, sampling: SamplingParams = GREEDY, on_event=None) -> Request:
-    """Queue a prompt (text or token ids); thread-safe. on_event(TokenEvent) is called from
-    the thread that runs `step`."""
+  def make_request(self, prompt, sampling: SamplingParams = GREEDY, on_event=None) -> Request:
+    """A checked Request for a prompt (text or token ids), not yet queued."""
     ids = self.encode(prompt)
     if not ids:
       raise ValueError("the prompt is empty: give at least one token")
@@ -110,7 +109,12 @@ class Engine:
     stops = sampling.stop_token_ids
     if stops is None:
       stops = () if self.tokenizer is None else (self.tokenizer.eos_id,)
-    request = Request(ids, sampling, tuple(stops), on_event)
+    return Request(ids, sampling, tuple(stops), on_event)
+
+  def submit(self, prompt, sampling: SamplingParams = GREEDY, on_event=None) -> Request:
+    """Queue a prompt (text or token ids); thread-safe. on_event(TokenEvent) is called from
+    the thread that runs `step`."""
+    request = self.make_request(prompt, sampling, on_event)
     self._inbox.put(request)
     return request
 
@@ -141,7 +145,7 @@ class Engine:
         self.slots[i] = self.waiting.popleft()
     prefilling = [r for r in self.slots if r is not None and r.prefilling]
     if prefilling:
-      self._prefill_chunk(min(prefilling, key=lambda r: r.arrival))
+      self.prefill_chunk(min(prefilling, key=lambda r: r.arrival))
     if any(r is not None and not r.prefilling for r in self.slots):
       events += self._decode()
     return events
@@ -156,7 +160,8 @@ class Engine:
       self.waiting.appendleft(newest)
       self.stats["preemptions"] += 1
 
-  def _prefill_chunk(self, request: Request):
+  def prefill_chunk(self, request: Request):
+    """Write the next prompt chunk of `request` into the cache (one compiled `fill`)."""
     context, start = request.context, request.cached
     remaining = len(context) - 1 - start
     fitting = [c for c in self.chunks if c <= remaining]
@@ -199,6 +204,14 @@ class Engine:
         events.append(self._deliver(request, event))
     self.stats["decode_steps"] += 1
     return events
+
+  def score(self, tokens, positions, page_table):
+    """Every position's logits [B, T, vocab] for new tokens [B, T] at positions [B, T]
+    (negative: padding), written into the cache; (B, T) must have been compiled with
+    `programs.compile("score", B, T, pages_per_seq)`."""
+    logits, self.cache = self.programs.run("score", self.params, self.model_state, self.cache,
+                                           tokens, positions, page_table)
+    return logits
 
   def _free(self, request: Request):
     self.pool.release(request.pages)

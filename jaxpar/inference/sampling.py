@@ -62,6 +62,23 @@ def _filtered_logits(logits, temperature, top_k, top_p):
   return jnp.where((scaled >= kth) & (scaled >= cutoff), scaled, -jnp.inf)
 
 
+def filtered_probs(logits, settings: dict):
+  """The distribution each row samples from [B, V]: temperature, top-k and top-p applied;
+  one-hot on the argmax for greedy rows."""
+  logits = logits.astype(jnp.float32)
+  filtered = _filtered_logits(logits, settings["temperature"], settings["top_k"], settings["top_p"])
+  greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1])
+  return jnp.where((settings["temperature"] > 0)[:, None], jax.nn.softmax(filtered, axis=-1), greedy)
+
+
+def row_keys(settings: dict, positions, stream: int = 0):
+  """One key per row from its seed, the position sampled and a stream number (so separate
+  draws at one position, e.g. speculative decoding's proposal and acceptance, differ)."""
+  def key(seed, position):
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), stream)
+  return jax.vmap(key)(settings["seed"], positions)
+
+
 def sample(logits, settings: dict, positions):
   """logits [B, V] -> (tokens [B] int32, log-probabilities [B] under the model's distribution).
 
@@ -70,7 +87,7 @@ def sample(logits, settings: dict, positions):
   """
   logits = logits.astype(jnp.float32)
   greedy = jnp.argmax(logits, axis=-1)
-  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(settings["seed"], positions)
+  keys = row_keys(settings, positions)
   filtered = _filtered_logits(logits, settings["temperature"], settings["top_k"], settings["top_p"])
   drawn = jax.vmap(jax.random.categorical)(keys, filtered)
   tokens = jnp.where(settings["temperature"] > 0, drawn, greedy).astype(jnp.int32)
