@@ -18,6 +18,8 @@ from orbax.checkpoint import checkpoint_managers as policies
 from jaxpar.config import CheckpointConfig
 
 _ARRAYS = ("params", "opt_state", "model_state")
+# Beside the step directories: the tokenizer files the model was trained or imported with.
+TOKENIZER_DIR = "tokenizer"
 _JSON = ("data", "config")
 
 

@@ -26,7 +26,6 @@ def _cmd_config_show(ns):
 
 def _cmd_train(ns):
   from jaxpar.config import load_config
-  from jaxpar.sample import greedy_sample
   from jaxpar.trainer import Trainer
   path, overrides = _split_args(ns.args)
   config = load_config(path, overrides)
@@ -53,12 +52,21 @@ def _cmd_train(ns):
   if "checkpoint" in s:
     console.print(f"checkpoint: {s['checkpoint']}")
   if config.train.sample_tokens:
-    with trainer.context():
-      text = greedy_sample(trainer.graphdef, result.state.params, tokenizer,
-                           config.train.sample_prompt, config.train.sample_tokens,
-                           config.model.max_seq_len)
-    console.print("[bold]sample[/bold] (greedy):", markup=True)
-    console.print(config.train.sample_prompt + text, markup=False, highlight=False)
+    _print_sample(trainer, result.state, tokenizer)
+
+
+def _print_sample(trainer, state, tokenizer):
+  """A short sample from the trained model, through the inference engine."""
+  from jaxpar.inference import Engine, SamplingParams
+  t = trainer.config.train
+  engine = Engine(trainer.runtime, state.params, tokenizer, model_state=state.model_state, slots=1,
+                  prefill_chunks=(64,))
+  sampling = SamplingParams(max_tokens=t.sample_tokens, temperature=t.sample_temperature,
+                            top_p=t.sample_top_p, seed=t.seed)
+  text = engine.generate([t.sample_prompt], sampling)[0].text
+  console.print(f"[bold]sample[/bold] (temperature {t.sample_temperature}, top-p {t.sample_top_p}, "
+                f"seed {t.seed}):", markup=True)
+  console.print(t.sample_prompt + text, markup=False, highlight=False)
 
 
 def _cmd_convert_hf_to_jaxpar(ns):
@@ -187,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "the rank correlation of predicted and measured step times")
   plan.add_argument("--output", default="plan.yaml", help="where to write the winning config")
   plan.set_defaults(func=_cmd_plan)
+
+  from jaxpar.inference.commands import add_generate_parser
+  add_generate_parser(commands)
 
   config = commands.add_parser("config", help="inspect configs")
   config_commands = config.add_subparsers(dest="config_command", required=True)

@@ -11,9 +11,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
-from jaxpar.checkpoint import Checkpointer, resolve as resolve_checkpoint
+from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer, resolve as resolve_checkpoint
 from jaxpar.config import Config, checkpoint_dir
-from jaxpar.data import TrainBatches, load_tokenizer
+from jaxpar.data import TrainBatches, copy_tokenizer_files, load_tokenizer
 from jaxpar.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.metrics import MetricsLogger, StepClock
@@ -121,6 +121,9 @@ class Trainer:
     cfg = self.config
     batches = batches or self.batches()
     checkpointer = Checkpointer(checkpoint_dir(cfg), cfg.checkpoint) if cfg.checkpoint.enabled else None
+    if checkpointer is not None and cfg.data.tokenizer != "byte" and jax.process_index() == 0:
+      # Checkpoints carry their tokenizer, so generation needs no path from this run.
+      copy_tokenizer_files(cfg.data.tokenizer, checkpointer.directory / TOKENIZER_DIR)
     try:
       if state is None:
         state = self._start_state(checkpointer, batches, restore)

@@ -5,31 +5,12 @@ hf-to-jaxpar` copies the Hugging Face files there, `jaxpar train` copies the fil
 trained with); otherwise the saved config's `data.tokenizer` is used.
 """
 
-import shutil
 from pathlib import Path
 
-from jaxpar.checkpoint import Checkpointer, resolve
+from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer, resolve
 from jaxpar.config import MeshConfig, model_from_dict
 from jaxpar.data import load_tokenizer
 from jaxpar.runtime import Runtime
-
-TOKENIZER_DIR = "tokenizer"
-# Hugging Face files worth keeping with a checkpoint: the tokenizer, its settings (BOS,
-# chat template) and the generation defaults.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja")
-
-
-def copy_tokenizer_files(source_dir, checkpoint_root) -> list[str]:
-  """Copy the tokenizer files found in `source_dir` to `<checkpoint_root>/tokenizer/`."""
-  source, target = Path(source_dir), Path(checkpoint_root) / TOKENIZER_DIR
-  found = [name for name in TOKENIZER_FILES if (source / name).is_file()]
-  if found:
-    target.mkdir(parents=True, exist_ok=True)
-    for name in found:
-      shutil.copy2(source / name, target / name)
-  return found
-
 
 def checkpoint_tokenizer(root: Path, saved_config: dict):
   """The checkpoint's own tokenizer files, else the one its config trained with."""
@@ -47,14 +28,15 @@ def checkpoint_tokenizer(root: Path, saved_config: dict):
 def load_checkpoint(path, *, mesh=None, devices=None, step: int | None = None):
   """(runtime, params, model_state, tokenizer) for generating from a jaxpar checkpoint
   (a checkpoint dir: its latest step; or one step dir) on `mesh` (a MeshConfig or dict of
-  axis sizes; default: one data-parallel replica over all devices' fsdp axis)."""
+  axis sizes; default: data parallel, every device holding the whole model, which suits
+  models that fit one device; larger ones set `tensor`)."""
   root, found = resolve(path)
   step = step if step is not None else found
   with Checkpointer(root, read_only=True) as checkpoints:
     saved = checkpoints.saved_config(step)
   if not saved:
     raise ValueError(f"checkpoint {root} has no saved config: it was not written by jaxpar")
-  mesh = mesh if isinstance(mesh, MeshConfig) else MeshConfig(**(mesh or {}))
+  mesh = mesh if isinstance(mesh, MeshConfig) else MeshConfig(**(mesh or {"data": -1, "fsdp": 1}))
   runtime = Runtime(model_from_dict(saved["model"]), mesh, devices)
   params, model_state = runtime.restore(path, step)
   return runtime, params, model_state, checkpoint_tokenizer(root, saved)
