@@ -196,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--output", default="plan.yaml", help="where to write the winning config")
   plan.set_defaults(func=_cmd_plan)
 
-  from jaxpar.inference.commands import add_generate_parser
-  add_generate_parser(commands)
+  from jaxpar.inference.commands import add_parsers as add_inference_parsers
+  add_inference_parsers(commands)
 
   config = commands.add_parser("config", help="inspect configs")
   config_commands = config.add_subparsers(dest="config_command", required=True)

@@ -79,6 +79,9 @@ class HFTokenizer:
         "add one as a special token when training it, e.g. special_tokens=['<|endoftext|>']"
       )
     self.bos_id = self._find([n for n in [_token_name(settings.get("bos_token"))] if n] + list(_BOS_NAMES))
+    # The special tokens as text, for chat templates that write them out.
+    self.eos_token = self._tok.id_to_token(self.eos_id)
+    self.bos_token = self._tok.id_to_token(self.bos_id) if self.bos_id is not None else ""
 
   def _find(self, names: Sequence[str]) -> int | None:
     for name in names:

@@ -1,7 +1,8 @@
-"""`jaxpar generate` (and its helpers): generation from the command line.
+"""`jaxpar generate` and `jaxpar serve`: generation from the command line.
 
     jaxpar generate --checkpoint PATH --prompt "..." [--max-tokens N --temperature T ...]
     jaxpar generate --checkpoint PATH --prompts-file prompts.txt --output results.jsonl
+    jaxpar serve --checkpoint PATH [--host 127.0.0.1 --port 8000]
 """
 
 import json
@@ -123,7 +124,16 @@ def _generate_file(engine, records, sampling, output: Path):
   notes.print(f"wrote {len(requests)} completions to {output}")
 
 
-def add_generate_parser(commands):
+def cmd_serve(ns):
+  from jaxpar.inference.server import serve
+  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
+  name = ns.model_name or Path(ns.checkpoint).resolve().name
+  notes.print(f"serving {name!r} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
+              f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
+  serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s)
+
+
+def add_parsers(commands):
   generate = commands.add_parser(
       "generate", help="generate text from a checkpoint",
       description="Load a jaxpar checkpoint (with its tokenizer) and complete a prompt, streaming "
@@ -135,3 +145,16 @@ def add_generate_parser(commands):
   generate.add_argument("--output", metavar="FILE.jsonl", help="results of --prompts-file")
   add_sampling_args(generate)
   generate.set_defaults(func=cmd_generate)
+
+  serve = commands.add_parser(
+      "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+      description="/v1/completions, /v1/chat/completions (with the model's chat template), /v1/models "
+      "and /health, driven by the continuous-batching engine. SIGTERM drains and exits 0.")
+  add_engine_args(serve)
+  serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+  serve.add_argument("--port", type=int, default=8000)
+  serve.add_argument("--model-name", help="the model id clients send (default: the checkpoint dir's name)")
+  serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
+  serve.add_argument("--grace-s", type=float, default=30.0,
+                     help="on SIGTERM, seconds running requests get to finish (default 30)")
+  serve.set_defaults(func=cmd_serve)

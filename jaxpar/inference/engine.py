@@ -50,7 +50,8 @@ class Engine:
                        f"{self.max_seq_len} ({self.pages_per_seq} pages of {page_size}): raise it")
     self.pool = PagePool(num_pages, page_size)
     self.chunks = sorted({min(c, self.max_seq_len) for c in prefill_chunks})
-    self.cache = self._empty_cache(num_pages, page_size, cache_dtype or cfg.compute_dtype)
+    self._cache_layout = (num_pages, page_size, cache_dtype or cfg.compute_dtype)
+    self.cache = self._empty_cache(*self._cache_layout)
     self.slots: list[Request | None] = [None] * slots
     self.waiting: collections.deque[Request] = collections.deque()
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -212,6 +213,21 @@ class Engine:
     logits, self.cache = self.programs.run("score", self.params, self.model_state, self.cache,
                                            tokens, positions, page_table)
     return logits
+
+  def reset(self) -> list[Request]:
+    """After a failed step: end every request in flight ("error"), free every page, and
+    rebuild the cache if the failure consumed its buffers. Returns the ended requests."""
+    ended = [r for r in [*self.waiting, *self.slots] if r is not None]
+    while not self._inbox.empty():
+      ended.append(self._inbox.get())
+    for request in ended:
+      request.finish_reason = "error"
+      self.pool.release(request.pages)
+    self.slots = [None] * len(self.slots)
+    self.waiting.clear()
+    if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
+      self.cache = self._empty_cache(*self._cache_layout)
+    return ended
 
   def _free(self, request: Request):
     self.pool.release(request.pages)
