@@ -92,9 +92,15 @@ def _cmd_convert_jaxpar_to_hf(ns):
 
 
 def _compile_on_this_host():
-  """TPU topology compiles run on the CPU backend: never try to open a TPU (or GPU) here."""
+  """TPU topology compiles run on the CPU backend: never try to open a TPU (or GPU) here.
+  Describing a topology loads libtpu, which on a host with no TPU complains that it cannot
+  find this host's accelerator type and workers; telling it (any type: the topology compiled
+  for is given explicitly) keeps the first screen clean."""
   import jax
   jax.config.update("jax_platforms", jax.config.jax_platforms or "cpu")
+  if not _accelerator_device_files():
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 def _cmd_compile(ns):
@@ -107,6 +113,12 @@ def _cmd_compile(ns):
   topology = ns.topology or config.mesh.topology
   if topology is None:
     raise ValueError("no TPU topology: pass --topology (e.g. v6e-256) or set mesh.topology")
+  if ns.inference:
+    from jaxpar.aot.inference import compile_inference, format_inference_report
+    report = compile_inference(config, topology, slots=ns.slots, context=ns.context, page_size=ns.page_size,
+                               chunk=ns.prefill_chunk, num_slices=ns.num_slices or 1)
+    console.print(format_inference_report(report), markup=False, highlight=False)
+    return
   report, compiled = compile_for_topology(config, topology, ns.num_slices)
   console.print(format_report(report), markup=False, highlight=False)
   if ns.save:
@@ -128,11 +140,14 @@ def _skip_absent_accelerators():
   JAX then initialises libtpu at start-up even with no TPU attached, which prints alarming
   warnings before anything else. A host with no TPU or GPU device files uses the CPU
   backend directly; on a TPU VM (or with JAX_PLATFORMS set) nothing changes."""
-  if "JAX_PLATFORMS" in os.environ:
-    return
-  devices = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
-  if not any(glob.glob(pattern) for pattern in devices):
+  if "JAX_PLATFORMS" not in os.environ and not _accelerator_device_files():
     os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _accelerator_device_files() -> bool:
+  """TPU (/dev/accel*, /dev/vfio/N) or GPU (/dev/nvidiaN, /dev/kfd) devices on this host."""
+  patterns = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+  return any(glob.glob(pattern) for pattern in patterns)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
       "compile", help="compile the train step for a TPU topology (no TPU needed)",
       description="Compile CONFIG's train step for a TPU slice on this host (libtpu, "
       "JAX_PLATFORMS=cpu): per-device memory against HBM, FITS / DOES NOT FIT, estimated step "
-      "time and MFU, collectives. Prefill/decode steps: not yet (no inference engine).")
+      "time and MFU, collectives. With --inference: the decode step and a prefill chunk with a KV cache.")
   compile_.add_argument("args", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
   compile_.add_argument("--topology", help="TPU slice, e.g. v6e-256 or v5p:4x4x4 "
                         "(default: the config's mesh.topology)")
@@ -180,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: mesh.num_slices)")
   compile_.add_argument("--save", metavar="DIR", help="write report.json, the serialized "
                         "executable train_step.exe and its HLO here")
+  inference = compile_.add_argument_group("generation programs (--inference)")
+  inference.add_argument("--inference", action="store_true",
+                         help="compile the decode step and a prefill chunk instead of the train step, "
+                         "with bf16 weights and a paged KV cache")
+  inference.add_argument("--slots", type=int, default=32, help="sequences decoded together (default 32)")
+  inference.add_argument("--context", type=int, default=8192, help="tokens cached per sequence (default 8192)")
+  inference.add_argument("--page-size", type=int, default=128, help="KV cache page size (default 128)")
+  inference.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk length (default 512)")
   compile_.set_defaults(func=_cmd_compile)
 
   plan = commands.add_parser(

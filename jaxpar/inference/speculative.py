@@ -26,7 +26,7 @@ _PROPOSE, _ACCEPT, _RESIDUAL = 1, 2, 3  # key streams, apart from the engines' o
 
 @dataclasses.dataclass
 class SpeculativeStats:
-  rounds: int = 0  # target forward passes
+  rounds: int = 0  # target forward passes, counted per sequence
   proposed: int = 0
   accepted: int = 0
   tokens: int = 0  # tokens generated (stops and limits applied)
@@ -138,7 +138,7 @@ class SpeculativeDecoder:
     accepted, bonus = verify(target_probs, draft_probs, jnp.asarray(proposed), settings,
                              jnp.asarray(np.maximum(positions, 0) + 1))
     accepted, bonus = np.asarray(accepted), np.asarray(bonus)
-    self.stats.rounds += 1
+    self.stats.rounds += sum(live)
     for i, (request, draft, n) in enumerate(zip(requests, drafts, starts)):
       if not live[i]:
         continue
