@@ -2,8 +2,8 @@
 
 A fixed number of slots decode together, one token each per step (one compiled program).
 Between steps, waiting requests take free slots and their prompts are written into the
-cache a chunk at a time (a few compiled chunk lengths), one chunk per step, so a long
-prompt never stalls the running decodes for its whole prefill. Finished requests free
+cache a chunk at a time (a few compiled chunk lengths), a bounded number of prompt tokens
+per step, so a long prompt never stalls the running decodes for its whole prefill. Finished requests free
 their slot and pages at once. When the page pool runs dry, the newest request is
 preempted: its pages are freed and it is recomputed later, with the same tokens, since a
 row's random key depends only on its seed and position.
@@ -33,12 +33,15 @@ class Engine:
 
   slots: sequences decoded together; max_seq_len: longest prompt + completion (default the
   model's); page_size / num_pages: the KV cache pool (default: every slot at max_seq_len);
-  prefill_chunks: the prompt chunk lengths compiled. Everything compiles in the constructor.
+  prefill_chunks: the prompt chunk lengths compiled; prefill_budget: prompt tokens written
+  per step before the decode step runs (default: the longest chunk), which bounds how long
+  new prompts delay the running decodes. Everything compiles in the constructor.
   """
 
   def __init__(self, runtime, params, tokenizer, *, model_state=None, slots: int = 8,
                max_seq_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
-               prefill_chunks=DEFAULT_CHUNKS, cache_dtype=None, echo=None):
+               prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
+               echo=None):
     cfg = runtime.model_config
     self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
     self.model_state = model_state if model_state is not None else {}
@@ -50,6 +53,7 @@ class Engine:
                        f"{self.max_seq_len} ({self.pages_per_seq} pages of {page_size}): raise it")
     self.pool = PagePool(num_pages, page_size)
     self.chunks = sorted({min(c, self.max_seq_len) for c in prefill_chunks})
+    self.prefill_budget = prefill_budget or self.chunks[-1]
     self._cache_layout = (num_pages, page_size, cache_dtype or cfg.compute_dtype)
     self.cache = self._empty_cache(*self._cache_layout)
     self.slots: list[Request | None] = [None] * slots
@@ -134,8 +138,9 @@ class Engine:
   # -- one step ----------------------------------------------------------------------
 
   def step(self) -> list:
-    """Admit waiting requests, run one prefill chunk, then one decode step for every slot
-    ready to decode. Returns the TokenEvents produced (also sent to each on_event)."""
+    """Admit waiting requests, run prefill chunks (oldest request first, up to the prefill
+    budget), then one decode step for every slot ready to decode. Returns the TokenEvents
+    produced (also sent to each on_event)."""
     events = []
     while not self._inbox.empty():
       self.waiting.append(self._inbox.get())
@@ -144,9 +149,9 @@ class Engine:
     for i, slot in enumerate(self.slots):
       if slot is None and self.waiting:
         self.slots[i] = self.waiting.popleft()
-    prefilling = [r for r in self.slots if r is not None and r.prefilling]
-    if prefilling:
-      self.prefill_chunk(min(prefilling, key=lambda r: r.arrival))
+    budget = self.prefill_budget
+    while budget > 0 and (prefilling := [r for r in self.slots if r is not None and r.prefilling]):
+      budget -= self.prefill_chunk(min(prefilling, key=lambda r: r.arrival))
     if any(r is not None and not r.prefilling for r in self.slots):
       events += self._decode()
     return events
@@ -161,8 +166,9 @@ class Engine:
       self.waiting.appendleft(newest)
       self.stats["preemptions"] += 1
 
-  def prefill_chunk(self, request: Request):
-    """Write the next prompt chunk of `request` into the cache (one compiled `fill`)."""
+  def prefill_chunk(self, request: Request) -> int:
+    """Write the next prompt chunk of `request` into the cache (one compiled `fill`);
+    returns the chunk length run."""
     context, start = request.context, request.cached
     remaining = len(context) - 1 - start
     fitting = [c for c in self.chunks if c <= remaining]
@@ -177,6 +183,7 @@ class Engine:
     self.cache = self.programs.run("fill", self.params, self.model_state, self.cache, tokens, positions, table)
     request.cached += count
     self.stats["prefill_tokens"] += count
+    return chunk
 
   def _decode(self) -> list:
     for request in sorted((r for r in self.slots if r is not None and not r.prefilling),
