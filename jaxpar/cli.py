@@ -285,9 +285,9 @@ def _run(ns) -> tuple[int, str | None]:
 
 
 def main(argv=None) -> int:
+  _skip_absent_accelerators()  # before anything imports jax (building the parser may)
   parser = build_parser()
   ns = _parse(parser, argv)
-  _skip_absent_accelerators()
   distributed.configure_logging()
   try:
     code, failure = _run(ns)
