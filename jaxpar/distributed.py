@@ -81,12 +81,6 @@ def _from_env(options: DistributedOptions) -> DistributedOptions:
 
 
 def _check(options: DistributedOptions):
-  given = {name: getattr(options, name) for name in ENV}
-  if None in given.values():
-    missing = [n for n, v in given.items() if v is None][0]
-    raise ValueError(f"--{missing.replace('_', '-')} is missing (env {ENV[missing]}): give "
-                     "--coordinator HOST:PORT, --num-processes N and --process-id I together, "
-                     "or none of them")
   if not _ADDRESS.match(options.coordinator):
     raise ValueError(f"--coordinator={options.coordinator!r} is not HOST:PORT (e.g. 10.0.0.2:8476)")
   if options.num_processes < 1:
@@ -118,11 +112,15 @@ def initialize(options: DistributedOptions | None = None, **kwargs) -> bool:
   if jax.distributed.is_initialized():
     return True
   options = _from_env(options)
-  explicit = any(getattr(options, name) is not None for name in ENV)
-  if explicit:
+  missing = [name for name in ENV if getattr(options, name) is None]
+  if not missing:
     _check(options)
     _identity = (options.process_id, options.num_processes)
-  elif not _cluster_detected():
+  elif not _cluster_detected():  # a detected cluster fills in what is missing
+    if len(missing) < len(ENV):
+      raise ValueError(f"--{missing[0].replace('_', '-')} is missing (env {ENV[missing[0]]}): give "
+                       "--coordinator HOST:PORT, --num-processes N and --process-id I together, "
+                       "or none of them")
     return False
   from jax._src import xla_bridge
   if xla_bridge.backends_are_initialized():
@@ -151,7 +149,17 @@ def initialize(options: DistributedOptions | None = None, **kwargs) -> bool:
   configure_logging()
   _watch.start()
   atexit.register(_watch.stop)  # runs before JAX's shutdown barrier (registered earlier)
+  sys.excepthook = _failing_hook(sys.excepthook)
   return True
+
+
+def _failing_hook(previous):
+  """An uncaught exception in a program that joined the job: print it, then tell the peers."""
+  def hook(kind, value, traceback):
+    previous(kind, value, traceback)
+    first = str(value).splitlines()[0] if str(value) else ""
+    fail(f"{kind.__name__}: {first}", 1)
+  return hook
 
 
 def _state():

@@ -5,8 +5,8 @@ Several processes must stop after the *same* step, or the ones still training bl
 collective. There a signal on any process posts a notice in the key-value store of JAX's
 coordination service. A watcher thread in every process sees it at once, posts the last
 step its loop checked, and waits for every process's post; all stop after the largest + 1
-(the step each may already have dispatched). While its post is out, a process's loop waits
-at `check`, so no process runs past the agreed step. (The same protocol as JAX's own
+(the step each may already have dispatched). Meanwhile a process's loop waits at `check`, so
+no process runs past the agreed step; a notice during the restore stops after the first step. (The same protocol as JAX's own
 preemption service, which jaxpar turns off: that one misses a notice that arrives before
 the first step of a resumed run, and knows neither Ctrl-C nor which process was signalled.)
 """
@@ -59,13 +59,15 @@ class StopRequest:
 class Agreement:
   """The stop step of a multi-process job (see the module doc)."""
 
-  def __init__(self, client, process_id: int, num_processes: int, timeout_s: float):
+  def __init__(self, client, process_id: int, num_processes: int, timeout_s: float, prefix: str):
     self.client, self.process_id, self.num_processes = client, process_id, num_processes
-    self.prefix = f"jaxpar/stop/{next(_fits)}/"
+    self.prefix = prefix  # its keys in the store: the same on every process, new for each run
     self.timeout_s = timeout_s
     self.lock = threading.Lock()  # held by the watcher from its post until the stop step is known
     self.checked = 0              # the last step the loop checked (or started after)
     self.begun = threading.Event()
+    self.noticed = threading.Event()  # the watcher saw a notice ...
+    self.agreed = threading.Event()   # ... and the stop step is known (or could not be agreed)
     self.posted = False
     self.stop_after: int | None = None
     self.why: str | None = None
@@ -85,6 +87,8 @@ class Agreement:
     self.begun.set()
 
   def check(self, step: int) -> str | None:
+    if self.noticed.is_set():  # a stop step is being agreed: know it before going on
+      self.agreed.wait(self.timeout_s + 10)
     with self.lock:
       self.checked = step
       if self.stop_after is not None and step >= self.stop_after:
@@ -96,6 +100,7 @@ class Agreement:
     another process agrees on a step this one reached."""
     self.closed.set()
     self.begun.set()
+    self.agreed.set()
     with self.lock:
       try:
         self._post()
@@ -115,11 +120,15 @@ class Agreement:
         why = self.client.blocking_key_value_get(f"{self.prefix}notice", 1000)
       except Exception:  # noqa: BLE001  not yet (deadline), or the service is gone (peers.py reports)
         self.closed.wait(0.05)
+    if why is None:
+      return
+    self.noticed.set()
     self.begun.wait()  # a notice during the restore: the loop's first step is known only then
     with self.lock:
-      if why is not None and not self.closed.is_set():
+      if not self.closed.is_set():
         self._post()
         self.stop_after, self.why = self._agree(why)
+    self.agreed.set()
 
   def _agree(self, why: str) -> tuple[int | None, str | None]:
     deadline = time.monotonic() + self.timeout_s
@@ -139,7 +148,8 @@ def stop_on_signals():
   sets it (several processes: posts the notice) and puts back the previous handlers, so a
   second signal acts at once (e.g. a second Ctrl-C interrupts a slow save)."""
   job = distributed.coordination()
-  request = StopRequest(None if job is None else Agreement(*job[:3], timeout_s=2 * job[3]))
+  request = StopRequest(None if job is None else Agreement(
+      *job[:3], timeout_s=2 * job[3], prefix=f"jaxpar/stop/{next(_fits)}/"))
   try:
     with _handlers(request):
       yield request
