@@ -2,7 +2,7 @@
 
 JAX's runtime notices a dead process too, but reports it by aborting every other process
 with a C++ stack trace, and only after its heartbeat timeout. Here each process bumps its
-own key about once a second and reads everyone's; a peer whose key stops changing for
+own key ten times per timeout and reads everyone's; a peer whose key stops changing for
 `timeout` seconds, or that reports its own failure, stops this process with one line naming
 it. (When process 0 dies it takes the coordination service with it, and JAX's runtime
 stops the others at once with its own message.)
@@ -21,7 +21,9 @@ class PeerWatch:
   def __init__(self, client, process_id: int, num_processes: int, timeout: float, *, on_failure):
     self.client, self.process_id, self.num_processes = client, process_id, num_processes
     self.timeout = float(timeout)
-    self.interval = min(1.0, self.timeout / 5)
+    # Each beat is two small RPCs to process 0; a reply lists every process. Ten beats per
+    # timeout, at most one per 5 s, keeps that light on a pod of thousands of hosts.
+    self.interval = min(self.timeout / 10, 5.0)
     self.on_failure = on_failure  # called with one line; expected not to return
     self._stopped = threading.Event()
     self._thread = threading.Thread(target=self._run, name="jaxpar-peer-watch", daemon=True)
