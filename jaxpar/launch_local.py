@@ -78,8 +78,10 @@ def _wait(processes, received, grace_s, echo) -> int:
   while any(p.poll() is None for p in processes):
     if len(received) > forwarded:
       forwarded = len(received)
-      _send(processes, signal.SIGTERM if forwarded == 1 else signal.SIGKILL)
-    if first_failure is None:
+      sent = signal.SIGTERM if forwarded == 1 else signal.SIGKILL
+      echo(f"launch-local: {signal.Signals(received[-1]).name}: sending {sent.name} to the processes")
+      _send(processes, sent)
+    if first_failure is None:  # the others' grace period counts from the first failure seen
       first_failure = next((i for i, p in enumerate(processes) if p.poll() not in (None, 0)), None)
       failed_at = time.monotonic()
     elif time.monotonic() - failed_at > grace_s:
