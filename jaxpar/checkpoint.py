@@ -21,6 +21,7 @@ _ARRAYS = ("params", "opt_state", "model_state")
 # Beside the step directories: the tokenizer files the model was trained or imported with.
 TOKENIZER_DIR = "tokenizer"
 _JSON = ("data", "config")
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes step N into N<suffix>, then renames it
 
 
 def _handlers():
@@ -88,6 +89,9 @@ class Checkpointer:
     if read_only and not self.directory.is_dir():
       raise ValueError(f"checkpoint directory {self.directory} does not exist: check the path "
                        "(checkpoints live in <train.run_dir>/checkpoints unless checkpoint.dir is set)")
+    # What a killed save left behind (Orbax removes it below; listed so the user hears of it).
+    self.leftovers = [] if read_only else sorted(
+        p.name for p in self.directory.glob(f"*{_TMP_SUFFIX}*"))
     self.manager = ocp.CheckpointManager(
         self.directory, item_handlers=_handlers(),
         options=ocp.CheckpointManagerOptions(

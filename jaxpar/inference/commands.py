@@ -6,10 +6,13 @@
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
+
+from jaxpar import distributed
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 console = Console(soft_wrap=True)
@@ -96,11 +99,12 @@ def cmd_generate(ns):
   sampling = sampling_from(ns)
   engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
   if records is None:
-    sys.stdout.write(ns.prompt)
+    out = sys.stdout if distributed.is_primary() else open(os.devnull, "w")
+    out.write(ns.prompt)
     for event in engine.stream(ns.prompt, sampling):
-      sys.stdout.write(event.text)
-      sys.stdout.flush()
-    sys.stdout.write("\n")
+      out.write(event.text)
+      out.flush()
+    out.write("\n")
     return
   _generate_file(engine, records, sampling, Path(ns.output))
 
@@ -112,7 +116,7 @@ def _generate_file(engine, records, sampling, output: Path):
               for r in records]
   progress = Progress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       console=notes)
-  with progress, output.open("w") as out:
+  with progress, (output.open("w") if distributed.is_primary() else open(os.devnull, "w")) as out:
     task = progress.add_task("generate", total=len(requests))
     while engine.has_work:
       engine.step()
@@ -144,6 +148,8 @@ def add_parsers(commands):
                         help="one prompt per line, or JSONL with \"prompt\" and sampling fields")
   generate.add_argument("--output", metavar="FILE.jsonl", help="results of --prompts-file")
   add_sampling_args(generate)
+  # Every process runs the same prompts in lock step (one SPMD program); process 0 writes.
+  distributed.add_distributed_args(generate)
   generate.set_defaults(func=cmd_generate)
 
   serve = commands.add_parser(
@@ -157,4 +163,4 @@ def add_parsers(commands):
   serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
   serve.add_argument("--grace-s", type=float, default=30.0,
                      help="on SIGTERM, seconds running requests get to finish (default 30)")
-  serve.set_defaults(func=cmd_serve)
+  serve.set_defaults(func=cmd_serve)  # one host: HTTP requests reach one process
