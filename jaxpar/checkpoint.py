@@ -18,7 +18,10 @@ from orbax.checkpoint import checkpoint_managers as policies
 from jaxpar.config import CheckpointConfig
 
 _ARRAYS = ("params", "opt_state", "model_state")
+# Beside the step directories: the tokenizer files the model was trained or imported with.
+TOKENIZER_DIR = "tokenizer"
 _JSON = ("data", "config")
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes step N into N<suffix>, then renames it
 
 
 def _handlers():
@@ -86,6 +89,9 @@ class Checkpointer:
     if read_only and not self.directory.is_dir():
       raise ValueError(f"checkpoint directory {self.directory} does not exist: check the path "
                        "(checkpoints live in <train.run_dir>/checkpoints unless checkpoint.dir is set)")
+    # What a killed save left behind (Orbax removes it below; listed so the user hears of it).
+    self.leftovers = [] if read_only else sorted(
+        p.name for p in self.directory.glob(f"*{_TMP_SUFFIX}*"))
     self.manager = ocp.CheckpointManager(
         self.directory, item_handlers=_handlers(),
         options=ocp.CheckpointManagerOptions(
@@ -195,11 +201,19 @@ class Checkpointer:
 
   def restore_params(self, abstract_params: dict, step: int | None = None) -> dict:
     """Just the parameters (fine-tuning, inference): the optimizer state is never read."""
+    return self.restore_item("params", abstract_params, step)
+
+  def restore_item(self, item: str, abstract: dict, step: int | None = None) -> dict:
+    """One array item (`params`, `model_state`) of `step`, placed per `abstract`'s shardings."""
     step = self._pick_step(step)
-    self._check_shapes(step, "params", abstract_params)
+    if not jax.tree.leaves(abstract):
+      return {}
+    if not (self.path(step) / item).is_dir():
+      raise ValueError(f"checkpoint {self.path(step)} has no {item}: it was written for a different model")
+    self._check_shapes(step, item, abstract)
     restored = self._read(step, lambda: self.manager.restore(
-        step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params))))
-    return restored["params"]
+        step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract)})))
+    return restored[item]
 
   def saved_config(self, step: int | None = None) -> dict:
     """The resolved config the checkpoint was written with, as a dict."""

@@ -2,11 +2,14 @@
 
 import argparse
 import glob
-import logging
 import os
 import sys
+import traceback
 
 from rich.console import Console
+from rich.markup import escape
+
+from jaxpar import distributed
 
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
@@ -25,13 +28,14 @@ def _cmd_config_show(ns):
 
 
 def _cmd_train(ns):
+  import jax
   from jaxpar.config import load_config
-  from jaxpar.sample import greedy_sample
   from jaxpar.trainer import Trainer
   path, overrides = _split_args(ns.args)
   config = load_config(path, overrides)
   trainer = Trainer(config)
-  console.print(f"[bold]jaxpar train[/bold]: {trainer.num_params:,} parameters, mesh "
+  processes = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
+  console.print(f"[bold]jaxpar train[/bold]: {trainer.num_params:,} parameters, {processes}mesh "
                 f"{dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or 'single device'}, "
                 f"{config.train.steps} steps of {config.data.global_batch_size} x {config.data.seq_len} tokens")
   tokenizer = trainer.tokenizer()
@@ -47,18 +51,29 @@ def _cmd_train(ns):
     console.print(f"[bold]done[/bold]: already at step {int(result.state.step)} of "
                   f"train.steps={config.train.steps}; raise train.steps to train on")
   if s["stopped_by"]:
-    console.print(f"[bold]stopped[/bold] by {s['stopped_by']} at step {int(result.state.step)}: "
-                  f"checkpoint saved in {s['checkpoint']}; run the same command to resume")
+    saved = (f"checkpoint saved in {s['checkpoint']}; run the same command to resume"
+             if "checkpoint" in s else "nothing saved (checkpoint.enabled=false)")
+    console.print(f"[bold]stopped[/bold] by {s['stopped_by']} at step "
+                  f"{int(result.state.step)}: {saved}")
     return
   if "checkpoint" in s:
     console.print(f"checkpoint: {s['checkpoint']}")
   if config.train.sample_tokens:
-    with trainer.context():
-      text = greedy_sample(trainer.graphdef, result.state.params, tokenizer,
-                           config.train.sample_prompt, config.train.sample_tokens,
-                           config.model.max_seq_len)
-    console.print("[bold]sample[/bold] (greedy):", markup=True)
-    console.print(config.train.sample_prompt + text, markup=False, highlight=False)
+    _print_sample(trainer, result.state, tokenizer)
+
+
+def _print_sample(trainer, state, tokenizer):
+  """A short sample from the trained model, through the inference engine."""
+  from jaxpar.inference import Engine, SamplingParams
+  t = trainer.config.train
+  engine = Engine(trainer.runtime, state.params, tokenizer, model_state=state.model_state, slots=1,
+                  prefill_chunks=(64,))
+  sampling = SamplingParams(max_tokens=t.sample_tokens, temperature=t.sample_temperature,
+                            top_p=t.sample_top_p, seed=t.seed)
+  text = engine.generate([t.sample_prompt], sampling)[0].text
+  console.print(f"[bold]sample[/bold] (temperature {t.sample_temperature}, top-p {t.sample_top_p}, "
+                f"seed {t.seed}):", markup=True)
+  console.print(t.sample_prompt + text, markup=False, highlight=False)
 
 
 def _cmd_convert_hf_to_jaxpar(ns):
@@ -94,9 +109,15 @@ def _cmd_quantize(ns):
 
 
 def _compile_on_this_host():
-  """TPU topology compiles run on the CPU backend: never try to open a TPU (or GPU) here."""
+  """TPU topology compiles run on the CPU backend: never try to open a TPU (or GPU) here.
+  Describing a topology loads libtpu, which on a host with no TPU complains that it cannot
+  find this host's accelerator type and workers; telling it (any type: the topology compiled
+  for is given explicitly) keeps the first screen clean."""
   import jax
   jax.config.update("jax_platforms", jax.config.jax_platforms or "cpu")
+  if not _accelerator_device_files():
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 def _cmd_compile(ns):
@@ -109,6 +130,12 @@ def _cmd_compile(ns):
   topology = ns.topology or config.mesh.topology
   if topology is None:
     raise ValueError("no TPU topology: pass --topology (e.g. v6e-256) or set mesh.topology")
+  if ns.inference:
+    from jaxpar.aot.inference import compile_inference, format_inference_report
+    report = compile_inference(config, topology, slots=ns.slots, context=ns.context, page_size=ns.page_size,
+                               chunk=ns.prefill_chunk, num_slices=ns.num_slices or 1)
+    console.print(format_inference_report(report), markup=False, highlight=False)
+    return
   report, compiled = compile_for_topology(config, topology, ns.num_slices)
   console.print(format_report(report), markup=False, highlight=False)
   if ns.save:
@@ -125,16 +152,31 @@ def _cmd_plan(ns):
            output=ns.output, echo=lambda text: console.print(text, markup=False, highlight=False))
 
 
+def _cmd_launch_local(ns) -> int:
+  from jaxpar.launch_local import launch_local
+  command = ns.launched or []
+  if command and command[0] == "jaxpar":
+    command = command[1:]
+  if command and command[0] in ns.subcommands:
+    command = [sys.executable, "-m", "jaxpar", *command]
+  return launch_local(ns.num_processes, command, devices_per_process=ns.devices_per_process,
+                      port=ns.port, grace_s=ns.grace,
+                      echo=lambda text: console.print(text, markup=False, highlight=False))
+
+
 def _skip_absent_accelerators():
   """The `tpu` extra installs libtpu so that CPU hosts can compile for TPU pods. Left alone,
   JAX then initialises libtpu at start-up even with no TPU attached, which prints alarming
   warnings before anything else. A host with no TPU or GPU device files uses the CPU
   backend directly; on a TPU VM (or with JAX_PLATFORMS set) nothing changes."""
-  if "JAX_PLATFORMS" in os.environ:
-    return
-  devices = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
-  if not any(glob.glob(pattern) for pattern in devices):
+  if "JAX_PLATFORMS" not in os.environ and not _accelerator_device_files():
     os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _accelerator_device_files() -> bool:
+  """TPU (/dev/accel*, /dev/vfio/N) or GPU (/dev/nvidiaN, /dev/kfd) devices on this host."""
+  patterns = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+  return any(glob.glob(pattern) for pattern in patterns)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--restore", metavar="PATH",
                      help="start from this checkpoint (a checkpoint dir: its latest step; or one "
                      "step dir) instead of the run dir's latest")
+  distributed.add_distributed_args(train)
   train.set_defaults(func=_cmd_train)
 
   convert = commands.add_parser("convert", help="convert Hugging Face <-> jaxpar checkpoints")
@@ -188,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
       "compile", help="compile the train step for a TPU topology (no TPU needed)",
       description="Compile CONFIG's train step for a TPU slice on this host (libtpu, "
       "JAX_PLATFORMS=cpu): per-device memory against HBM, FITS / DOES NOT FIT, estimated step "
-      "time and MFU, collectives. Prefill/decode steps: not yet (no inference engine).")
+      "time and MFU, collectives. With --inference: the decode step and a prefill chunk with a KV cache.")
   compile_.add_argument("args", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
   compile_.add_argument("--topology", help="TPU slice, e.g. v6e-256 or v5p:4x4x4 "
                         "(default: the config's mesh.topology)")
@@ -197,6 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: mesh.num_slices)")
   compile_.add_argument("--save", metavar="DIR", help="write report.json, the serialized "
                         "executable train_step.exe and its HLO here")
+  distributed.add_distributed_args(compile_)
+  inference = compile_.add_argument_group("generation programs (--inference)")
+  inference.add_argument("--inference", action="store_true",
+                         help="compile the decode step and a prefill chunk instead of the train step, "
+                         "with bf16 weights and a paged KV cache")
+  inference.add_argument("--slots", type=int, default=32, help="sequences decoded together (default 32)")
+  inference.add_argument("--context", type=int, default=8192, help="tokens cached per sequence (default 8192)")
+  inference.add_argument("--page-size", type=int, default=128, help="KV cache page size (default 128)")
+  inference.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk length (default 512)")
   compile_.set_defaults(func=_cmd_compile)
 
   plan = commands.add_parser(
@@ -213,43 +265,88 @@ def build_parser() -> argparse.ArgumentParser:
   plan.add_argument("--output", default="plan.yaml", help="where to write the winning config")
   plan.set_defaults(func=_cmd_plan)
 
+  from jaxpar.inference.commands import add_parsers as add_inference_parsers
+  add_inference_parsers(commands)
+
+  launch = commands.add_parser(
+      "launch-local", help="run N processes of one job on this machine (simulated CPU devices)",
+      description="Run COMMAND (a jaxpar subcommand, or any program calling "
+      "jaxpar.distributed.initialize()) as processes 0..N-1 of one jax.distributed job on this "
+      "machine: each with its own simulated CPU devices, gloo collectives, a coordinator on "
+      "127.0.0.1. Example: jaxpar launch-local 2 -- train tiny mesh.fsdp=8",
+      usage="jaxpar launch-local N [options] -- COMMAND ...")
+  launch.add_argument("num_processes", type=int, metavar="N", help="processes to start")
+  launch.add_argument("--devices-per-process", type=int, default=4,
+                      help="simulated CPU devices in each process (default 4)")
+  launch.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
+  launch.add_argument("--grace", type=float, default=90.0, metavar="S",
+                      help="after one process fails, seconds the others get to stop before they "
+                      "are killed (default 90)")
+  launch.set_defaults(func=_cmd_launch_local, launched=None)
+
   config = commands.add_parser("config", help="inspect configs")
   config_commands = config.add_subparsers(dest="config_command", required=True)
   show = config_commands.add_parser("show", help="print the resolved config",
                                     description="Print CONFIG with overrides applied and validated.")
   show.add_argument("args", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
   show.set_defaults(func=_cmd_config_show)
+  launch.set_defaults(subcommands=set(commands.choices))
   return parser
 
 
 def _parse(parser, argv):
   """Options may come anywhere, also after `key=value` overrides: what argparse leaves over
-  joins the command's overrides, and an unknown option is still an error."""
+  joins the command's overrides, and an unknown option is still an error. For launch-local,
+  everything after `--` is the command it launches."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  launched = None
+  if "launch-local" in argv and "--" in argv[argv.index("launch-local"):]:
+    cut = argv.index("--", argv.index("launch-local"))
+    argv, launched = argv[:cut], argv[cut + 1:]
   ns, extra = parser.parse_known_args(argv)
   unknown = [a for a in extra if a.startswith("-") or not hasattr(ns, "args")]
   if unknown:
     parser.error(f"unrecognized arguments: {' '.join(unknown)}")
   if extra:
     ns.args = ns.args + extra
+  if launched is not None:
+    ns.launched = launched
   return ns
 
 
-def main(argv=None) -> int:
-  parser = build_parser()
-  ns = _parse(parser, argv)
-  _skip_absent_accelerators()
-  logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+def _run(ns) -> tuple[int, str | None]:
+  """(exit code, the one-line failure or None)."""
   try:
-    ns.func(ns)
+    if hasattr(ns, "coordinator"):  # a subcommand with the multi-process options
+      distributed.initialize(distributed.options_from_args(ns))
+      console.quiet = not distributed.is_primary()  # one voice: process 0's
+    return ns.func(ns) or 0, None
   except (ValueError, FileNotFoundError) as e:
     if ns.debug:
       raise
-    errors.print(f"[bold red]error:[/bold red] {e}", markup=True, highlight=False)
-    return 2
+    errors.print(f"{escape(distributed.label())}[bold red]error:[/bold red] {escape(str(e))}",
+                 markup=True, highlight=False)
+    return 2, str(e)
   except KeyboardInterrupt:
     console.print("interrupted")
-    return 130
-  return 0
+    return 130, "interrupted"
+
+
+def main(argv=None) -> int:
+  _skip_absent_accelerators()  # before anything imports jax (building the parser may)
+  parser = build_parser()
+  ns = _parse(parser, argv)
+  distributed.configure_logging()
+  try:
+    code, failure = _run(ns)
+  except Exception as e:
+    if not distributed.is_multiprocess():
+      raise
+    traceback.print_exc()  # then tell the peers, which would otherwise wait for this process
+    code, failure = 1, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+  if failure and distributed.is_multiprocess():
+    distributed.fail(failure, code)
+  return code
 
 
 if __name__ == "__main__":

@@ -86,8 +86,11 @@ class TrainConfig(_Frozen):
   log_every: int = 10
   run_dir: str = "runs/default"
   peak_flops_per_device: float | None = None
+  # The sample printed at the end of `jaxpar train` (0 tokens: none), drawn with these settings.
   sample_prompt: str = "The "
   sample_tokens: int = 64
+  sample_temperature: float = Field(0.8, ge=0)
+  sample_top_p: float = Field(0.95, gt=0, le=1)
 
 
 class CheckpointConfig(_Frozen):

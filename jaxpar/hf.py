@@ -15,8 +15,9 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxpar.checkpoint import Checkpointer, resolve
+from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer, resolve
 from jaxpar.config import Config, DataConfig, MeshConfig, ModelConfig, from_dict, model_from_dict
+from jaxpar.data import copy_tokenizer_files
 from jaxpar.models import family_names, get_family
 from jaxpar.runtime import Runtime
 
@@ -198,6 +199,7 @@ def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: s
     source.close()
   with Checkpointer(out) as checkpoints:
     checkpoints.save(0, {"params": params}, config=config, force=True)
+  copy_tokenizer_files(hf_dir, Path(out) / TOKENIZER_DIR)  # so the converted model generates text with no flags
   return config
 
 
@@ -222,6 +224,7 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
     params = checkpoints.restore_params(Runtime(cfg, MeshConfig()).abstract_targets()[0], step)
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
+  copy_tokenizer_files(root / TOKENIZER_DIR, out)
   (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
   shards, current, size = [], {}, 0
   for path, name, layout, layer in _entries(params, cfg):

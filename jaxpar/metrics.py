@@ -22,7 +22,8 @@ class MetricsLogger:
     self.run_dir = Path(run_dir)
     if self.writes:
       self.run_dir.mkdir(parents=True, exist_ok=True)
-    self.jsonl = open(self.run_dir / "metrics.jsonl", "a") if self.writes else None
+    # Line-buffered: a job that dies (a peer failure exits at once) keeps every logged step.
+    self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1) if self.writes else None
     self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard")) if self.writes else None
     self.console = console or Console()
     self.progress = Progress(

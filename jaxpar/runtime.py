@@ -97,9 +97,12 @@ class Runtime:
     """The module with these arrays (inside jit: rebuilds it for tracing)."""
     return nnx.merge(self.graphdef, params, model_state or {})
 
-  def restore_params(self, path, step: int | None = None) -> dict:
-    """Parameters from a checkpoint (a checkpoint dir: its latest step; or one step dir),
-    read straight into this mesh's shardings: each device reads only its own shard."""
+  def restore(self, path, step: int | None = None) -> tuple[dict, dict]:
+    """(params, model_state) from a checkpoint (a checkpoint dir: its latest step; or one
+    step dir), read straight into this mesh's shardings: each device reads only its shard."""
     root, found_step = resolve(path)
+    step = step if step is not None else found_step
+    params, model_state = self.abstract_targets()
     with Checkpointer(root, read_only=True) as checkpoints:
-      return checkpoints.restore_params(self.abstract_targets()[0], step if step is not None else found_step)
+      return (checkpoints.restore_item("params", params, step),
+              checkpoints.restore_item("model_state", model_state, step))

@@ -1,9 +1,10 @@
 """The trainer: runtime + sharded train state + jitted step + data + metrics, from one Config."""
 
-import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,18 +12,20 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
-from jaxpar.checkpoint import Checkpointer, resolve as resolve_checkpoint
+from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer, resolve as resolve_checkpoint
 from jaxpar.config import Config, checkpoint_dir
-from jaxpar.data import TrainBatches, load_tokenizer
+from jaxpar.data import TrainBatches, copy_tokenizer_files, load_tokenizer
 from jaxpar.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.metrics import MetricsLogger, StepClock
 from jaxpar.optim import learning_rate_schedule, make_optimizer
 from jaxpar.preemption import stop_on_signals
+from jaxpar.run_lock import hold_run_dirs
 from jaxpar.runtime import Runtime, with_shardings
 from jaxpar.train_state import TrainState
 from jaxpar.train_step import make_train_step
 
+_log = logging.getLogger(__name__)
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
@@ -121,16 +124,35 @@ class Trainer:
     """Train `steps` more steps (default: up to train.steps in all). With no `state`, starts
     from `restore` (a checkpoint dir or step dir), else the run's latest checkpoint, else fresh.
     Saves on the checkpoint schedule and at the end; SIGTERM/SIGINT stop after the current
-    step with a checkpoint written (`summary["stopped_by"]`, `summary["checkpoint"]`)."""
+    step (with several processes: the same step on all) with a checkpoint written
+    (`summary["stopped_by"]`, `summary["checkpoint"]`). The run directory is locked meanwhile:
+    a second job on it fails with ValueError naming the holder."""
+    with hold_run_dirs(self._written_dirs(), say=self._say):
+      return self._fit(state, batches, steps, show_progress, restore)
+
+  def _written_dirs(self) -> list[Path]:
+    run_dir = Path(self.config.train.run_dir).absolute()
+    checkpoints = checkpoint_dir(self.config).absolute()
+    outside = self.config.checkpoint.enabled and not checkpoints.is_relative_to(run_dir)
+    return [run_dir, checkpoints] if outside else [run_dir]
+
+  def _fit(self, state, batches, steps, show_progress, restore) -> TrainResult:
     cfg = self.config
     batches = batches or self.batches()
     checkpointer = Checkpointer(checkpoint_dir(cfg), cfg.checkpoint) if cfg.checkpoint.enabled else None
+    if checkpointer is not None and checkpointer.leftovers:
+      self._say(f"removing the leftovers of an interrupted save in {checkpointer.directory}: "
+                f"{', '.join(checkpointer.leftovers)}")
+    if checkpointer is not None and cfg.data.tokenizer != "byte" and jax.process_index() == 0:
+      # Checkpoints carry their tokenizer, so generation needs no path from this run.
+      copy_tokenizer_files(cfg.data.tokenizer, checkpointer.directory / TOKENIZER_DIR)
     try:
-      if state is None:
-        state = self._start_state(checkpointer, batches, restore)
-      start_step = int(state.step)
-      steps = max(cfg.train.steps - start_step, 0) if steps is None else steps
-      with stop_on_signals() if checkpointer else contextlib.nullcontext() as stop:
+      with stop_on_signals() as stop:  # from here: a signal during the restore stops after step 1
+        if state is None:
+          state = self._start_state(checkpointer, batches, restore)
+        start_step = int(state.step)
+        steps = max(cfg.train.steps - start_step, 0) if steps is None else steps
+        stop.begin(start_step)
         state, history, summary = self._loop(state, batches, start_step, steps, show_progress,
                                              checkpointer, stop)
       if checkpointer is not None and history:
@@ -184,12 +206,16 @@ class Trainer:
       for step in range(start_step + 1, start_step + steps + 1):
         state, metrics = self.step(state, next(batches))
         clock.watch(step, metrics)
+        stopping = stop.check(step)
         if checkpointer is not None:
           checkpointer.save(step, state.items(), data_state=_data_state(batches), config=cfg)
         if pending is not None:  # read the previous step's metrics: keeps dispatch async
           self._log(logger, clock, pending, tokens_per_step, flops_per_step, peak)
         pending = (step, metrics)
-        if stop:
+        if stopping:
+          if stop.agreed:
+            _log.warning("%s: stopping after step %d, as all %d processes do", stop.signal,
+                         step, jax.process_count())
           break
       if pending is not None:
         self._log(logger, clock, pending, tokens_per_step, flops_per_step, peak)

@@ -1,5 +1,6 @@
 """The one place logical axis names become PartitionSpecs and NamedShardings."""
 
+import functools
 import logging
 import math
 
@@ -26,12 +27,18 @@ def logical_to_spec(names, shape, mesh, rules) -> PartitionSpec:
       raise ValueError(f"logical axis {name!r} has no rule; add it to mesh.rules")
     split = math.prod(mesh.shape[a] for a in axes)
     if axes and shape is not None and shape[dim] % split:
-      log.warning("replicating logical axis %r (size %d): mesh axes %s (%d devices) do not divide it",
-                  name, shape[dim], axes, split)
+      _warn_once(name, shape[dim], axes, split)
       axes = ()
     used.update(axes)
     spec.append(axes[0] if len(axes) == 1 else (axes or None))
   return PartitionSpec(*spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(name, size, axes, split):
+  """A shape traced again (every layer, every compile) warns only the first time."""
+  log.warning("replicating logical axis %r (size %d): mesh axes %s (%d devices) do not divide it",
+              name, size, axes, split)
 
 
 def logical_to_sharding(names, shape, mesh, rules) -> NamedSharding:

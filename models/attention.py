@@ -68,6 +68,7 @@ class Attention(nnx.Module):
                                      implementation=self.implementation)
     else:
       cache = kv_cache.write(cache, k, v, positions, context.page_table)
-      out = pallas_kernels.paged_attention(q, cache["k"], cache["v"], positions, context.page_table,
+      k_pages, v_pages = cache.keys_values()
+      out = pallas_kernels.paged_attention(q, k_pages, v_pages, positions, context.page_table,
                                            implementation=self.implementation)
     return dense(out, self.o, contract=2, dtype=dt), cache

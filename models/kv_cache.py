@@ -10,6 +10,7 @@ over `tensor`).
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 # Logical names of one layer's k or v pages, and of the stacked cache.
 PAGE_NAMES = ("cache_kv_heads", "cache_pages", None, "head_dim")
@@ -26,13 +27,27 @@ def init_pages(cfg, num_layers: int, num_pages: int, page_size: int, dtype) -> d
   return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def write(cache: dict, k, v, positions, page_table) -> dict:
-  """Store new keys/values [B, T, kv_heads, head_dim] at `positions` [B, T].
+@struct.dataclass
+class LayerCache:
+  """One layer's view of its group's stacked cache: pages {"k", "v"} [layers, kv_heads,
+  num_pages, page_size, head_dim] and this layer's index into them."""
+  pages: dict
+  layer: jnp.ndarray
+
+  def keys_values(self):
+    """This layer's (k, v) pages [kv_heads, num_pages, page_size, head_dim]."""
+    take = lambda x: jax.lax.dynamic_index_in_dim(x, self.layer, keepdims=False)  # noqa: E731
+    return take(self.pages["k"]), take(self.pages["v"])
+
+
+def write(cache: LayerCache, k, v, positions, page_table) -> LayerCache:
+  """Store new keys/values [B, T, kv_heads, head_dim] at `positions` [B, T] in this layer's
+  pages (an in-place scatter into the stacked cache).
 
   Negative positions (padding) and positions past the page table are dropped, so ragged
   batches need no masking by the caller.
   """
-  _, num_pages, page_size, _ = cache["k"].shape
+  _, _, num_pages, page_size, _ = cache.pages["k"].shape
   capacity = page_table.shape[1] * page_size
   valid = (positions >= 0) & (positions < capacity)
   safe = jnp.where(valid, positions, 0)
@@ -40,10 +55,11 @@ def write(cache: dict, k, v, positions, page_table) -> dict:
   page = jnp.where(valid, page, num_pages)  # out of range: the scatter drops it
   slot = safe % page_size
 
-  def put(pages, new):  # pages [Hkv, P, S, D]; new [B, T, Hkv, D]
-    return pages.at[:, page, slot].set(jnp.moveaxis(new, 2, 0).astype(pages.dtype), mode="drop")
+  def put(pages, new):  # pages [L, Hkv, P, S, D]; new [B, T, Hkv, D]
+    # The indexed dims are split by a slice, so (NumPy rules) the update is [B, T, Hkv, D].
+    return pages.at[cache.layer, :, page, slot].set(new.astype(pages.dtype), mode="drop")
 
-  return {"k": put(cache["k"], k), "v": put(cache["v"], v)}
+  return cache.replace(pages={"k": put(cache.pages["k"], k), "v": put(cache.pages["v"], v)})
 
 
 def bytes_per_token(cfg, dtype) -> int:

@@ -83,13 +83,20 @@ class Transformer(nnx.Module):
     """Generation: new tokens [B, T] at positions [B, T] (negative: padding) through the
     paged KV cache {group: {"k", "v"}} -> (logits, updated cache). Logits are
     [B, T, vocab], or [B, vocab] at each row's `logits_index` [B] when given."""
-    context = LayerContext(positions, None, self._inv_freq(), page_table)
-    x, _, cache = self._run_stack(self._embed(tokens), context, cache)
-    x = self.final_norm(x)
+    x, cache = self._decode_hidden(tokens, positions, cache, page_table)
     if logits_index is not None:
       x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
       return jnp.einsum("be,ev->bv", x, self.output_projection()), cache
     return jnp.einsum("ble,ev->blv", x, self.output_projection()), cache
+
+  def prefill_cache(self, tokens, positions, cache: dict, page_table) -> dict:
+    """Only write the new tokens' keys and values into the cache (no logits): prefill."""
+    return self._decode_hidden(tokens, positions, cache, page_table)[1]
+
+  def _decode_hidden(self, tokens, positions, cache, page_table):
+    context = LayerContext(positions, None, self._inv_freq(), page_table)
+    x, _, cache = self._run_stack(self._embed(tokens), context, cache)
+    return self.final_norm(x), cache
 
   def init_cache(self, num_pages: int, page_size: int, dtype=None) -> dict:
     """A zeroed paged KV cache for every layer group."""
@@ -108,18 +115,26 @@ class Transformer(nnx.Module):
     return constrain(table[tokens], ACTIVATION)
 
   def _run_stack(self, x, context, cache):
-    """Every layer group in order -> (x, reduced aux, updated cache or None)."""
+    """Every layer group in order -> (x, reduced aux, updated cache or None).
+
+    A group's cache rides in the scan carry with the activations and each layer updates its
+    own slice in place: as a scanned input and output it would be sliced and restacked,
+    copying the whole cache at every decode step.
+    """
     cfg = self.cfg
     block = with_remat(lambda layer, x, context, cache: layer(x, context, cache), cfg.remat)
 
-    def layer_fn(layer, x, layer_cache):
-      x, aux, layer_cache = block(layer, x, context, layer_cache)
-      return x, {"aux": aux, "cache": layer_cache}
+    def layer_fn(layer, carry, index):
+      x, pages = carry
+      slot = None if pages is None else kv_cache.LayerCache(pages, index)
+      x, aux, slot = block(layer, x, context, slot)
+      return (x, None if slot is None else slot.pages), aux
 
     per_group, new_cache = [], {}
-    for name, _, _ in layer_groups(cfg):
-      x, outputs = run_layers(getattr(self, name), layer_fn, x, None if cache is None else cache[name],
-                              scan=cfg.scan_layers, unroll=cfg.scan_unroll)
-      per_group.append(outputs["aux"])
-      new_cache[name] = outputs["cache"]
+    for name, count, _ in layer_groups(cfg):
+      pages = None if cache is None else cache[name]
+      (x, pages), aux = run_layers(getattr(self, name), layer_fn, (x, pages), jnp.arange(count),
+                                   scan=cfg.scan_layers, unroll=cfg.scan_unroll)
+      per_group.append(aux)
+      new_cache[name] = pages
     return x, reduce_aux(per_group), None if cache is None else new_cache

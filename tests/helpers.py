@@ -1,5 +1,8 @@
 """Small configs and synthetic batches shared by the tests."""
 
+import os
+import tempfile
+
 import numpy as np
 
 from jaxpar.config import from_dict
@@ -14,7 +17,10 @@ def small_config(mesh=None, model=None, data=None, train=None, tmp_path=None, ch
     "mesh": {"fsdp": -1, "rules": "fsdp_tp", **(mesh or {})},
     "data": {"seq_len": 32, "global_batch_size": 8, **(data or {})},
     "train": {"steps": 3, "warmup_steps": 1, "log_every": 0,
-              "run_dir": str(tmp_path / "run") if tmp_path else "runs/test", **(train or {})},
+              # Without a tmp_path, still one run dir per test process: a run dir belongs to
+              # one job at a time, and parallel test workers are separate jobs.
+              "run_dir": str(tmp_path / "run") if tmp_path else
+              os.path.join(tempfile.gettempdir(), f"jaxpar-test-{os.getpid()}"), **(train or {})},
     # Only a test's own tmp run dir gets checkpoints: never resume another test's run.
     "checkpoint": {"enabled": tmp_path is not None, **(checkpoint or {})},
   }

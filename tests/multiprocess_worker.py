@@ -1,34 +1,43 @@
-"""One of two processes training together (run by tests/test_multiprocess.py).
+"""Restores checkpoints in a multi-process job and writes the values it sees (run by
+tests/test_multiprocess.py through `jaxpar launch-local`):
 
-    python tests/multiprocess_worker.py PROCESS_ID PORT OUT_JSON CONFIG_JSON
+    python tests/multiprocess_worker.py CONFIG_JSON OUT_NPZ CHECKPOINT_DIR ...
+
+Each checkpoint's train state is read onto CONFIG's mesh, every device reading its own
+shards; process 0 then writes the gathered values and data positions.
 """
 
 import json
-import os
 import sys
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+from jaxpar import distributed
+
+distributed.initialize()  # from the JAX_* variables launch-local sets
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.config.update("jax_default_matmul_precision", "highest")
+from jaxpar.checkpoint import Checkpointer  # noqa: E402
+from jaxpar.config import from_dict  # noqa: E402
+from jaxpar.trainer import Trainer  # noqa: E402
 
 
 def main():
-  process_id, port, out, config_json = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                             process_id=process_id)
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  from jaxpar.config import from_dict
-  from jaxpar.trainer import Trainer
-  trainer = Trainer(from_dict(json.loads(config_json)))
-  result = trainer.fit(show_progress=False)
-  with open(out, "w") as f:
-    json.dump({"devices": jax.device_count(), "local_devices": jax.local_device_count(),
-               "losses": [h["loss"] for h in result.history]}, f)
-  jax.distributed.shutdown()
+  config, out, directories = from_dict(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3:]
+  trainer = Trainer(config)
+  assert jax.process_count() > 1, "run me through jaxpar launch-local"
+  abstract = trainer.abstract_state().items()
+  values = {}
+  for i, directory in enumerate(directories):
+    with Checkpointer(directory, read_only=True) as checkpoints:
+      state, data_state = checkpoints.restore(abstract)
+    gathered = multihost_utils.process_allgather(state, tiled=True)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(gathered):
+      values[f"{i}{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
+    values[f"{i}.next_sample"] = np.asarray(data_state["next_sample"])
+  if jax.process_index() == 0:
+    np.savez(out, **values)
 
 
 if __name__ == "__main__":

@@ -148,3 +148,20 @@ def test_cli_compile_prints_verdict_and_saves(tmp_path, capsys):
 def test_cli_compile_without_topology_says_how_to_give_one(capsys):
   assert main(["compile", "tiny"]) == 2
   assert "pass --topology" in capsys.readouterr().err
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
+def test_cli_compiles_the_generation_programs_of_an_8b_config(capsys):
+  # One layer of llama3-8b; the benchmark (README) compiles all of them.
+  assert main(["compile", "llama3-8b", "model.num_layers=1", "mesh.fsdp=1", "mesh.tensor=8", "--inference",
+               "--topology", "v6e-8", "--slots", "8", "--context", "1024", "--prefill-chunk", "256"]) == 0
+  out = capsys.readouterr().out
+  m = load_config("llama3-8b").model
+  weights = 2 * (2 * m.vocab_size * m.embed_dim + 2 * m.embed_dim * m.head_dim * (m.num_heads + m.num_kv_heads)
+                 + 3 * m.embed_dim * m.mlp_dim) / 8  # bf16, split 8 ways (norms are a rounding error)
+  cache = 2 * 2 * 8 * 1024 * m.num_kv_heads * m.head_dim / 8  # k and v, bf16, kv heads over tensor
+  assert f"KV cache {cache / 2 ** 20:.1f} MiB" in out, out
+  reported = float(out.split("weights ")[1].split(" MiB")[0])
+  assert abs(reported * 2 ** 20 - weights) < 0.01 * weights, out
+  assert out.count("FITS") == 2 and "decode   [8 x 1]" in out and "prefill  [1 x 256]" in out

@@ -17,6 +17,7 @@ from jaxpar.config import DataConfig  # noqa: E402
 from jaxpar.data import (  # noqa: E402
   TrainBatches, load_tokenizer, make_example, pack_documents, read_documents,
 )
+from jaxpar.data.loader import rows_held_by  # noqa: E402
 
 BYTE = load_tokenizer("byte")
 
@@ -288,3 +289,39 @@ def test_sharded_global_batch():
   if n > 1:  # an odd batch cannot split over an even number of devices
     with pytest.raises(ValueError, match="does not fit sharding"):
       TrainBatches(_cfg(global_batch_size=2 * n + 1), BYTE, sharding)
+
+
+# Mesh layouts (data, fsdp, tensor) over 8 devices; a process owns a contiguous block of
+# device ids, as JAX numbers them across processes.
+LAYOUTS = [(8, 1, 1), (1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2), (1, 2, 4), (1, 1, 8)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "data%d_fsdp%d_tensor%d" % l)
+def test_processes_load_disjoint_rows_that_make_the_single_process_batch(layout):
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 simulated devices (the suite's conftest sets them)")
+  devices = jax.devices()[:8]
+  mesh = Mesh(np.array(devices).reshape(layout), ("data", "fsdp", "tensor"))
+  sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
+  batch_shards = layout[0] * layout[1]
+  cfg = _cfg(global_batch_size=16, seq_len=16, shuffle_seed=5)
+  single = TrainBatches(cfg, BYTE)
+  single.set_state({"next_sample": 48})  # mid-run: the position is global, not per process
+  want = next(single)
+  for processes in (1, 2, 4, 8):
+    per = 8 // processes
+    rows = [rows_held_by(sharding, devices[p * per:(p + 1) * per], 16, 16) for p in range(processes)]
+    assert sorted(set(np.concatenate(rows).tolist())) == list(range(16))
+    for a in range(processes):
+      for b in range(a + 1, processes):
+        shared = set(rows[a].tolist()) & set(rows[b].tolist())
+        # Disjoint, unless the two hold the same batch shards (tensor axis across processes).
+        assert not shared or np.array_equal(rows[a], rows[b]), (a, b, rows)
+        if processes <= batch_shards:
+          assert not shared, (a, b, rows)
+    for p in range(processes):  # each process's own loader, started from the same global position
+      loader = TrainBatches(cfg, BYTE)
+      loader.set_state({"next_sample": 48})
+      got = loader.local_batch(48, rows[p])
+      for key in want:
+        np.testing.assert_array_equal(got[key], want[key][rows[p]])

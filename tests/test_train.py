@@ -98,7 +98,7 @@ def test_cli_train_runs_and_prints_a_sample(tmp_path):
        f"train.run_dir={tmp_path}/run", "train.sample_tokens=8", "--no-progress"],
       capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
-  assert "done: loss" in result.stdout and "sample (greedy):" in result.stdout
+  assert "done: loss" in result.stdout and "sample (temperature 0.8, top-p 0.95, seed 0):" in result.stdout
   assert (tmp_path / "run" / "metrics.jsonl").exists()
 
 

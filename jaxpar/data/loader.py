@@ -36,14 +36,18 @@ class _Windows:
     return self._stream.window(int(i), self._seq_len)
 
 
-def _local_rows(sharding, batch: int, seq_len: int) -> np.ndarray:
-  """Global batch rows held by this process's devices, in the order
-  `make_array_from_process_local_data` expects them (ascending, deduplicated)."""
+def rows_held_by(sharding, devices, batch: int, seq_len: int) -> np.ndarray:
+  """Global batch rows that `devices` hold under `sharding`, in the order
+  `make_array_from_process_local_data` expects a process's rows (ascending, deduplicated).
+  A process loads the rows of its own devices: disjoint from another process's unless the
+  mesh repeats the batch across them (e.g. a tensor axis spanning processes)."""
+  devices = set(devices)
   spans = set()
-  for idx in sharding.addressable_devices_indices_map((batch, seq_len)).values():
-    start, stop, _ = idx[0].indices(batch)
-    spans.add((start, stop))
-  return np.concatenate([np.arange(a, b) for a, b in sorted(spans)])
+  for device, idx in sharding.devices_indices_map((batch, seq_len)).items():
+    if device in devices:
+      start, stop, _ = idx[0].indices(batch)
+      spans.add((start, stop))
+  return np.unique(np.concatenate([np.arange(a, b) for a, b in sorted(spans)]))
 
 
 class TrainBatches:
@@ -97,14 +101,15 @@ class TrainBatches:
         sharding.shard_shape(shape)
       except ValueError as e:
         raise ValueError(f"batch shape {shape} does not fit sharding {sharding}: {e}") from None
-      self._rows = _local_rows(sharding, *shape)
+      mine = [d for d in sharding.device_set if d.process_index == jax.process_index()]
+      self._rows = rows_held_by(sharding, mine, *shape)
     self._next = 0  # index of the first sample of the next batch
 
   # -- iteration -------------------------------------------------------------------
 
-  def local_batch(self, start: int) -> dict[str, np.ndarray]:
-    """This process's rows of the global batch that begins at sample `start`."""
-    examples = [self._dataset[start + int(r)] for r in self._rows]
+  def local_batch(self, start: int, rows=None) -> dict[str, np.ndarray]:
+    """`rows` (default: this process's rows) of the global batch that begins at sample `start`."""
+    examples = [self._dataset[start + int(r)] for r in (self._rows if rows is None else rows)]
     return {k: np.stack([ex[k] for ex in examples]) for k in KEYS}
 
   def __iter__(self) -> "TrainBatches":

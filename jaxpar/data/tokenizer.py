@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -13,6 +16,10 @@ _EOS_NAMES = (
   "[EOS]", "<|end|>",
 )
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>", "[BOS]")
+# Hugging Face files that travel with a model: the tokenizer, its settings (eos/bos, the
+# chat template) and the generation defaults.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
 
 
 class ByteTokenizer:
@@ -24,6 +31,8 @@ class ByteTokenizer:
   eos_id = 256
   bos_id = 257
   vocab_size = 258
+  add_bos = False  # generation prompts start with their text
+  chat_template = None
 
   def encode(self, text: str) -> list[int]:
     return self.encode_array(text).tolist()
@@ -45,7 +54,12 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-  """A `tokenizers.Tokenizer` from a tokenizer.json, with the eos id looked up once."""
+  """A `tokenizers.Tokenizer` from a tokenizer.json, with the eos id looked up once.
+
+  A tokenizer_config.json beside it (as Hugging Face models ship) names the eos and bos
+  tokens, whether generation prompts start with bos (`add_bos_token`) and the chat template
+  (also read from chat_template.jinja).
+  """
 
   def __init__(self, path: str):
     from tokenizers import Tokenizer  # imported here so "byte" runs need no extra import
@@ -53,13 +67,21 @@ class HFTokenizer:
     self.path = path
     self._tok = Tokenizer.from_file(path)
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-    self.eos_id = self._find(_EOS_NAMES)
+    settings = _read_json(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
+    self.add_bos = bool(settings.get("add_bos_token", False))
+    self.chat_template = settings.get("chat_template") or _read_text(
+        os.path.join(os.path.dirname(path), "chat_template.jinja"))
+    named = [_token_name(settings.get("eos_token"))]
+    self.eos_id = self._find([n for n in named if n] + list(_EOS_NAMES))
     if self.eos_id is None:
       raise ValueError(
         f"tokenizer {path} has no end-of-text token (looked for {', '.join(_EOS_NAMES)}); "
         "add one as a special token when training it, e.g. special_tokens=['<|endoftext|>']"
       )
-    self.bos_id = self._find(_BOS_NAMES)
+    self.bos_id = self._find([n for n in [_token_name(settings.get("bos_token"))] if n] + list(_BOS_NAMES))
+    # The special tokens as text, for chat templates that write them out.
+    self.eos_token = self._tok.id_to_token(self.eos_id)
+    self.bos_token = self._tok.id_to_token(self.bos_id) if self.bos_id is not None else ""
 
   def _find(self, names: Sequence[str]) -> int | None:
     for name in names:
@@ -83,6 +105,25 @@ class HFTokenizer:
     return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
+def _read_json(path: str) -> dict:
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _read_text(path: str) -> str | None:
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return f.read()
+
+
+def _token_name(entry) -> str | None:
+  """tokenizer_config.json writes special tokens as strings or as {"content": ...}."""
+  return entry.get("content") if isinstance(entry, dict) else entry
+
+
 def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
   """`"byte"` for the byte-level tokenizer, or the path of a Hugging Face tokenizer.json."""
   if spec == "byte":
@@ -96,3 +137,19 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
       "Hugging Face tokenizer.json"
     )
   return HFTokenizer(path)
+
+
+def copy_tokenizer_files(source, target_dir) -> list[str]:
+  """Copy a tokenizer into `target_dir` as Hugging Face lays it out: `source` is a model
+  directory (its TOKENIZER_FILES are copied) or a tokenizer .json file (copied as
+  tokenizer.json, with the settings files beside it)."""
+  source, target = Path(source), Path(target_dir)
+  folder = source if source.is_dir() else source.parent
+  found = {name: folder / name for name in TOKENIZER_FILES if (folder / name).is_file()}
+  if source.is_file():
+    found["tokenizer.json"] = source
+  if found:
+    target.mkdir(parents=True, exist_ok=True)
+    for name, path in found.items():
+      shutil.copy2(path, target / name)
+  return sorted(found)

@@ -1,0 +1,74 @@
+"""Compile the generation programs (decode step and prefill chunk) for a TPU topology on a
+CPU host, and say whether weights plus a KV cache of the requested size fit.
+
+The same programs `jaxpar serve` runs (jaxpar/inference/programs.py), on abstract weights
+and an abstract paged cache laid out by the config's mesh and rules: per-device bytes from
+the compiler's memory analysis, against the chip's HBM.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.aot.chips import topology_devices
+from jaxpar.aot.compile import per_device_bytes
+from jaxpar.inference.programs import Programs
+from jaxpar.mesh import logical_to_sharding
+from jaxpar.models import kv_cache
+from jaxpar.models.transformer import layer_groups
+from jaxpar.runtime import Runtime
+
+
+def abstract_cache(runtime, num_pages: int, page_size: int, dtype) -> dict:
+  """The paged KV cache as sharded ShapeDtypeStructs (nothing allocated)."""
+  cfg = runtime.model_config
+  cache = {}
+  for name, count, _ in layer_groups(cfg):
+    shape = (count,) + kv_cache.page_shape(cfg, num_pages, page_size)
+    sharding = logical_to_sharding(kv_cache.STACKED_NAMES, shape, runtime.mesh, runtime.rules)
+    cache[name] = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding) for k in ("k", "v")}
+  return cache
+
+
+def compile_inference(config, topology: str, *, slots: int, context: int, page_size: int = 128,
+                      chunk: int = 512, param_dtype: str = "bfloat16", num_slices: int = 1) -> dict:
+  """Report dict for the decode step ([slots, 1]) and one prefill chunk ([1, chunk]) of
+  `config`'s model with `param_dtype` weights and a cache holding `slots` x `context` tokens."""
+  chip, devices = topology_devices(topology, num_slices)
+  model = config.model.model_copy(update={"param_dtype": param_dtype, "compute_dtype": param_dtype})
+  runtime = Runtime(model, config.mesh, devices)
+  params, model_state = runtime.abstract_targets()
+  pages_per_seq = -(-context // page_size)
+  cache = abstract_cache(runtime, slots * pages_per_seq, page_size, param_dtype)
+  programs = Programs(runtime, params, model_state, cache)
+  report = {"topology": topology, "chip": chip.name, "devices": runtime.mesh.size,
+            "mesh": {a: s for a, s in runtime.mesh.shape.items() if s > 1}, "hbm_bytes": chip.hbm_bytes,
+            "param_dtype": param_dtype, "slots": slots, "context": context, "page_size": page_size,
+            "weights_bytes": per_device_bytes(params), "cache_bytes": per_device_bytes(cache),
+            "programs": {}}
+  for kind, batch, length in (("step", slots, 1), ("fill", 1, chunk)):
+    started = time.perf_counter()
+    programs.compile(kind, batch, length, pages_per_seq)
+    memory = programs.compiled[kind, batch, length].memory_analysis()
+    total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+             + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
+    report["programs"]["decode" if kind == "step" else "prefill"] = {
+        "shape": [batch, length], "arguments": memory.argument_size_in_bytes,
+        "temporaries": memory.temp_size_in_bytes, "total": total, "fits": total <= chip.hbm_bytes,
+        "compile_s": time.perf_counter() - started}
+  return report
+
+
+def format_inference_report(r: dict) -> str:
+  from jaxpar.aot.report import gib
+  mesh = " x ".join(f"{a}={s}" for a, s in r["mesh"].items()) or "single device"
+  lines = [f"{r['topology']} ({r['devices']} {r['chip']} chips); mesh {mesh}; {r['param_dtype']} weights; "
+           f"KV cache for {r['slots']} sequences x {r['context']} tokens (pages of {r['page_size']})",
+           f"per device, by hand: weights {gib(r['weights_bytes'])}, KV cache {gib(r['cache_bytes'])}"]
+  for name, p in r["programs"].items():
+    verdict = "FITS" if p["fits"] else "DOES NOT FIT"
+    lines.append(f"{name:<8} [{p['shape'][0]} x {p['shape'][1]}]: {verdict}, {gib(p['total'])} of "
+                 f"{gib(r['hbm_bytes'])} HBM per chip (arguments {gib(p['arguments'])}, temporaries "
+                 f"{gib(p['temporaries'])}); compiled in {p['compile_s']:.0f} s")
+  return "\n".join(lines)

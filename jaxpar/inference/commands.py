@@ -1,0 +1,166 @@
+"""`jaxpar generate` and `jaxpar serve`: generation from the command line.
+
+    jaxpar generate --checkpoint PATH --prompt "..." [--max-tokens N --temperature T ...]
+    jaxpar generate --checkpoint PATH --prompts-file prompts.txt --output results.jsonl
+    jaxpar serve --checkpoint PATH [--host 127.0.0.1 --port 8000]
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from jaxpar import distributed
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+console = Console(soft_wrap=True)
+notes = Console(stderr=True, soft_wrap=True)  # progress and notes: stdout carries only the text
+
+
+def add_engine_args(parser):
+  """Options shared by `generate` and `serve`: what to load and how to lay it out."""
+  parser.add_argument("--checkpoint", required=True, metavar="PATH",
+                      help="a jaxpar checkpoint dir (its latest step) or one step dir")
+  parser.add_argument("mesh", nargs="*", metavar="mesh.AXIS=SIZE",
+                      help="mesh axis sizes, e.g. mesh.tensor=8 (default: every device holds the "
+                      "whole model; rows split over the devices when they divide)")
+  parser.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
+  parser.add_argument("--max-seq-len", type=int, help="longest prompt + completion (default: the model's)")
+  parser.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
+  parser.add_argument("--num-pages", type=int, help="KV cache pages (default: every slot at max length)")
+
+
+def add_sampling_args(parser):
+  parser.add_argument("--max-tokens", type=int, default=64)
+  parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+  parser.add_argument("--top-k", type=int, default=0, help="0: off")
+  parser.add_argument("--top-p", type=float, default=1.0)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+  parser.add_argument("--logprobs", action="store_true", help="report each token's log-probability")
+
+
+def mesh_sizes(items) -> dict:
+  """`mesh.tensor=8` arguments -> {"tensor": 8}."""
+  from jaxpar.config import MESH_AXES
+  sizes = {}
+  for item in items:
+    key, _, value = item.partition("=")
+    axis = key.removeprefix("mesh.")
+    if not key.startswith("mesh.") or axis not in MESH_AXES or not value.lstrip("-").isdigit():
+      raise ValueError(f"{item!r} is not a mesh size: use mesh.AXIS=SIZE with AXIS one of {list(MESH_AXES)}")
+    sizes[axis] = int(value)
+  return sizes
+
+
+def build_engine(ns, echo=None):
+  from jaxpar.inference import Engine
+  return Engine.from_checkpoint(ns.checkpoint, mesh=mesh_sizes(ns.mesh) or None, slots=ns.slots,
+                                max_seq_len=ns.max_seq_len, page_size=ns.page_size,
+                                num_pages=ns.num_pages, echo=echo)
+
+
+def sampling_from(ns, **overrides):
+  from jaxpar.inference import SamplingParams
+  return SamplingParams(**{"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_k": ns.top_k,
+                           "top_p": ns.top_p, "seed": ns.seed, "stop": tuple(ns.stop),
+                           "logprobs": ns.logprobs, **overrides})
+
+
+def _read_prompts(path: Path) -> list[dict]:
+  """One prompt per line, or JSONL records with "prompt" (and optional sampling fields)."""
+  records = []
+  for number, line in enumerate(path.read_text().splitlines(), 1):
+    if not line.strip():
+      continue
+    if line.lstrip().startswith("{"):
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+      if not isinstance(record.get("prompt"), str):
+        raise ValueError(f"{path}:{number}: a JSONL record needs a \"prompt\" string")
+      records.append(record)
+    else:
+      records.append({"prompt": line})
+  if not records:
+    raise ValueError(f"{path} holds no prompts")
+  return records
+
+
+def cmd_generate(ns):
+  if (ns.prompt is None) == (ns.prompts_file is None):
+    raise ValueError("give --prompt TEXT or --prompts-file FILE (one of them)")
+  if ns.prompts_file and not ns.output:
+    raise ValueError("--prompts-file needs --output FILE.jsonl for the results")
+  records = _read_prompts(Path(ns.prompts_file)) if ns.prompts_file else None
+  sampling = sampling_from(ns)
+  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
+  if records is None:
+    out = sys.stdout if distributed.is_primary() else open(os.devnull, "w")
+    out.write(ns.prompt)
+    for event in engine.stream(ns.prompt, sampling):
+      out.write(event.text)
+      out.flush()
+    out.write("\n")
+    return
+  _generate_file(engine, records, sampling, Path(ns.output))
+
+
+def _generate_file(engine, records, sampling, output: Path):
+  import dataclasses
+  requests = [engine.submit(r["prompt"], dataclasses.replace(
+      sampling, **{k: (tuple(v) if k == "stop" else v) for k, v in r.items() if k != "prompt"}))
+              for r in records]
+  progress = Progress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=notes)
+  with progress, (output.open("w") if distributed.is_primary() else open(os.devnull, "w")) as out:
+    task = progress.add_task("generate", total=len(requests))
+    while engine.has_work:
+      engine.step()
+      progress.update(task, completed=sum(r.finish_reason is not None for r in requests))
+    for record, request in zip(records, requests):
+      done = request.completion()
+      out.write(json.dumps({"prompt": record["prompt"], "text": done.text, "tokens": done.tokens,
+                            "finish_reason": done.finish_reason, "logprobs": done.logprobs}) + "\n")
+  notes.print(f"wrote {len(requests)} completions to {output}")
+
+
+def cmd_serve(ns):
+  from jaxpar.inference.server import serve
+  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
+  name = ns.model_name or Path(ns.checkpoint).resolve().name
+  notes.print(f"serving {name!r} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
+              f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
+  serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s)
+
+
+def add_parsers(commands):
+  generate = commands.add_parser(
+      "generate", help="generate text from a checkpoint",
+      description="Load a jaxpar checkpoint (with its tokenizer) and complete a prompt, streaming "
+      "the text, or every prompt of a file (JSONL results).")
+  add_engine_args(generate)
+  generate.add_argument("--prompt", help="the prompt text")
+  generate.add_argument("--prompts-file", metavar="FILE",
+                        help="one prompt per line, or JSONL with \"prompt\" and sampling fields")
+  generate.add_argument("--output", metavar="FILE.jsonl", help="results of --prompts-file")
+  add_sampling_args(generate)
+  # Every process runs the same prompts in lock step (one SPMD program); process 0 writes.
+  distributed.add_distributed_args(generate)
+  generate.set_defaults(func=cmd_generate)
+
+  serve = commands.add_parser(
+      "serve", help="serve a checkpoint over an OpenAI-compatible HTTP API",
+      description="/v1/completions, /v1/chat/completions (with the model's chat template), /v1/models "
+      "and /health, driven by the continuous-batching engine. SIGTERM drains and exits 0.")
+  add_engine_args(serve)
+  serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+  serve.add_argument("--port", type=int, default=8000)
+  serve.add_argument("--model-name", help="the model id clients send (default: the checkpoint dir's name)")
+  serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
+  serve.add_argument("--grace-s", type=float, default=30.0,
+                     help="on SIGTERM, seconds running requests get to finish (default 30)")
+  serve.set_defaults(func=cmd_serve)  # one host: HTTP requests reach one process

@@ -1,0 +1,274 @@
+"""The generation engine: continuous batching over a paged KV cache.
+
+A fixed number of slots decode together, one token each per step (one compiled program).
+Between steps, waiting requests take free slots and their prompts are written into the
+cache a chunk at a time (a few compiled chunk lengths), a bounded number of prompt tokens
+per step, so a long prompt never stalls the running decodes for its whole prefill. Finished requests free
+their slot and pages at once. When the page pool runs dry, the newest request is
+preempted: its pages are freed and it is recomputed later, with the same tokens, since a
+row's random key depends only on its seed and position.
+"""
+
+import collections
+import queue
+import time
+from typing import Iterator
+
+import jax
+import numpy as np
+
+from jaxpar.inference.loading import load_checkpoint
+from jaxpar.inference.pages import PagePool, page_table_rows
+from jaxpar.inference.programs import Programs
+from jaxpar.inference.requests import Completion, Request, TokenEvent
+from jaxpar.inference.sampling import GREEDY, SamplingParams, row_arrays
+from jaxpar.mesh import logical_to_sharding
+from jaxpar.models import kv_cache
+
+DEFAULT_CHUNKS = (16, 64, 256)
+
+
+class Engine:
+  """Generate from a model on a device mesh (`Engine.from_checkpoint` to load one).
+
+  slots: sequences decoded together; max_seq_len: longest prompt + completion (default the
+  model's); page_size / num_pages: the KV cache pool (default: every slot at max_seq_len);
+  prefill_chunks: the prompt chunk lengths compiled; prefill_budget: prompt tokens written
+  per step before the decode step runs (default: the longest chunk), which bounds how long
+  new prompts delay the running decodes. Everything compiles in the constructor.
+  """
+
+  def __init__(self, runtime, params, tokenizer, *, model_state=None, slots: int = 8,
+               max_seq_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
+               prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
+               echo=None):
+    cfg = runtime.model_config
+    self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
+    self.model_state = model_state if model_state is not None else {}
+    self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
+    self.pages_per_seq = -(-self.max_seq_len // page_size)
+    num_pages = num_pages or slots * self.pages_per_seq
+    if num_pages < self.pages_per_seq:
+      raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len="
+                       f"{self.max_seq_len} ({self.pages_per_seq} pages of {page_size}): raise it")
+    self.pool = PagePool(num_pages, page_size)
+    self.chunks = sorted({min(c, self.max_seq_len) for c in prefill_chunks})
+    self.prefill_budget = prefill_budget or self.chunks[-1]
+    self._cache_layout = (num_pages, page_size, cache_dtype or cfg.compute_dtype)
+    self.cache = self._empty_cache(*self._cache_layout)
+    self.slots: list[Request | None] = [None] * slots
+    self.waiting: collections.deque[Request] = collections.deque()
+    self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    self.programs = Programs(runtime, params, self.model_state, self.cache)
+    self._compile_all(echo or (lambda text: None))
+    self.stats = collections.Counter()
+
+  @classmethod
+  def from_checkpoint(cls, path, *, mesh=None, devices=None, step: int | None = None, tokenizer=None,
+                      **options) -> "Engine":
+    """An engine for a jaxpar checkpoint (a train run's, or `jaxpar convert hf-to-jaxpar`'s)
+    on `mesh` (a MeshConfig or a dict of axis sizes), with the tokenizer that goes with it."""
+    runtime, params, model_state, found = load_checkpoint(path, mesh=mesh, devices=devices, step=step)
+    return cls(runtime, params, tokenizer or found, model_state=model_state, **options)
+
+  # -- construction ------------------------------------------------------------------
+
+  def _empty_cache(self, num_pages, page_size, dtype):
+    runtime = self.runtime
+    model = runtime.merge(self.params, self.model_state)
+    shapes = jax.eval_shape(lambda: model.init_cache(num_pages, page_size, dtype))
+    shardings = jax.tree.map(
+        lambda s: logical_to_sharding(kv_cache.STACKED_NAMES, s.shape, runtime.mesh, runtime.rules), shapes)
+    with runtime.context():
+      return jax.jit(lambda: model.init_cache(num_pages, page_size, dtype), out_shardings=shardings)()
+
+  def _compile_all(self, echo):
+    shapes = [("step", len(self.slots), 1)] + [("fill", 1, c) for c in self.chunks]
+    started = time.perf_counter()
+    for i, (kind, batch, length) in enumerate(shapes, 1):
+      echo(f"compiling {kind} [{batch} x {length}] ({i}/{len(shapes)})")
+      self.programs.compile(kind, batch, length, self.pages_per_seq)
+    self.compile_s = time.perf_counter() - started
+
+  # -- requests ----------------------------------------------------------------------
+
+  def encode(self, prompt) -> list[int]:
+    """Text -> prompt token ids (with the tokenizer's BOS when it asks for one); ids pass."""
+    if isinstance(prompt, str):
+      ids = self.tokenizer.encode(prompt)
+      bos = getattr(self.tokenizer, "bos_id", None)
+      return ([bos] if bos is not None and getattr(self.tokenizer, "add_bos", False) else []) + ids
+    return [int(t) for t in prompt]
+
+  def make_request(self, prompt, sampling: SamplingParams = GREEDY, on_event=None) -> Request:
+    """A checked Request for a prompt (text or token ids), not yet queued."""
+    ids = self.encode(prompt)
+    if not ids:
+      raise ValueError("the prompt is empty: give at least one token")
+    if len(ids) >= self.max_seq_len:
+      raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {self.max_seq_len}: "
+                       "shorten the prompt or raise max_seq_len")
+    vocab = self.runtime.model_config.vocab_size
+    if max(ids) >= vocab or min(ids) < 0:
+      raise ValueError(f"prompt token ids must be in [0, {vocab}): got {min(ids)}..{max(ids)}")
+    stops = sampling.stop_token_ids
+    if stops is None:
+      stops = () if self.tokenizer is None else (self.tokenizer.eos_id,)
+    return Request(ids, sampling, tuple(stops), on_event)
+
+  def submit(self, prompt, sampling: SamplingParams = GREEDY, on_event=None) -> Request:
+    """Queue a prompt (text or token ids); thread-safe. on_event(TokenEvent) is called from
+    the thread that runs `step`."""
+    request = self.make_request(prompt, sampling, on_event)
+    self._inbox.put(request)
+    return request
+
+  def cancel(self, request: Request):
+    """Stop a request at the next step boundary (thread-safe); it ends "cancelled"."""
+    request.cancelled = True
+
+  @property
+  def pending(self) -> int:
+    return self._inbox.qsize() + len(self.waiting)
+
+  @property
+  def has_work(self) -> bool:
+    return not self._inbox.empty() or bool(self.waiting) or any(self.slots)
+
+  # -- one step ----------------------------------------------------------------------
+
+  def step(self) -> list:
+    """Admit waiting requests, run prefill chunks (oldest request first, up to the prefill
+    budget), then one decode step for every slot ready to decode. Returns the TokenEvents
+    produced (also sent to each on_event)."""
+    events = []
+    while not self._inbox.empty():
+      self.waiting.append(self._inbox.get())
+    for request in [r for r in [*self.waiting, *self.slots] if r is not None and r.cancelled]:
+      events.append(self._end(request, "cancelled"))
+    for i, slot in enumerate(self.slots):
+      if slot is None and self.waiting:
+        self.slots[i] = self.waiting.popleft()
+    budget = self.prefill_budget
+    while budget > 0 and (prefilling := [r for r in self.slots if r is not None and r.prefilling]):
+      budget -= self.prefill_chunk(min(prefilling, key=lambda r: r.arrival))
+    if any(r is not None and not r.prefilling for r in self.slots):
+      events += self._decode()
+    return events
+
+  def _reserve(self, request: Request, tokens: int):
+    """Pages for `tokens` positions of `request`, preempting the newest other requests."""
+    while not self.pool.grow(request.pages, tokens):
+      newest = max((r for r in self.slots if r is not None and r is not request), key=lambda r: r.arrival)
+      self.pool.release(newest.pages)  # recomputed later with the same tokens
+      newest.cached = 0
+      self.slots[self.slots.index(newest)] = None
+      self.waiting.appendleft(newest)
+      self.stats["preemptions"] += 1
+
+  def prefill_chunk(self, request: Request) -> int:
+    """Write the next prompt chunk of `request` into the cache (one compiled `fill`);
+    returns the chunk length run."""
+    context, start = request.context, request.cached
+    remaining = len(context) - 1 - start
+    fitting = [c for c in self.chunks if c <= remaining]
+    chunk = fitting[-1] if fitting else next(c for c in self.chunks if c >= remaining)
+    count = min(chunk, remaining)
+    self._reserve(request, start + count)
+    tokens = np.zeros((1, chunk), np.int32)
+    positions = np.full((1, chunk), -1, np.int32)
+    tokens[0, :count] = context[start:start + count]
+    positions[0, :count] = np.arange(start, start + count)
+    table = page_table_rows([request.pages], self.pages_per_seq)
+    self.cache = self.programs.run("fill", self.params, self.model_state, self.cache, tokens, positions, table)
+    request.cached += count
+    self.stats["prefill_tokens"] += count
+    return chunk
+
+  def _decode(self) -> list:
+    for request in sorted((r for r in self.slots if r is not None and not r.prefilling),
+                          key=lambda r: r.arrival):
+      if request in self.slots:  # not preempted by an older request's growth
+        self._reserve(request, len(request.context))
+    rows = [r if r is not None and not r.prefilling else None for r in self.slots]
+    tokens = np.zeros((len(rows), 1), np.int32)
+    positions = np.full((len(rows), 1), -1, np.int32)
+    for i, request in enumerate(rows):
+      if request is not None:
+        tokens[i, 0], positions[i, 0] = request.context[-1], len(request.context) - 1
+    table = page_table_rows([r.pages if r else [] for r in rows], self.pages_per_seq)
+    settings = row_arrays([r.sampling if r else None for r in rows])
+    next_tokens, logprobs, self.cache = self.programs.run(
+        "step", self.params, self.model_state, self.cache, tokens, positions, table, settings)
+    next_tokens, logprobs = np.asarray(next_tokens), np.asarray(logprobs)
+    events = []
+    for i, request in enumerate(rows):
+      if request is not None:
+        request.cached = len(request.context)
+        event = request.accept(int(next_tokens[i]), float(logprobs[i]), self.tokenizer.decode,
+                               self.max_seq_len)
+        if request.finish_reason is not None:
+          self._free(request)
+        events.append(self._deliver(request, event))
+    self.stats["decode_steps"] += 1
+    return events
+
+  def score(self, tokens, positions, page_table):
+    """Every position's logits [B, T, vocab] for new tokens [B, T] at positions [B, T]
+    (negative: padding), written into the cache; (B, T) must have been compiled with
+    `programs.compile("score", B, T, pages_per_seq)`."""
+    logits, self.cache = self.programs.run("score", self.params, self.model_state, self.cache,
+                                           tokens, positions, page_table)
+    return logits
+
+  def reset(self) -> list[Request]:
+    """After a failed step: end every request in flight ("error"), free every page, and
+    rebuild the cache if the failure consumed its buffers. Returns the ended requests."""
+    ended = [r for r in [*self.waiting, *self.slots] if r is not None]
+    while not self._inbox.empty():
+      ended.append(self._inbox.get())
+    for request in ended:
+      request.finish_reason = "error"
+      self.pool.release(request.pages)
+    self.slots = [None] * len(self.slots)
+    self.waiting.clear()
+    if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
+      self.cache = self._empty_cache(*self._cache_layout)
+    return ended
+
+  def _free(self, request: Request):
+    self.pool.release(request.pages)
+    if request in self.slots:
+      self.slots[self.slots.index(request)] = None
+    elif request in self.waiting:
+      self.waiting.remove(request)
+
+  def _end(self, request: Request, reason: str):
+    request.finish_reason = reason
+    self._free(request)
+    return self._deliver(request, TokenEvent(request.id, None, "", None, reason))
+
+  @staticmethod
+  def _deliver(request: Request, event: TokenEvent) -> TokenEvent:
+    if request.on_event is not None:
+      request.on_event(event)
+    return event
+
+  # -- the simple ways in --------------------------------------------------------------
+
+  def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] = GREEDY) -> list[Completion]:
+    """Complete every prompt (texts or token-id lists); one SamplingParams for all or one
+    each. Returns Completions in prompt order."""
+    settings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+    requests = [self.submit(p, s) for p, s in zip(prompts, settings)]
+    while any(r.finish_reason is None for r in requests):
+      self.step()
+    return [r.completion() for r in requests]
+
+  def stream(self, prompt, sampling: SamplingParams = GREEDY) -> Iterator[TokenEvent]:
+    """Yield TokenEvents for one prompt as they come (drives the engine itself)."""
+    request = self.submit(prompt, sampling)
+    while request.finish_reason is None:
+      for event in self.step():
+        if event.request_id == request.id:
+          yield event

@@ -1,0 +1,109 @@
+"""One generation request: its tokens, its place in the KV cache, and the text it streams."""
+
+import dataclasses
+import itertools
+import time
+
+from jaxpar.inference.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class Completion:
+  """A finished request. finish_reason: "stop" (a stop token or string), "length"
+  (max_tokens or the context limit) or "cancelled"."""
+  prompt_tokens: list[int]
+  tokens: list[int]
+  text: str
+  finish_reason: str
+  logprobs: list[float] | None = None
+
+
+@dataclasses.dataclass
+class TokenEvent:
+  """One step's news for a request: the token generated, the text it completed (may be
+  empty while a UTF-8 character or a possible stop string is still open), and
+  `finish_reason` once it is done."""
+  request_id: int
+  token: int | None
+  text: str
+  logprob: float | None
+  finish_reason: str | None = None
+
+
+class Request:
+  """A prompt in flight. `context` is the prompt plus what was generated; `cached` how many
+  of its tokens have their keys and values in the cache (after a preemption, 0 again).
+
+  Prefill chunks fill the cache with all of the context but its last token; a decode step
+  then feeds that token and samples the next, so a request is ready to decode exactly when
+  `cached == len(context) - 1`, whether it is new, growing, or recomputed after preemption.
+  """
+
+  def __init__(self, prompt: list[int], sampling: SamplingParams, stop_token_ids: tuple[int, ...],
+               on_event=None):
+    self.id = next(_ids)
+    self.prompt = list(prompt)
+    self.sampling = sampling
+    self.stop_token_ids = set(stop_token_ids)
+    self.on_event = on_event
+    self.generated: list[int] = []
+    self.logprobs: list[float] = []
+    self.pages: list[int] = []
+    self.cached = 0
+    self.text = ""  # the text streamed so far
+    self.finish_reason: str | None = None
+    self.cancelled = False
+    self.arrival = time.monotonic()
+
+  @property
+  def context(self) -> list[int]:
+    return self.prompt + self.generated
+
+  @property
+  def prefilling(self) -> bool:
+    return self.cached < len(self.context) - 1
+
+  def completion(self) -> Completion:
+    return Completion(self.prompt, list(self.generated), self.text, self.finish_reason,
+                      list(self.logprobs) if self.sampling.logprobs else None)
+
+  def accept(self, token: int, logprob: float, decode, limit: int) -> TokenEvent:
+    """Record a sampled token; decide whether the request is done; say what text it adds.
+
+    decode: token ids -> text. limit: the longest context the cache can hold.
+    """
+    self.generated.append(token)
+    self.logprobs.append(logprob)
+    stop_strings = self.sampling.stop
+    if token in self.stop_token_ids:
+      self.generated.pop()  # the stop token itself is not part of the completion
+      self.logprobs.pop()
+      self.finish_reason = "stop"
+    full = decode(self.generated)
+    if self.finish_reason is None:
+      cut = min((i for i in (full.find(s) for s in stop_strings) if i >= 0), default=-1)
+      if cut >= 0:
+        full, self.finish_reason = full[:cut], "stop"
+      elif len(self.generated) >= self.sampling.max_tokens or len(self.context) >= limit:
+        self.finish_reason = "length"
+    if self.finish_reason is None:
+      full = _safe_prefix(full, stop_strings)
+    delta = full[len(self.text):] if full.startswith(self.text) else ""
+    self.text += delta
+    return TokenEvent(self.id, token, delta, logprob, self.finish_reason)
+
+
+def _safe_prefix(text: str, stop_strings) -> str:
+  """What may be streamed now: not a trailing replacement character (a UTF-8 sequence still
+  being completed) nor a tail that could begin a stop string."""
+  end = len(text)
+  while end and text[end - 1] == "\ufffd":
+    end -= 1
+  for stop in stop_strings:
+    for k in range(min(len(stop) - 1, end), 0, -1):
+      if text[:end].endswith(stop[:k]):
+        end -= k
+        break
+  return text[:end]

@@ -1,0 +1,140 @@
+"""Per-request sampling settings and the batched sampler that applies them on device.
+
+Every row of a batch has its own temperature, top-k, top-p and seed. A row's random key is
+derived from its request's seed and the position being sampled, so what a request gets
+does not depend on which other requests share the batch, or on when it was scheduled.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. `stop`
+  strings end the text before them; `stop_token_ids` (default: the tokenizer's end of
+  text) end it after generating them. `logprobs`: report each token's log-probability."""
+  max_tokens: int = 64
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  stop: tuple[str, ...] = ()
+  stop_token_ids: tuple[int, ...] | None = None
+  logprobs: bool = False
+
+  def __post_init__(self):
+    checks = ((self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be >= 1"),
+              (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0: greedy)"),
+              (self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0: off)"),
+              (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"))
+    for ok, message in checks:
+      if not ok:
+        raise ValueError(message)
+
+
+GREEDY = SamplingParams()
+
+
+def row_arrays(params: list[SamplingParams | None]) -> dict[str, np.ndarray]:
+  """Host arrays of one batch's settings (None rows: idle slots, sampled greedily)."""
+  rows = [p or GREEDY for p in params]
+  return {"temperature": np.asarray([p.temperature for p in rows], np.float32),
+          "top_k": np.asarray([p.top_k for p in rows], np.int32),
+          "top_p": np.asarray([p.top_p for p in rows], np.float32),
+          "seed": np.asarray([p.seed for p in rows], np.uint32)}
+
+
+_BISECTION_STEPS = 32  # threshold resolution: 2^-32 of the probability range
+_CANDIDATES = 256  # filtered rows draw from the most likely tokens when their filters fit in these
+
+
+def _cutoff(probs, enough):
+  """Per row, the largest threshold t with enough(probs >= t) still true, by bisection
+  (a full sort of a large vocabulary costs tens of milliseconds on CPU)."""
+  low = jnp.zeros(probs.shape[:1], probs.dtype)
+  high = jnp.max(probs, axis=-1)
+
+  def halve(_, bounds):
+    low, high = bounds
+    mid = (low + high) / 2
+    ok = enough(probs >= mid[:, None])
+    return jnp.where(ok, mid, low), jnp.where(ok, high, mid)
+  return jax.lax.fori_loop(0, _BISECTION_STEPS, halve, (low, high))[0]
+
+
+def _filtered_probs(scaled, top_k, top_p):
+  """softmax(scaled) restricted to top-k and the top-p nucleus (the most likely tokens whose
+  mass first reaches top_p), renormalised; ties at a boundary are all kept."""
+  probs = jax.nn.softmax(scaled, axis=-1)
+  k = jnp.where(top_k > 0, top_k, scaled.shape[-1])
+  by_count = _cutoff(probs, lambda kept: jnp.sum(kept, -1) >= k)
+  by_mass = _cutoff(probs, lambda kept: jnp.sum(jnp.where(kept, probs, 0), -1) >= top_p)
+  kept = jnp.where(probs >= jnp.maximum(by_count, by_mass)[:, None], probs, 0.0)
+  return kept / jnp.sum(kept, -1, keepdims=True)
+
+
+def _inverse_cdf(probs, uniform):
+  """Index drawn from each row of (unnormalised) probs with one uniform number per row."""
+  cdf = jnp.cumsum(probs, axis=-1)
+  index = jnp.sum(cdf <= uniform[:, None] * cdf[:, -1:], axis=-1)
+  return jnp.minimum(index, probs.shape[-1] - 1)
+
+
+def _draw(logits, settings, uniform):
+  """Sampled tokens: unfiltered rows from the whole vocabulary; filtered rows from their
+  most likely candidates (one top-k, no sort of the vocabulary), or, when a row's nucleus
+  reaches past them, from the exact filter over the whole vocabulary."""
+  temperature, top_k, top_p = settings["temperature"], settings["top_k"], settings["top_p"]
+  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+  filtered = (top_k > 0) | (top_p < 1)
+  count = min(_CANDIDATES, logits.shape[-1])
+  values, indices = jax.lax.top_k(scaled, count)
+  p_top = jnp.exp(values - jax.nn.logsumexp(scaled, axis=-1, keepdims=True))
+  rank = jnp.arange(count)
+  keep = (rank < jnp.where(top_k > 0, top_k, count)[:, None]) & (jnp.cumsum(p_top, -1) - p_top < top_p[:, None])
+  from_top = jnp.take_along_axis(indices, _inverse_cdf(jnp.where(keep, p_top, 0.0), uniform)[:, None], -1)[:, 0]
+  fits = ((top_k > 0) & (top_k <= count)) | (jnp.sum(p_top, -1) >= top_p)
+  whole = jax.lax.cond(jnp.any(filtered & ~fits),
+                       lambda: _inverse_cdf(_filtered_probs(scaled, top_k, top_p), uniform),
+                       lambda: _inverse_cdf(jax.nn.softmax(scaled, axis=-1), uniform))
+  return jnp.where(filtered & fits, from_top, whole)
+
+
+def filtered_probs(logits, settings: dict):
+  """The distribution each row samples from [B, V]: temperature, top-k and top-p applied;
+  one-hot on the argmax for greedy rows."""
+  logits = logits.astype(jnp.float32)
+  scaled = logits / jnp.maximum(settings["temperature"], 1e-6)[:, None]
+  probs = _filtered_probs(scaled, settings["top_k"], settings["top_p"])
+  greedy = jax.nn.one_hot(jax.lax.top_k(logits, 1)[1][:, 0], logits.shape[-1])
+  return jnp.where((settings["temperature"] > 0)[:, None], probs, greedy)
+
+
+def row_keys(settings: dict, positions, stream: int = 0):
+  """One key per row from its seed, the position sampled and a stream number (so separate
+  draws at one position, e.g. speculative decoding's proposal and acceptance, differ)."""
+  def key(seed, position):
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), position), stream)
+  return jax.vmap(key)(settings["seed"], positions)
+
+
+def sample(logits, settings: dict, positions):
+  """logits [B, V] -> (tokens [B] int32, log-probabilities [B] under the model's distribution).
+
+  settings: `row_arrays` as device arrays; positions [B]: the position each token will
+  take, which with the row's seed picks its random key.
+  """
+  logits = logits.astype(jnp.float32)
+  greedy = jax.lax.top_k(logits, 1)[1][:, 0]  # argmax, several times faster on CPU
+
+  def draw(logits):
+    uniform = jax.vmap(jax.random.uniform)(row_keys(settings, positions))
+    return jnp.where(settings["temperature"] > 0, _draw(logits, settings, uniform), greedy)
+  tokens = jax.lax.cond(jnp.any(settings["temperature"] > 0), draw, lambda _: greedy, logits)
+  tokens = tokens.astype(jnp.int32)
+  chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+  return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)

@@ -1,0 +1,103 @@
+"""`jaxpar launch-local N -- COMMAND`: one multi-process job on this machine.
+
+For trying multi-host behaviour without a cluster. Each process gets its own simulated CPU
+devices, gloo for the collectives between processes, and the `JAX_COORDINATOR_ADDRESS`,
+`JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` variables that `jaxpar.distributed.initialize` reads;
+the coordinator listens on 127.0.0.1 only. The processes run in their own session, so a
+Ctrl-C reaches them through the launcher: the first Ctrl-C or SIGTERM is passed on as
+SIGTERM (a preemption notice: every process stops after the same step and saves), a second
+one kills them. When a process fails, the others get `grace_s` to stop by themselves (they
+notice within --peer-timeout) before they are killed, so the launcher never hangs.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
+
+
+def free_port() -> int:
+  with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    return probe.getsockname()[1]
+
+
+def process_env(process_id: int, num_processes: int, port: int, devices: int, base=None) -> dict:
+  env = dict(os.environ if base is None else base)
+  flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
+  env.update({
+      "JAX_PLATFORMS": "cpu",
+      "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
+      "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
+      "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+      "JAX_COORDINATOR_BIND_ADDRESS": f"127.0.0.1:{port}",  # JAX's default binds every interface
+      "JAX_NUM_PROCESSES": str(num_processes),
+      "JAX_PROCESS_ID": str(process_id),
+      "PYTHONUNBUFFERED": "1",  # lines from the processes interleave as they come
+  })
+  return env
+
+
+def _describe(code: int) -> str:
+  if code < 0:
+    return f"was killed by {signal.Signals(-code).name}"
+  return f"exited with code {code}"
+
+
+def launch_local(num_processes: int, argv: list[str], *, devices_per_process: int = 4,
+                 port: int | None = None, grace_s: float = 90.0, echo=print) -> int:
+  """Run `argv` as processes 0..N-1 of one job and wait for all of them. Returns 0 when all
+  succeed, else the exit code of the first to fail (128 + signal number when killed)."""
+  if num_processes < 1 or devices_per_process < 1:
+    raise ValueError(f"launch-local needs N >= 1 and --devices-per-process >= 1; got "
+                     f"{num_processes} and {devices_per_process}")
+  if not argv:
+    raise ValueError("launch-local: give the command after --, e.g. jaxpar launch-local 2 -- train tiny")
+  port = port or free_port()
+  processes = [subprocess.Popen(argv, env=process_env(i, num_processes, port, devices_per_process),
+                                start_new_session=True) for i in range(num_processes)]
+  echo(f"launch-local: {num_processes} processes x {devices_per_process} CPU devices, coordinator "
+       f"127.0.0.1:{port}, pids {' '.join(str(p.pid) for p in processes)}")
+  received = []
+  previous = {s: signal.signal(s, lambda signum, _: received.append(signum))
+              for s in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    return _wait(processes, received, grace_s, echo)
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+def _wait(processes, received, grace_s, echo) -> int:
+  forwarded, first_failure, failed_at = 0, None, None
+  while any(p.poll() is None for p in processes):
+    if len(received) > forwarded:
+      forwarded = len(received)
+      sent = signal.SIGTERM if forwarded == 1 else signal.SIGKILL
+      echo(f"launch-local: {signal.Signals(received[-1]).name}: sending {sent.name} to the processes")
+      _send(processes, sent)
+    if first_failure is None:  # the others' grace period counts from the first failure seen
+      first_failure = next((i for i, p in enumerate(processes) if p.poll() not in (None, 0)), None)
+      failed_at = time.monotonic()
+    elif time.monotonic() - failed_at > grace_s:
+      echo(f"launch-local: killing the processes still running {grace_s:g} s after process "
+           f"{first_failure} failed")
+      _send(processes, signal.SIGKILL)
+    time.sleep(0.1)
+  failures = [(i, p.returncode) for i, p in enumerate(processes) if p.returncode]
+  for i, code in failures:
+    echo(f"launch-local: process {i} {_describe(code)}")
+  if not failures:
+    return 0
+  code = processes[first_failure if first_failure is not None else failures[0][0]].returncode
+  return 128 - code if code < 0 else code
+
+
+def _send(processes, signum):
+  for p in processes:
+    if p.poll() is None:
+      p.send_signal(signum)

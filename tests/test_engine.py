@@ -1,0 +1,133 @@
+"""The generation engine: cached decoding equals full recomputation, results do not depend
+on what else is in the batch, nothing leaks, and nothing recompiles in steady state."""
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar.config import MeshConfig, ModelConfig
+from jaxpar.data import ByteTokenizer
+from jaxpar.inference import Engine, SamplingParams
+from jaxpar.runtime import Runtime
+from tests.helpers import SMALL_MODEL
+
+MODEL = ModelConfig(**{**SMALL_MODEL, "max_seq_len": 96})
+NEW_TOKENS = 10
+NO_STOP = dict(stop_token_ids=())
+
+
+def _prompts(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, n).tolist() for n in lengths]
+
+
+def _engine(mesh: dict, devices, **options):
+  runtime = Runtime(MODEL, MeshConfig(**mesh), devices)
+  params, model_state = runtime.init()
+  options = {"slots": 4, "page_size": 8, "prefill_chunks": (8, 32), **options}
+  return Engine(runtime, params, ByteTokenizer(), model_state=model_state, **options)
+
+
+def _recompute_greedy(engine, prompt, count):
+  """Greedy continuation by running the whole sequence through the model at every step."""
+  model = jax.device_get(engine.params)
+  logits_of = jax.jit(lambda params, tokens: engine.runtime.merge(params)(tokens)[0][0, -1])
+  tokens = list(prompt)
+  for _ in range(count):
+    tokens.append(int(jnp.argmax(logits_of(model, jnp.asarray([tokens])))))
+  return tokens[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def one_device():
+  return _engine({"fsdp": 1}, jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def sharded():
+  """8 devices: batch rows over data, kv heads (2) and heads over tensor."""
+  return _engine({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices())
+
+
+LENGTHS = [1, 7, 8, 9, 33, 70]  # inside a page, page edges, across chunks and pages
+
+
+@pytest.mark.parametrize("which", ["one_device", "sharded"])
+def test_cached_greedy_equals_recompute(which, request):
+  engine = request.getfixturevalue(which)
+  prompts = _prompts(LENGTHS)
+  results = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, **NO_STOP))
+  for prompt, result in zip(prompts, results):
+    assert result.finish_reason == "length" and len(result.tokens) == NEW_TOKENS
+    assert result.tokens == _recompute_greedy(engine, prompt, NEW_TOKENS), len(prompt)
+  assert engine.pool.free == engine.pool.num_pages and not any(engine.slots)
+
+
+def test_continuous_batching_results_do_not_depend_on_the_batch(one_device):
+  engine = one_device
+  rng = random.Random(0)
+  prompts = _prompts([rng.randint(1, 60) for _ in range(12)], seed=1)
+  settings = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.8]),
+                             top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.9]), seed=i, **NO_STOP)
+              for i in range(len(prompts))]
+  alone = [engine.generate([p], s)[0].tokens for p, s in zip(prompts, settings)]
+  # The same requests arriving at random moments while others run.
+  order = list(range(len(prompts)))
+  rng.shuffle(order)
+  requests = {}
+  while order or any(r.finish_reason is None for r in requests.values()):
+    for _ in range(rng.randint(0, 3)):
+      if order:
+        i = order.pop()
+        requests[i] = engine.submit(prompts[i], settings[i])
+    engine.step()
+  assert [requests[i].generated for i in range(len(prompts))] == alone
+  assert engine.pool.free == engine.pool.num_pages and not any(engine.slots) and not engine.waiting
+
+
+def test_preemption_recomputes_the_same_tokens():
+  # A pool of 2 sequences' pages for 4 slots: growth forces the newest requests out and back.
+  engine = _engine({"fsdp": 1}, jax.devices()[:1], num_pages=24)
+  prompts = _prompts([30, 40, 50, 60], seed=2)
+  settings = SamplingParams(max_tokens=30, temperature=0.7, seed=3, **NO_STOP)
+  together = engine.generate(prompts, settings)
+  assert engine.stats["preemptions"] > 0
+  alone = [engine.generate([p], settings)[0] for p in prompts]
+  assert [r.tokens for r in together] == [r.tokens for r in alone]
+  assert engine.pool.free == engine.pool.num_pages
+
+
+def test_no_recompiles_after_warm_up(one_device):
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, *_, **__: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+  before = len(compiles)
+  one_device.generate(_prompts([3, 17, 64, 90 - NEW_TOKENS]), SamplingParams(max_tokens=NEW_TOKENS, **NO_STOP))
+  one_device.generate(_prompts([5]), SamplingParams(max_tokens=3, temperature=1.0, top_p=0.5, logprobs=True))
+  assert len(compiles) == before, compiles[before:]
+
+
+def test_stop_strings_tokens_and_logprobs(one_device):
+  engine = one_device
+  free = engine.generate(["ab"], SamplingParams(max_tokens=12, logprobs=True, **NO_STOP))[0]
+  assert len(free.logprobs) == 12 and all(lp <= 0 for lp in free.logprobs)
+  text = free.text
+  stop = text[3:5] if len(text) >= 5 else None
+  if stop:
+    stopped = engine.generate(["ab"], SamplingParams(max_tokens=12, stop=(stop,), **NO_STOP))[0]
+    assert stopped.finish_reason == "stop" and stopped.text == text[:text.find(stop)]
+  first = free.tokens[2]
+  ended = engine.generate(["ab"], SamplingParams(max_tokens=12, stop_token_ids=(first,)))[0]
+  assert ended.finish_reason == "stop" and ended.tokens == free.tokens[:2]
+
+
+def test_bad_requests_are_clear_errors(one_device):
+  with pytest.raises(ValueError, match="the prompt has 96 tokens but the context holds 96"):
+    one_device.submit([1] * 96)
+  with pytest.raises(ValueError, match="prompt is empty"):
+    one_device.submit([])
+  with pytest.raises(ValueError, match="top_p=1.5 must be in"):
+    SamplingParams(top_p=1.5)

@@ -1,0 +1,86 @@
+"""Generating from a converted Hugging Face model (its tokenizer carried along) matches
+`transformers` token for token; `jaxpar generate` streams, and writes JSONL for a file."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.hf import hf_to_jaxpar, jaxpar_to_hf
+from jaxpar.inference import Engine, SamplingParams
+from tests.test_data import _train_hf_tokenizer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+  """A random-weight HF Llama with a locally trained BPE tokenizer, converted to jaxpar."""
+  root = tmp_path_factory.mktemp("hf_generate")
+  hf_dir = root / "hf"
+  hf_dir.mkdir()
+  tokenizer = _train_hf_tokenizer(hf_dir / "tokenizer.json", special_tokens=("<|endoftext|>", "<s>"))
+  (hf_dir / "tokenizer_config.json").write_text(json.dumps({
+      "add_bos_token": True, "bos_token": "<s>", "eos_token": "<|endoftext|>", "chat_template": TEMPLATE}))
+  config = transformers.LlamaConfig(
+      vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=2, max_position_embeddings=128, bos_token_id=tokenizer.token_to_id("<s>"),
+      eos_token_id=tokenizer.token_to_id("<|endoftext|>"))
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(config).eval()
+  with torch.no_grad():
+    for p in model.parameters():
+      p.copy_(0.2 * torch.randn_like(p))
+  model.save_pretrained(hf_dir)
+  hf_to_jaxpar(hf_dir, root / "jaxpar")
+  return root, model, tokenizer
+
+
+def test_converted_model_generates_what_transformers_does(converted):
+  root, model, tokenizer = converted
+  engine = Engine.from_checkpoint(root / "jaxpar", slots=2, page_size=8, prefill_chunks=(8,))
+  assert engine.tokenizer.chat_template == TEMPLATE  # carried with the checkpoint
+  prompts = ["the quick brown fox", "a dog"]
+  ids = [engine.encode(p) for p in prompts]
+  for prompt, row in zip(prompts, ids):  # bos first, as tokenizer_config.json asks
+    assert row == [tokenizer.token_to_id("<s>")] + tokenizer.encode(prompt, add_special_tokens=False).ids
+  ours = engine.generate(prompts, SamplingParams(max_tokens=20))
+  for row, result in zip(ids, ours):
+    with torch.no_grad():
+      out = model.generate(torch.tensor([row]), max_new_tokens=20, do_sample=False,
+                           eos_token_id=model.config.eos_token_id, pad_token_id=0)
+    theirs = out[0, len(row):].tolist()
+    if theirs and theirs[-1] == model.config.eos_token_id:
+      theirs = theirs[:-1]  # our completion leaves the stop token out
+    assert result.tokens == theirs
+  jaxpar_to_hf(root / "jaxpar", root / "back")  # and the tokenizer goes back out with the weights
+  assert json.loads((root / "back" / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
+  assert (root / "back" / "tokenizer.json").read_bytes() == (root / "hf" / "tokenizer.json").read_bytes()
+
+
+def test_cli_generate_streams_and_writes_jsonl(converted, tmp_path, capsys):
+  root, _, _ = converted
+  common = ["generate", "--checkpoint", str(root / "jaxpar"), "--slots", "2", "--max-tokens", "6"]
+  assert main([*common, "--prompt", "the dog"]) == 0
+  streamed = capsys.readouterr().out
+  assert streamed.startswith("the dog") and len(streamed.strip()) > len("the dog")
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "the fox", "temperature": 0.9, "seed": 3}\nthe lazy dog\n')
+  assert main([*common, "--prompts-file", str(prompts), "--output", str(tmp_path / "out.jsonl"), "--logprobs"]) == 0
+  rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+  assert [r["prompt"] for r in rows] == ["the fox", "the lazy dog"]
+  assert all(len(r["logprobs"]) == len(r["tokens"]) <= 6 and r["finish_reason"] in ("stop", "length")
+             for r in rows)
+  assert np.all(np.asarray(rows[1]["logprobs"]) <= 0)
+
+
+def test_cli_generate_bad_input_is_one_line(converted, capsys):
+  root, _, _ = converted
+  assert main(["generate", "--checkpoint", str(root / "jaxpar"), "--prompt", "x", "mesh.tensr=2"]) == 2
+  assert "'mesh.tensr=2' is not a mesh size" in capsys.readouterr().err
+  assert main(["generate", "--checkpoint", str(root / "jaxpar")]) == 2
+  assert "give --prompt TEXT or --prompts-file FILE" in capsys.readouterr().err

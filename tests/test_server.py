@@ -1,0 +1,246 @@
+"""`jaxpar serve` as clients meet it: the official `openai` client for completions and chat,
+streamed or not, many clients at once, malformed requests, a full queue, a client that
+leaves mid-stream, an engine failure mid-stream, and SIGTERM; correct answers after all."""
+
+import concurrent.futures
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import pytest
+
+from jaxpar.checkpoint import Checkpointer
+from jaxpar.config import MeshConfig, from_dict
+from jaxpar.data import copy_tokenizer_files
+from jaxpar.inference import Engine
+from jaxpar.inference.server import build_app
+from jaxpar.runtime import Runtime
+from tests.helpers import SMALL_MODEL
+from tests.test_data import _train_hf_tokenizer
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+MODEL_NAME = "tiny-test"
+
+
+def _free_port():
+  with socket.socket() as probe:
+    probe.bind(("127.0.0.1", 0))
+    return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """A random-weight model saved with a BPE tokenizer that has a chat template."""
+  root = tmp_path_factory.mktemp("serve")
+  (root / "tok").mkdir()
+  _train_hf_tokenizer(root / "tok" / "tokenizer.json")
+  (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+  config = from_dict({"model": {**SMALL_MODEL, "max_seq_len": 96}, "mesh": {"fsdp": 1}, "data": {"seq_len": 32}})
+  runtime = Runtime(config.model, MeshConfig(fsdp=1), jax.devices()[:1])
+  params, _ = runtime.init()
+  with Checkpointer(root / "ckpt") as checkpoints:
+    checkpoints.save(0, {"params": params}, config=config, force=True)
+  copy_tokenizer_files(root / "tok", root / "ckpt" / "tokenizer")
+  return root / "ckpt"
+
+
+def _engine(checkpoint):
+  return Engine.from_checkpoint(checkpoint, devices=jax.devices()[:1], slots=2, page_size=8,
+                                prefill_chunks=(8, 32))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+  """A second engine on the same weights: the answers the server must give (the served one
+  belongs to the server's thread)."""
+  return _engine(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+  """An in-process server (uvicorn on a thread) on 127.0.0.1: max 4 waiting requests."""
+  engine = _engine(checkpoint)
+  port = _free_port()
+  app = build_app(engine, model_name=MODEL_NAME, max_queue=4, grace_s=5)
+  instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+  thread = threading.Thread(target=instance.run, daemon=True)
+  thread.start()
+  deadline = time.monotonic() + 60
+  while not instance.started:
+    assert time.monotonic() < deadline, "the server did not start"
+    time.sleep(0.05)
+  client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+  yield engine, port, client
+  instance.should_exit = True
+  thread.join(timeout=30)
+
+
+def _expected(reference, prompt, max_tokens):
+  """What an engine alone makes of a prompt, greedily."""
+  from jaxpar.inference import SamplingParams
+  return reference.generate([prompt], SamplingParams(max_tokens=max_tokens))[0]
+
+
+def _raw(port, method, path, body=None, headers=None):
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+  connection.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
+  response = connection.getresponse()
+  data = response.read()
+  connection.close()
+  return response.status, json.loads(data) if data else None
+
+
+def test_completions_and_chat_streamed_or_not(server, reference):
+  engine, port, client = server
+  assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+  # Greedy answers equal the engine's own, streamed or not; usage counts are right.
+  full = client.completions.create(model=MODEL_NAME, prompt="the quick", max_tokens=8, temperature=0)
+  expected = _expected(reference, "the quick", 8)
+  assert full.choices[0].text == expected.text and full.choices[0].finish_reason == expected.finish_reason
+  assert full.usage.prompt_tokens == len(engine.encode("the quick"))
+  assert full.usage.completion_tokens == len(expected.tokens)
+  chunks = list(client.completions.create(model=MODEL_NAME, prompt="the quick", max_tokens=8, temperature=0,
+                                          stream=True, stream_options={"include_usage": True}))
+  assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+  assert chunks[-1].usage.completion_tokens == len(expected.tokens) and not chunks[-1].choices
+  # Chat goes through the model's template.
+  messages = [{"role": "user", "content": "a fox"}]
+  reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
+                                         logprobs=True)
+  templated = _expected(reference, engine.tokenizer.encode("<|user|>a fox\n<|assistant|>"), 6)
+  assert reply.choices[0].message.content == templated.text and reply.choices[0].message.role == "assistant"
+  assert len(reply.choices[0].logprobs.content) == len(templated.tokens)
+  streamed = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
+                                            stream=True)
+  assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == templated.text
+
+
+def test_many_concurrent_clients_get_their_own_answers(server, reference):
+  _, _, client = server
+  prompts = [f"the dog {i}" for i in range(10)]
+  expected = {p: _expected(reference, p, 5).text for p in prompts}
+
+  def ask(prompt):
+    for attempt in range(20):  # bounded: a 429 (queue of 4) means try again shortly
+      try:
+        return prompt, client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5,
+                                                 temperature=0).choices[0].text
+      except openai.RateLimitError:
+        time.sleep(0.2)
+    raise AssertionError("never admitted")
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    answers = dict(pool.map(ask, prompts))
+  assert answers == expected
+
+
+def test_malformed_requests_get_openai_errors(server):
+  engine, port, client = server
+  status, body = _raw(port, "POST", "/v1/completions", body=b"{not json")
+  assert status == 400 and "could not parse the JSON body" in body["error"]["message"]
+  cases = [
+    ({"model": MODEL_NAME}, 400, "prompt"),
+    ({"model": MODEL_NAME, "prompt": "x" * 200}, 400, "prompt"),  # longer than the context of 96
+    ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 500}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": MODEL_NAME, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": MODEL_NAME, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+  ]
+  for request, status, param in cases:
+    got, body = _raw(port, "POST", "/v1/completions", body=json.dumps(request))
+    assert (got, body["error"]["param"]) == (status, param), (request, body)
+    assert body["error"]["message"] and body["error"]["type"]
+  with pytest.raises(openai.BadRequestError, match="maximum context length is 96"):
+    client.completions.create(model=MODEL_NAME, prompt="x" * 200)
+  assert _raw(port, "GET", "/health")[1]["status"] == "ok"
+
+
+def test_full_queue_is_429_and_disconnect_frees_the_slot(server):
+  engine, port, client = server
+  outcomes = []
+
+  def long_request():
+    try:
+      client.completions.create(model=MODEL_NAME, prompt="the", max_tokens=60, temperature=0)
+      outcomes.append("ok")
+    except openai.RateLimitError:
+      outcomes.append(429)
+  threads = [threading.Thread(target=long_request) for _ in range(10)]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join(timeout=120)
+  assert 429 in outcomes and "ok" in outcomes, outcomes
+  # A client reads one streamed chunk and hangs up: its slot and pages come back.
+  connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+  connection.request("POST", "/v1/completions", body=json.dumps(
+      {"model": MODEL_NAME, "prompt": "the", "max_tokens": 80, "stream": True, "temperature": 0}),
+      headers={"Content-Type": "application/json"})
+  response = connection.getresponse()
+  assert response.readline().startswith(b"data: ")
+  connection.sock.shutdown(socket.SHUT_RDWR)
+  connection.close()
+  deadline = time.monotonic() + 30
+  while _raw(port, "GET", "/health")[1]["busy_slots"] and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not any(engine.slots) and engine.pool.free == engine.pool.num_pages
+
+
+def test_engine_failure_mid_stream_reaches_the_client_then_the_server_recovers(server, reference, monkeypatch):
+  engine, _, client = server
+  real_step, calls = engine.step, []
+
+  def failing_step():
+    calls.append(1)
+    if len(calls) == 3:
+      raise RuntimeError("injected failure")
+    return real_step()
+  monkeypatch.setattr(engine, "step", failing_step)
+  with pytest.raises(openai.APIError, match="injected failure"):
+    for _ in client.completions.create(model=MODEL_NAME, prompt="the", max_tokens=30, temperature=0, stream=True):
+      pass
+  monkeypatch.setattr(engine, "step", real_step)
+  again = client.completions.create(model=MODEL_NAME, prompt="the quick", max_tokens=8, temperature=0)
+  assert again.choices[0].text == _expected(reference, "the quick", 8).text
+
+
+@pytest.mark.slow
+def test_cli_serve_drains_on_sigterm_and_exits_0(checkpoint):
+  port = _free_port()
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  child = subprocess.Popen([sys.executable, "-m", "jaxpar", "serve", "--checkpoint", str(checkpoint),
+                            "--port", str(port), "--slots", "2", "--model-name", MODEL_NAME],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  try:
+    deadline = time.monotonic() + 180
+    while True:
+      assert child.poll() is None and time.monotonic() < deadline, child.stdout.read()
+      try:
+        if _raw(port, "GET", "/health")[0] == 200:
+          break
+      except OSError:
+        time.sleep(0.3)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    stream = client.completions.create(model=MODEL_NAME, prompt="the", max_tokens=40, temperature=0, stream=True)
+    first = next(iter(stream))
+    child.send_signal(signal.SIGTERM)
+    rest = list(stream)  # the request in flight still finishes
+    assert first.choices and rest and rest[-1].choices[0].finish_reason in ("stop", "length")
+    assert child.wait(timeout=60) == 0
+  finally:
+    if child.poll() is None:
+      child.kill()
+  output = child.stdout.read()
+  assert "serving 'tiny-test' on http://127.0.0.1" in output
