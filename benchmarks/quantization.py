@@ -10,8 +10,11 @@ kernels in bf16, measured on the arrays. KV bytes: a quantized cache of the mode
 (16-token pages) against a bf16 one, measured on the arrays. Logits error: max |dlogit| /
 max |logit| against float32 on 8 windows. The KV rows attend as each decode step reads the
 quantized cache (`kv_quant.cached_attention`; newest 32 tokens in float).
-CPU decode tokens/s against unquantized decode needs the inference engine's paged cache
-path (issue 9); it is not measured here.
+Decode (the inference engine, greedy; the float32 model as trained, and quantized): tokens/s at
+batch 1 and 8 (prompts of 64 held-out bytes, 64 new tokens; decode tokens/s = batch x 63 /
+(time for 64 tokens - time for 1), best of 3) and greedy agreement with the float32 model
+(the share of the 64 x 8 generated tokens equal to float's at the same position). The KV
+cache is not quantized in the engine yet, so this table has weight modes only.
 TPU: llama3-8b's decode step (weights bf16, int8, int4 or W8A8) (one new token for each of 8 sequences over a 4096-token paged
 bf16 cache) compiled through libtpu on tensor-parallel chips; argument bytes (weights +
 cache) and temporaries per device from compiled.memory_analysis().
@@ -82,8 +85,13 @@ def _row(name, weight_ratio, kv_ratio, error, ppl, base):
   print("| " + " | ".join(cells) + " |")
 
 
-def cpu_table(steps):
+def cpu_tables(steps):
   config, runtime, params, windows = _train(steps)
+  quality_table(config, runtime, params, windows)
+  decode_table(config, runtime, params, windows)
+
+
+def quality_table(config, runtime, params, windows):
   devices = jax.devices()[:1]
   base = perplexity(runtime, params, windows)
   want = _logits(runtime, params, windows[:8, :-1])
@@ -109,6 +117,43 @@ def cpu_table(steps):
     error = float(np.abs(got - want).max() / np.abs(want).max())
     _row(f"KV {mode} (KIVI)" if mode != "int8" else "KV int8", "1", f"{ratio:.3f}", error,
          perplexity(runtime, params, windows, kv_quantization=spec), base)
+
+
+def _best(fn, repeats=3):
+  fn()
+  times = []
+  for _ in range(repeats):
+    started = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - started)
+  return min(times)
+
+
+def decode_table(config, runtime, params, windows, batches=(1, 8), new=64):
+  from jaxpar.inference import Engine, SamplingParams
+  devices = jax.devices()[:1]
+  prompts = [w[:64].tolist() for w in windows[:max(batches)]]
+  models = [("float32", runtime, params)]
+  for mode, group in (("int8", None), ("int4", 32), ("w8a8", None)):
+    q_config = replace(config, model={"quantization": quantization_section(mode, group)})
+    q_runtime = Runtime(q_config.model, q_config.mesh, devices)
+    models.append((mode if group is None else f"int4, group {group}", q_runtime,
+                   quantize_params(params, q_runtime)))
+  print("\n| weights | " + " | ".join(f"decode tokens/s, batch {b}" for b in batches) +
+        " | greedy agreement with float32 |")
+  print("| --- |" + " --- |" * (len(batches) + 1))
+  reference = None
+  for name, rt, p in models:
+    speeds = []
+    for batch in batches:
+      engine = Engine(rt, p, ByteTokenizer(), slots=batch, max_seq_len=64 + new + 8, page_size=16,
+                      prefill_chunks=(64,))
+      run = lambda n: engine.generate(prompts[:batch], SamplingParams(max_tokens=n, stop_token_ids=()))
+      speeds.append(batch * (new - 1) / (_best(lambda: run(new)) - _best(lambda: run(1))))
+    tokens = np.array([c.tokens for c in run(new)])
+    reference = tokens if reference is None else reference
+    agreement = float((tokens == reference).mean())
+    print(f"| {name} | " + " | ".join(f"{s:,.0f}" for s in speeds) + f" | {agreement:.1%} |")
 
 
 def _decode_memory(config, devices, batch=8, context=4096, page_size=128):
@@ -166,7 +211,7 @@ def main():
   parser.add_argument("--no-cpu", action="store_true")
   args = parser.parse_args()
   if not args.no_cpu:
-    cpu_table(args.steps)
+    cpu_tables(args.steps)
   if not args.no_tpu:
     tpu_table(args.topology)
 

@@ -3,16 +3,17 @@
 Reads a float checkpoint onto the current devices, quantizes every projection kernel the
 quantized model holds (attention q/k/v/o, MLP gate/up/down: `models/dense.py`), copies the
 rest (embeddings, norms) unchanged, and writes a params-only Orbax checkpoint whose saved
-config carries `model.quantization`. Like any checkpoint it restores onto any mesh, each
-device reading only its shards; the engine, evaluation and `Runtime.restore_params` load
+config carries `model.quantization`, with the source's tokenizer files. Like any checkpoint it restores onto any mesh, each
+device reading only its shards; the engine, evaluation and `Runtime.restore` load
 it from that config.
 """
 
 import jax
 from flax import nnx
 
-from jaxpar.checkpoint import Checkpointer, resolve
+from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer, resolve
 from jaxpar.config import ConfigError, from_dict, replace
+from jaxpar.data import copy_tokenizer_files
 from jaxpar.models.dense import QuantizedKernel, quantized_arrays
 from jaxpar.runtime import Runtime
 
@@ -85,8 +86,10 @@ def quantize_checkpoint(ckpt, out, mode: str, group_size=None, *, zero_point=Fal
       raise ValueError(f"{out} already holds checkpoints {target.all_steps()}: give an empty "
                        "or new directory (nothing is overwritten)")
     float_runtime = Runtime(config.model, config.mesh, devices)
-    params = float_runtime.restore_params(root, step)
+    params = float_runtime.restore(root, step)[0]
     quantized = quantize_params(params, Runtime(quant_config.model, quant_config.mesh, devices))
     target.save(step, {"params": quantized}, config=quant_config, force=True)
     target.wait()
+    # The tokenizer travels with the weights, so the quantized model generates with no flags.
+    copy_tokenizer_files(root / TOKENIZER_DIR, target.directory / TOKENIZER_DIR)
     return quant_config, target.path(step)
