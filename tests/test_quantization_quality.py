@@ -72,3 +72,21 @@ def test_quantized_kv_cache_perplexity(trained, mode):
   spec = KVQuantization(mode, page_size=16, window=32)
   delta = perplexity(runtime, params, windows, kv_quantization=spec) / base - 1
   assert abs(delta) < KV_MODES[mode], f"kv {mode}: perplexity {delta:+.3%} vs float"
+
+
+def test_int8_model_generates_through_the_engine_like_float(trained):
+  """The quantized model runs in the inference engine unchanged; greedy continuations of
+  held-out prompts mostly agree with float32's (measured: 86% of 8 x 64 tokens at 150 steps)."""
+  from jaxpar.inference import Engine, SamplingParams
+  config, runtime, params, windows, *_ = trained
+  q_config = replace(config, model={"quantization": quantization_section("int8")})
+  q_runtime = Runtime(q_config.model, q_config.mesh, jax.devices()[:1])
+  prompts = [w[:64].tolist() for w in windows[:4]]
+  outputs = []
+  for rt, p in ((runtime, params), (q_runtime, quantize_params(params, q_runtime))):
+    engine = Engine(rt, p, ByteTokenizer(), slots=4, max_seq_len=104, prefill_chunks=(64,))
+    done = engine.generate(prompts, SamplingParams(max_tokens=32, stop_token_ids=()))
+    outputs.append(np.array([c.tokens for c in done]))
+  assert outputs[0].shape == (4, 32)
+  assert (outputs[0][:, 0] == outputs[1][:, 0]).all()
+  assert (outputs[0] == outputs[1]).mean() > 0.5
