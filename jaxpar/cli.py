@@ -98,6 +98,16 @@ def _cmd_convert_jaxpar_to_hf(ns):
                 f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
 
 
+def _cmd_quantize(ns):
+  from jaxpar.quantize import quantize_checkpoint
+  config, path = quantize_checkpoint(ns.ckpt, ns.out, ns.mode, ns.group_size, zero_point=ns.zero_point,
+                                     outlier_channels=ns.outlier_channels)
+  q = config.model.quantization
+  detail = f", group size {q.group_size}{', zero points' if q.zero_point else ''}" if q.mode == "int4" else ""
+  console.print(f"[bold]quantized[/bold] {ns.ckpt} -> {path} ({q.mode}{detail}); its saved config "
+                "sets model.quantization, so restoring it builds the quantized model on any mesh")
+
+
 def _compile_on_this_host():
   """TPU topology compiles run on the CPU backend: never try to open a TPU (or GPU) here.
   Describing a topology loads libtpu, which on a host with no TPU complains that it cannot
@@ -201,6 +211,21 @@ def build_parser() -> argparse.ArgumentParser:
   to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                      help="tensor dtype on disk (default: the model's param_dtype)")
   to_hf.set_defaults(func=_cmd_convert_jaxpar_to_hf)
+
+  quantize = commands.add_parser(
+      "quantize", help="quantize a checkpoint's projection weights (int8, int4, W8A8)",
+      description="Write a params-only checkpoint OUT with CKPT's projections quantized: int8 "
+      "(W8A16, per-channel scales), int4 (W4A16, per-group scales) or w8a8 (int8 weights and "
+      "per-token int8 activations). Its config sets model.quantization.")
+  quantize.add_argument("ckpt", metavar="CKPT", help="a checkpoint dir (its latest step) or one step dir")
+  quantize.add_argument("out", metavar="OUT", help="a new checkpoint directory")
+  quantize.add_argument("--mode", required=True, choices=("int8", "int4", "w8a8"))
+  quantize.add_argument("--group-size", type=int, choices=(32, 64, 128),
+                        help="int4: rows sharing one scale (default 128)")
+  quantize.add_argument("--zero-point", action="store_true", help="int4: asymmetric groups")
+  quantize.add_argument("--outlier-channels", type=int, default=0,
+                        help="w8a8: keep this many input channels with the largest |x| in float")
+  quantize.set_defaults(func=_cmd_quantize)
 
   compile_ = commands.add_parser(
       "compile", help="compile the train step for a TPU topology (no TPU needed)",

@@ -215,6 +215,9 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
     if not saved:
       raise ValueError(f"checkpoint {root} has no saved config: it was not written by jaxpar")
     cfg = model_from_dict(saved["model"])
+    if cfg.quantization is not None:
+      raise ValueError(f"checkpoint {root} is quantized (model.quantization.mode="
+                       f"{cfg.quantization.mode}): export the float checkpoint it came from")
     dtype = dtype or cfg.param_dtype
     if dtype not in DTYPES:
       raise ValueError(f"dtype={dtype!r} is not one of {list(DTYPES)}")

@@ -41,6 +41,10 @@ class Trainer:
 
   def __init__(self, config: Config, devices=None, *, console: Console | None = None):
     self.config = config
+    if config.model.quantization is not None:
+      raise ValueError(f"model.quantization.mode={config.model.quantization.mode}: quantized "
+                       "weights are for inference; train the float model, then `jaxpar quantize` "
+                       "its checkpoint")
     self.runtime = Runtime(config.model, config.mesh, devices, seed=config.train.seed)
     self.console = console or Console()
     batch = config.data.global_batch_size // config.train.microbatches

@@ -71,12 +71,15 @@ def _spec(names, chosen) -> PartitionSpec:
   return PartitionSpec(*dims)
 
 
-def logical_shard_map(fn, in_names, out_names):
+def logical_shard_map(fn, in_names, out_names, *, sum_over=(), check_vma=True):
   """Wrap `fn` to run per device over the current mesh.
 
   in_names[i]: the logical names of argument i's dimensions (None for a replicated
   dimension), or None for an argument passed through unchanged (e.g. an absent
   `segment_ids`). out_names: the names of the one output, or a list of them for several.
+  sum_over: names of contracted dimensions: where the mesh splits them, each device's
+  outputs are partial sums, added up (psum) over those mesh axes before they leave.
+  check_vma: jax.shard_map's per-value tracking of which mesh axes a value varies over.
   A name whose mesh axes do not divide every dimension that carries it is split over the
   longest prefix of those axes that does (possibly none: replicated). Without a mesh, or
   on a mesh whose free axes are all size 1, `fn` is called directly.
@@ -93,12 +96,16 @@ def logical_shard_map(fn, in_names, out_names):
     several = isinstance(out_names, list)
     out_specs = tuple(_spec(n, chosen) for n in out_names) if several else _spec(out_names, chosen)
 
+    summed = tuple(a for name in sum_over for a in chosen.get(name, ()))
+
     def per_device(*present_args):
       full = list(args)
       for i, x in zip(present, present_args):
         full[i] = x
-      return fn(*full)
+      out = fn(*full)
+      return jax.tree.map(lambda o: jax.lax.psum(o, summed), out) if summed else out
 
-    return jax.shard_map(per_device, mesh=mesh, in_specs=tuple(_spec(in_names[i], chosen) for i in present),
-                         out_specs=out_specs)(*(args[i] for i in present))
+    in_specs = tuple(_spec(in_names[i], chosen) for i in present)
+    return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=check_vma)(*(args[i] for i in present))
   return wrapped

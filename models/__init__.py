@@ -7,13 +7,16 @@ scopes what it needs.
 
 from jaxpar.models import llama, mlp  # noqa: F401  (register the shipped family and block)
 from jaxpar.models.attention import Attention
-from jaxpar.models.config import ModelConfig, RopeScaling
+from jaxpar.models.config import ModelConfig, QuantizationConfig, RopeScaling
 from jaxpar.models.decoder import DecoderLayer, LayerContext
+from jaxpar.models.dense import QuantizedKernel
+from jaxpar.models.kv_quant import KVQuantization
 from jaxpar.models.mlp import MLP
 from jaxpar.models.registry import (HFMapping, ModelFamily, block_names, build_model, family_names,
                                     get_block, get_family, register_block, register_family)
 from jaxpar.models.transformer import Transformer
 
-__all__ = ["Attention", "DecoderLayer", "HFMapping", "LayerContext", "MLP", "ModelConfig",
-           "ModelFamily", "RopeScaling", "Transformer", "block_names", "build_model",
-           "family_names", "get_block", "get_family", "register_block", "register_family"]
+__all__ = ["Attention", "DecoderLayer", "HFMapping", "KVQuantization", "LayerContext", "MLP",
+           "ModelConfig", "ModelFamily", "QuantizationConfig", "QuantizedKernel", "RopeScaling",
+           "Transformer", "block_names", "build_model", "family_names", "get_block", "get_family",
+           "register_block", "register_family"]

@@ -5,8 +5,8 @@ from flax import nnx
 
 from jaxpar import pallas_kernels
 from jaxpar.mesh import constrain
-from jaxpar.models import kv_cache
-from jaxpar.models.dense import dense
+from jaxpar.models import kv_cache, kv_quant
+from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.rope import apply_rope
@@ -16,7 +16,8 @@ class Attention(nnx.Module):
   """Causal GQA over [B, L, embed] -> [B, L, embed].
 
   Parameters: q [embed, heads, head_dim], k and v [embed, kv_heads, head_dim],
-  o [heads, head_dim, embed]; optional q/k/v biases (Qwen2) and q/k RMSNorms (Qwen3).
+  o [heads, head_dim, embed] (each a QuantizedKernel under model.quantization); optional
+  q/k/v biases (Qwen2) and q/k RMSNorms (Qwen3).
   Without a cache it attends within each packed segment; with one it first writes the
   new keys and values into the cache's pages and attends to everything cached up to
   each query's position.
@@ -25,14 +26,12 @@ class Attention(nnx.Module):
   def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
     e, h, kv, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     proj_init = fan_in(in_axis=0, out_axis=(1, 2))
-    self.q = nnx.Param(proj_init(rngs.params(), (e, h, d), param_dtype),
-                       out_sharding=("embed", "heads", "head_dim"))
-    self.k = nnx.Param(proj_init(rngs.params(), (e, kv, d), param_dtype),
-                       out_sharding=("embed", "kv_heads", "head_dim"))
-    self.v = nnx.Param(proj_init(rngs.params(), (e, kv, d), param_dtype),
-                       out_sharding=("embed", "kv_heads", "head_dim"))
-    self.o = nnx.Param(fan_in(in_axis=(0, 1), out_axis=2)(rngs.params(), (h, d, e), param_dtype),
-                       out_sharding=("heads", "head_dim", "embed"))
+    proj = dict(param_dtype=param_dtype, quantization=cfg.quantization)
+    self.q = projection(proj_init, rngs.params(), (e, h, d), ("embed", "heads", "head_dim"), **proj)
+    self.k = projection(proj_init, rngs.params(), (e, kv, d), ("embed", "kv_heads", "head_dim"), **proj)
+    self.v = projection(proj_init, rngs.params(), (e, kv, d), ("embed", "kv_heads", "head_dim"), **proj)
+    self.o = projection(fan_in(in_axis=(0, 1), out_axis=2), rngs.params(), (h, d, e),
+                        ("heads", "head_dim", "embed"), contract=2, **proj)
     if cfg.attention_bias:
       self.q_bias = nnx.Param(jnp.zeros((h, d), param_dtype), out_sharding=("heads", "head_dim"))
       self.k_bias = nnx.Param(jnp.zeros((kv, d), param_dtype), out_sharding=("kv_heads", "head_dim"))
@@ -50,9 +49,9 @@ class Attention(nnx.Module):
   def __call__(self, x, context, cache=None):
     """x [B, L, embed] -> ([B, L, embed], cache)."""
     dt = self.dtype
-    q = dense(x, self.q[...].astype(dt))
-    k = dense(x, self.k[...].astype(dt))
-    v = dense(x, self.v[...].astype(dt))
+    q = dense(x, self.q, dtype=dt)
+    k = dense(x, self.k, dtype=dt)
+    v = dense(x, self.v, dtype=dt)
     if self.use_bias:
       q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
                  v + self.v_bias[...].astype(dt))
@@ -62,7 +61,9 @@ class Attention(nnx.Module):
     q = constrain(apply_rope(q, positions, context.inv_freq), ("batch", "length", "act_heads", "head_dim"))
     k = constrain(apply_rope(k, positions, context.inv_freq), ("batch", "length", "act_kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
-    if cache is None:
+    if cache is None and context.kv_quantization is not None:
+      out = kv_quant.cached_attention(q, k, v, context.kv_quantization, context.segment_ids)
+    elif cache is None:
       out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=context.segment_ids,
                                      implementation=self.implementation)
     else:
@@ -70,4 +71,4 @@ class Attention(nnx.Module):
       k_pages, v_pages = cache.keys_values()
       out = pallas_kernels.paged_attention(q, k_pages, v_pages, positions, context.page_table,
                                            implementation=self.implementation)
-    return dense(out, self.o[...].astype(dt), contract=2), cache
+    return dense(out, self.o, contract=2, dtype=dt), cache

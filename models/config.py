@@ -22,6 +22,29 @@ class RopeScaling(Frozen):
   original_max_position: int = 8192
 
 
+class QuantizationConfig(Frozen):
+  """Quantized projection weights (attention q/k/v/o, MLP gate/up/down); embeddings, norms
+  and the KV cache stay in param_dtype. For inference: `jaxpar quantize` writes such a model."""
+  mode: Literal["int8", "int4", "w8a8"]
+  group_size: Literal[32, 64, 128] | None = None  # int4 only: rows of K sharing one scale
+  zero_point: bool = False  # int4 only: asymmetric groups (a zero point per group)
+  outlier_channels: int = 0  # w8a8 only: input channels with the largest |x| kept in float
+  implementation: Literal["auto", "pallas", "xla"] = "auto"  # see pallas_kernels.quantized_matmul
+
+  @model_validator(mode="after")
+  def _mode_options(self):
+    int4 = self.mode == "int4"
+    if int4 and self.group_size is None:
+      raise ValueError("model.quantization.group_size is required for mode=int4: use 32, 64 or 128")
+    if not int4 and (self.group_size is not None or self.zero_point):
+      raise ValueError(f"model.quantization.group_size / zero_point apply to mode=int4 only, "
+                       f"not mode={self.mode}: remove them")
+    if self.outlier_channels and self.mode != "w8a8" or self.outlier_channels < 0:
+      raise ValueError(f"model.quantization.outlier_channels={self.outlier_channels} needs "
+                       "mode=w8a8 and a count >= 0")
+    return self
+
+
 class ModelConfig(Frozen):
   family: str = "llama"  # a registered model family (jaxpar.models.registry)
   mlp: str = "dense"  # the feed-forward block: a registered block name
@@ -48,12 +71,25 @@ class ModelConfig(Frozen):
   scan_unroll: int = 1
   remat: Literal["none", "full", "save_dots", "save_dots_no_batch"] = "none"
   attention: Literal["auto", "flash", "reference", "chunked"] = "auto"
+  quantization: QuantizationConfig | None = None  # None: float projections
 
   @model_validator(mode="after")
   def _heads(self):
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide "
                        f"model.num_heads={self.num_heads}")
+    q = self.quantization
+    if q is not None and q.group_size is not None:
+      # Groups run along each projection's last contracted dim: embed (q/k/v/gate/up),
+      # head_dim (o) and mlp (down).
+      for key in ("embed_dim", "head_dim", "mlp_dim"):
+        if getattr(self, key) % q.group_size:
+          raise ValueError(f"model.quantization.group_size={q.group_size} does not divide "
+                           f"model.{key}={getattr(self, key)}: use a group size that divides "
+                           "embed_dim, head_dim and mlp_dim")
+    if q is not None and q.outlier_channels >= min(self.embed_dim, self.mlp_dim):
+      raise ValueError(f"model.quantization.outlier_channels={q.outlier_channels} must be below "
+                       f"model.embed_dim={self.embed_dim} and model.mlp_dim={self.mlp_dim}")
     if not 0 <= self.first_dense_layers <= self.num_layers:
       raise ValueError(f"model.first_dense_layers={self.first_dense_layers} must be between 0 and "
                        f"model.num_layers={self.num_layers}")

@@ -9,6 +9,7 @@ from flax import nnx, struct
 
 from jaxpar.mesh import constrain
 from jaxpar.models.attention import Attention
+from jaxpar.models.kv_quant import KVQuantization
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.registry import get_block
 
@@ -20,12 +21,15 @@ class LayerContext:
   """What every layer of one forward pass shares (closed over by the layer scan).
 
   positions, segment_ids: int [B, L]; inv_freq: RoPE frequencies [head_dim / 2];
-  page_table: int [B, pages] when attending through a paged KV cache, else None.
+  page_table: int [B, pages] when attending through a paged KV cache, else None;
+  kv_quantization: a full forward attends as a decode step reads a cache quantized so
+  (`kv_quant.cached_attention`): how KV-cache quantization is evaluated; else None.
   """
   positions: jnp.ndarray
   segment_ids: jnp.ndarray | None
   inv_freq: jnp.ndarray
   page_table: jnp.ndarray | None = None
+  kv_quantization: KVQuantization | None = struct.field(pytree_node=False, default=None)
 
 
 class DecoderLayer(nnx.Module):

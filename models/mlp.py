@@ -4,7 +4,7 @@ import jax
 from flax import nnx
 
 from jaxpar.mesh import constrain
-from jaxpar.models.dense import dense
+from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
 from jaxpar.models.registry import register_block
 
@@ -12,25 +12,25 @@ from jaxpar.models.registry import register_block
 class MLP(nnx.Module):
   """down(silu(x @ gate) * (x @ up)): [B, L, embed] -> ([B, L, embed], {}).
 
-  Parameters: gate, up [embed, mlp]; down [mlp, embed]. No auxiliary outputs.
+  Parameters: gate, up [embed, mlp]; down [mlp, embed] (QuantizedKernels under
+  model.quantization). No auxiliary outputs.
   """
 
-  def __init__(self, embed_dim, mlp_dim, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
-    init = fan_in()
-    self.gate = nnx.Param(init(rngs.params(), (embed_dim, mlp_dim), param_dtype),
-                          out_sharding=("embed", "mlp"))
-    self.up = nnx.Param(init(rngs.params(), (embed_dim, mlp_dim), param_dtype),
-                        out_sharding=("embed", "mlp"))
-    self.down = nnx.Param(init(rngs.params(), (mlp_dim, embed_dim), param_dtype),
-                          out_sharding=("mlp", "embed"))
+  def __init__(self, embed_dim, mlp_dim, *, param_dtype, compute_dtype, rngs: nnx.Rngs,
+               quantization=None):
+    init, proj = fan_in(), dict(param_dtype=param_dtype, quantization=quantization)
+    self.gate = projection(init, rngs.params(), (embed_dim, mlp_dim), ("embed", "mlp"), **proj)
+    self.up = projection(init, rngs.params(), (embed_dim, mlp_dim), ("embed", "mlp"), **proj)
+    self.down = projection(init, rngs.params(), (mlp_dim, embed_dim), ("mlp", "embed"), **proj)
     self.dtype = compute_dtype
 
   def __call__(self, x):
-    gate = dense(x, self.gate[...].astype(self.dtype))
-    up = dense(x, self.up[...].astype(self.dtype))
+    gate = dense(x, self.gate, dtype=self.dtype)
+    up = dense(x, self.up, dtype=self.dtype)
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-    return dense(hidden, self.down[...].astype(self.dtype)), {}
+    return dense(hidden, self.down, dtype=self.dtype), {}
 
 
 register_block("feed_forward", "dense",
-               lambda cfg, **kwargs: MLP(cfg.embed_dim, cfg.mlp_dim, **kwargs))
+               lambda cfg, **kwargs: MLP(cfg.embed_dim, cfg.mlp_dim, quantization=cfg.quantization,
+                                         **kwargs))

@@ -69,12 +69,13 @@ class Transformer(nnx.Module):
     unembed = self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
     return unembed.astype(jnp.dtype(self.cfg.compute_dtype))
 
-  def hidden_states(self, tokens, positions=None, segment_ids=None):
+  def hidden_states(self, tokens, positions=None, segment_ids=None, kv_quantization=None):
     """Final-normed hidden states [B, L, embed] and aux: the logits before the output
-    projection, for losses that never materialise the full [B, L, vocab] logits."""
+    projection, for losses that never materialise the full [B, L, vocab] logits.
+    kv_quantization (a kv_quant.KVQuantization): attend as through that quantized cache."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    context = LayerContext(positions, segment_ids, self._inv_freq())
+    context = LayerContext(positions, segment_ids, self._inv_freq(), kv_quantization=kv_quantization)
     x, aux, _ = self._run_stack(self._embed(tokens), context, None)
     return self.final_norm(x), aux
 

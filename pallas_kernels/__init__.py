@@ -5,6 +5,8 @@ run it per device through the logical `shard_map` helper of `jaxpar.mesh`:
 
 - attention: `attention(...)` (training / prefill), `decode_attention(...)` (one new token
   against a KV cache), `paged_attention(...)` (new tokens against a paged cache).
+- matmul: `quantized_matmul(x, weight)` with an int8 / int4 / W8A8 `QuantizedWeight`
+  (`quantize_weight` makes one).
 """
 
 from jaxpar.pallas_kernels.attention.block_sizes import BlockSizes, default_block_sizes
@@ -13,6 +15,12 @@ from jaxpar.pallas_kernels.attention.dispatch import (IMPLEMENTATIONS, attention
 from jaxpar.pallas_kernels.attention.reference import (attention_reference, decode_attention_reference,
                                                        paged_attention_reference)
 
-__all__ = ["IMPLEMENTATIONS", "BlockSizes", "attention", "attention_reference",
+from jaxpar.pallas_kernels.matmul.block_sizes import MatmulBlocks
+from jaxpar.pallas_kernels.matmul.dispatch import quantized_matmul
+from jaxpar.pallas_kernels.matmul.format import QuantizedWeight
+from jaxpar.pallas_kernels.matmul.quantize import dequantize_weight, quantize_weight
+
+__all__ = ["MatmulBlocks", "QuantizedWeight", "dequantize_weight", "quantize_weight", "quantized_matmul",
+           "IMPLEMENTATIONS", "BlockSizes", "attention", "attention_reference",
            "choose_implementation", "decode_attention", "decode_attention_reference",
            "default_block_sizes", "paged_attention", "paged_attention_reference"]

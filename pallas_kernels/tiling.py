@@ -13,6 +13,18 @@ def fit_block(block, length, align):
   return min(block, round_up(length, align))
 
 
+def dividing_block(length, block, align):
+  """The largest multiple of `align`, at most `block`, that divides `length` (the whole
+  `length` when it fits in one block), or None: a tile that needs no padding. Padding
+  activations is cheap; padding a weight would copy it on every call."""
+  if length <= block:
+    return length
+  for size in range(block - block % align, 0, -align):
+    if length % size == 0:
+      return size
+  return None
+
+
 def pad_axis(x, axis, length):
   """Zero-pad axis `axis` of x up to `length` (None passes through)."""
   if x is None or x.shape[axis] == length:

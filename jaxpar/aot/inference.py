@@ -44,7 +44,8 @@ def compile_inference(config, topology: str, *, slots: int, context: int, page_s
   programs = Programs(runtime, params, model_state, cache)
   report = {"topology": topology, "chip": chip.name, "devices": runtime.mesh.size,
             "mesh": {a: s for a, s in runtime.mesh.shape.items() if s > 1}, "hbm_bytes": chip.hbm_bytes,
-            "param_dtype": param_dtype, "slots": slots, "context": context, "page_size": page_size,
+            "param_dtype": param_dtype, "quantization": model.quantization and model.quantization.mode,
+            "slots": slots, "context": context, "page_size": page_size,
             "weights_bytes": per_device_bytes(params), "cache_bytes": per_device_bytes(cache),
             "programs": {}}
   for kind, batch, length in (("step", slots, 1), ("fill", 1, chunk)):
@@ -60,10 +61,15 @@ def compile_inference(config, topology: str, *, slots: int, context: int, page_s
   return report
 
 
+def _quantized(r) -> str:
+  return f" ({r['quantization']} projections)" if r.get("quantization") else ""
+
+
 def format_inference_report(r: dict) -> str:
   from jaxpar.aot.report import gib
   mesh = " x ".join(f"{a}={s}" for a, s in r["mesh"].items()) or "single device"
-  lines = [f"{r['topology']} ({r['devices']} {r['chip']} chips); mesh {mesh}; {r['param_dtype']} weights; "
+  lines = [f"{r['topology']} ({r['devices']} {r['chip']} chips); mesh {mesh}; "
+           f"{r['param_dtype']} weights{_quantized(r)}; "
            f"KV cache for {r['slots']} sequences x {r['context']} tokens (pages of {r['page_size']})",
            f"per device, by hand: weights {gib(r['weights_bytes'])}, KV cache {gib(r['cache_bytes'])}"]
   for name, p in r["programs"].items():

@@ -1,0 +1,95 @@
+"""Post-training quantization of a checkpoint: `jaxpar quantize CKPT OUT --mode ...`.
+
+Reads a float checkpoint onto the current devices, quantizes every projection kernel the
+quantized model holds (attention q/k/v/o, MLP gate/up/down: `models/dense.py`), copies the
+rest (embeddings, norms) unchanged, and writes a params-only Orbax checkpoint whose saved
+config carries `model.quantization`, with the source's tokenizer files. Like any checkpoint it restores onto any mesh, each
+device reading only its shards; the engine, evaluation and `Runtime.restore` load
+it from that config.
+"""
+
+import jax
+from flax import nnx
+
+from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer, resolve
+from jaxpar.config import ConfigError, from_dict, replace
+from jaxpar.data import copy_tokenizer_files
+from jaxpar.models.dense import QuantizedKernel, quantized_arrays
+from jaxpar.runtime import Runtime
+
+
+def quantization_section(mode: str, group_size=None, zero_point=False, outlier_channels=0) -> dict:
+  """The `model.quantization` section for these options (int4: group size 128 by default)."""
+  section = {"mode": mode}
+  if mode == "int4":
+    section.update(group_size=group_size or 128, zero_point=zero_point)
+  elif group_size is not None or zero_point:
+    raise ConfigError(f"--group-size / --zero-point apply to --mode int4 only, not --mode {mode}")
+  if outlier_channels:
+    section["outlier_channels"] = outlier_channels
+  return section
+
+
+def quantized_kernels(runtime: Runtime) -> list[tuple[tuple[str, ...], QuantizedKernel]]:
+  """(parameter path, abstract QuantizedKernel) of every quantized projection of a model."""
+  module = runtime.merge(runtime.abstract_params, runtime.abstract_model_state)
+  return [(tuple(path), node) for path, node in nnx.iter_modules(module)
+          if isinstance(node, QuantizedKernel)]
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def quantize_params(params: dict, quant_runtime: Runtime) -> dict:
+  """Float params (a nested dict) -> the quantized model's params, placed on its shardings.
+  Stacked layers are quantized one layer at a time (vmap over the leading axes)."""
+  kernels = quantized_kernels(quant_runtime)
+  config = quant_runtime.model_config.quantization
+
+  def convert(params):
+    out = jax.tree.map(lambda x: x, params)  # a fresh tree of the same arrays
+    for path, kernel in kernels:
+      w = _get(params, path)
+      stacked = w.ndim - kernel.contract - len(kernel.out_shape)
+      fn = lambda w, c=kernel.contract: quantized_arrays(w, c, config)
+      for _ in range(stacked):
+        fn = jax.vmap(fn)
+      _get(out, path[:-1])[path[-1]] = fn(w)
+    return out
+
+  with quant_runtime.context():
+    return jax.jit(convert, out_shardings=quant_runtime.param_shardings)(params)
+
+
+def quantize_checkpoint(ckpt, out, mode: str, group_size=None, *, zero_point=False,
+                        outlier_channels=0, devices=None):
+  """Quantize the checkpoint at `ckpt` (a checkpoint dir: its latest step; or one step dir)
+  into a new checkpoint directory `out` -> (quantized Config, path of the written step)."""
+  root, step = resolve(ckpt)
+  with Checkpointer(root, read_only=True) as source:
+    step = source.latest_step() if step is None else step
+    saved = source.saved_config(step)
+  if not saved:
+    raise ValueError(f"checkpoint {ckpt} has no saved config: quantize a checkpoint written by "
+                     "`jaxpar train` or `jaxpar convert hf-to-jaxpar`")
+  config = from_dict(saved)
+  if config.model.quantization is not None:
+    raise ValueError(f"checkpoint {ckpt} is already quantized (model.quantization.mode="
+                     f"{config.model.quantization.mode}): quantize the float checkpoint instead")
+  quant_config = replace(config, model={"quantization": quantization_section(
+      mode, group_size, zero_point, outlier_channels)})
+  with Checkpointer(out) as target:
+    if target.all_steps():
+      raise ValueError(f"{out} already holds checkpoints {target.all_steps()}: give an empty "
+                       "or new directory (nothing is overwritten)")
+    float_runtime = Runtime(config.model, config.mesh, devices)
+    params = float_runtime.restore(root, step)[0]
+    quantized = quantize_params(params, Runtime(quant_config.model, quant_config.mesh, devices))
+    target.save(step, {"params": quantized}, config=quant_config, force=True)
+    target.wait()
+    # The tokenizer travels with the weights, so the quantized model generates with no flags.
+    copy_tokenizer_files(root / TOKENIZER_DIR, target.directory / TOKENIZER_DIR)
+    return quant_config, target.path(step)

@@ -1,0 +1,92 @@
+"""Quality on a trained model: the embedded default (`tiny`), trained briefly on the bundled
+corpus minus its last two chapters, evaluated on those with float32 weights, int8 / int4 /
+W8A8 weights, and int8 / KIVI 4-bit / 2-bit KV caches (in a full forward that attends as
+each decode step would read the quantized cache).
+
+The issue's bar: int8 within 1% of the float perplexity. The other bounds are stated here
+from measurements (see README), with room for run-to-run change; the measured values sit
+at half of them or less.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.config import load_config, replace
+from jaxpar.data.sources import read_documents
+from jaxpar.data.tokenizer import ByteTokenizer
+from jaxpar.evaluate import logits, perplexity, split_heldout, token_windows
+from jaxpar.models.kv_quant import KVQuantization
+from jaxpar.quantize import quantization_section, quantize_params
+from jaxpar.runtime import Runtime
+from jaxpar.trainer import Trainer
+
+STEPS, HELDOUT_DOCUMENTS, WINDOWS = 100, 2, 16  # the last two chapters: ~24k bytes
+WEIGHT_MODES = {"int8": (None, 0.01), "w8a8": (None, 0.02), "int4": (32, 0.04)}  # group, ppl bound
+KV_MODES = {"int8": 0.005, "int4": 0.01, "int2": 0.03}
+LOGITS_ERROR = {"int8": 0.03, "w8a8": 0.08, "int4": 0.3}  # max |dlogit| / max |logit|
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  train_docs, heldout = split_heldout(read_documents("bundled"), HELDOUT_DOCUMENTS)
+  source = tmp_path_factory.mktemp("corpus") / "train.txt"
+  source.write_text("\f".join(train_docs))
+  config = load_config("tiny", [f"data.source={source}", f"train.steps={STEPS}", "mesh.fsdp=1",
+                                "data.global_batch_size=16", "checkpoint.enabled=false",
+                                "train.log_every=0"])
+  trainer = Trainer(config, devices=jax.devices()[:1])
+  params = trainer.fit(show_progress=False).state.params
+  windows = token_windows(heldout, ByteTokenizer(), config.data.seq_len, WINDOWS)
+  logits = _logits(trainer.runtime, params, windows[:4, :-1])
+  return config, trainer.runtime, params, windows, perplexity(trainer.runtime, params, windows), logits
+
+
+def _logits(runtime, params, tokens):
+  with runtime.context():
+    return np.asarray(jax.jit(lambda p, t: logits(runtime.merge(p), t))(params, tokens))
+
+
+def test_the_float_model_learned_something(trained):
+  base = trained[4]
+  assert base < 12.0  # uniform over 258 bytes would be 258
+
+
+@pytest.mark.parametrize("mode", list(WEIGHT_MODES))
+def test_quantized_weights_perplexity_and_logits(trained, mode):
+  config, runtime, params, windows, base, want = trained
+  group, bound = WEIGHT_MODES[mode]
+  q_config = replace(config, model={"quantization": quantization_section(mode, group)})
+  q_runtime = Runtime(q_config.model, q_config.mesh, jax.devices()[:1])
+  q_params = quantize_params(params, q_runtime)
+  delta = perplexity(q_runtime, q_params, windows) / base - 1
+  assert abs(delta) < bound, f"{mode}: perplexity {delta:+.3%} vs float"
+  got = _logits(q_runtime, q_params, windows[:4, :-1])
+  error = float(np.abs(got - want).max() / np.abs(want).max())
+  assert 0 < error < LOGITS_ERROR[mode], f"{mode}: logits error {error:.3%}"
+
+
+@pytest.mark.parametrize("mode", list(KV_MODES))
+def test_quantized_kv_cache_perplexity(trained, mode):
+  _, runtime, params, windows, base, _ = trained
+  spec = KVQuantization(mode, page_size=16, window=32)
+  delta = perplexity(runtime, params, windows, kv_quantization=spec) / base - 1
+  assert abs(delta) < KV_MODES[mode], f"kv {mode}: perplexity {delta:+.3%} vs float"
+
+
+def test_int8_model_generates_through_the_engine_like_float(trained):
+  """The quantized model runs in the inference engine unchanged; greedy continuations of
+  held-out prompts mostly agree with float32's (measured: 86% of 8 x 64 tokens at 150 steps)."""
+  from jaxpar.inference import Engine, SamplingParams
+  config, runtime, params, windows, *_ = trained
+  q_config = replace(config, model={"quantization": quantization_section("int8")})
+  q_runtime = Runtime(q_config.model, q_config.mesh, jax.devices()[:1])
+  prompts = [w[:64].tolist() for w in windows[:4]]
+  outputs = []
+  for rt, p in ((runtime, params), (q_runtime, quantize_params(params, q_runtime))):
+    engine = Engine(rt, p, ByteTokenizer(), slots=4, max_seq_len=104, prefill_chunks=(64,))
+    done = engine.generate(prompts, SamplingParams(max_tokens=32, stop_token_ids=()))
+    outputs.append(np.array([c.tokens for c in done]))
+  assert outputs[0].shape == (4, 32)
+  assert (outputs[0][:, 0] == outputs[1][:, 0]).all()
+  assert (outputs[0] == outputs[1]).mean() > 0.5
