@@ -3,7 +3,6 @@ quantized ones keep the logical names (so they shard like the originals), bytes 
 the arrays, and `jaxpar quantize` writes a checkpoint that restores onto any mesh."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
