@@ -13,15 +13,16 @@ quantized cache (`kv_quant.cached_attention`; newest 32 tokens in float).
 Decode (the inference engine, greedy; the float32 model as trained, and quantized): tokens/s at
 batch 1 and 8 (prompts of 64 held-out bytes, 64 new tokens; decode tokens/s = batch x 63 /
 (time for 64 tokens - time for 1), best of 3) and greedy agreement with the float32 model
-(the share of the 64 x 8 generated tokens equal to float's at the same position). The KV
-cache is not quantized in the engine yet, so this table has weight modes only.
+(the share of the 64 x 8 generated tokens equal to float's at the same position), for each
+weight mode with a float cache and for the float32 model with the engine's cache stored
+int8 / int4 / int2 (`kv_cache=`; complete pages quantized, the newest partial page float),
+with the pool bytes per cached token of each.
 TPU: llama3-8b's decode step (weights bf16, int8, int4 or W8A8) (one new token for each of 8 sequences over a 4096-token paged
 bf16 cache) compiled through libtpu on tensor-parallel chips; argument bytes (weights +
 cache) and temporaries per device from compiled.memory_analysis().
 """
 
 import argparse
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +35,7 @@ from jaxpar.config import load_config, replace
 from jaxpar.data.sources import read_documents
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.evaluate import logits, perplexity, split_heldout, token_windows
-from jaxpar.models import kv_cache, kv_quant
+from jaxpar.models import kv_quant
 from jaxpar.quantize import quantization_section, quantize_params, quantized_kernels
 from jaxpar.runtime import Runtime
 from jaxpar.trainer import Trainer
@@ -133,64 +134,37 @@ def decode_table(config, runtime, params, windows, batches=(1, 8), new=64):
   from jaxpar.inference import Engine, SamplingParams
   devices = jax.devices()[:1]
   prompts = [w[:64].tolist() for w in windows[:max(batches)]]
-  models = [("float32", runtime, params)]
+  models = [("float32", runtime, params, None)]
   for mode, group in (("int8", None), ("int4", 32), ("w8a8", None)):
     q_config = replace(config, model={"quantization": quantization_section(mode, group)})
     q_runtime = Runtime(q_config.model, q_config.mesh, devices)
     models.append((mode if group is None else f"int4, group {group}", q_runtime,
-                   quantize_params(params, q_runtime)))
-  print("\n| weights | " + " | ".join(f"decode tokens/s, batch {b}" for b in batches) +
-        " | greedy agreement with float32 |")
-  print("| --- |" + " --- |" * (len(batches) + 1))
+                   quantize_params(params, q_runtime), None))
+  models += [("float32", runtime, params, kv) for kv in ("int8", "int4", "int2")]
+  print("\n| weights | KV cache | pool bytes / token | " + " | ".join(f"decode tokens/s, batch {b}" for b in batches)
+        + " | greedy agreement with float32 |")
+  print("| --- | --- | --- |" + " --- |" * (len(batches) + 1))
   reference = None
-  for name, rt, p in models:
+  for name, rt, p, kv in models:
     speeds = []
     for batch in batches:
       engine = Engine(rt, p, ByteTokenizer(), slots=batch, max_seq_len=64 + new + 8, page_size=16,
-                      prefill_chunks=(64,))
+                      prefill_chunks=(64,), kv_cache=kv)
       run = lambda n: engine.generate(prompts[:batch], SamplingParams(max_tokens=n, stop_token_ids=()))
       speeds.append(batch * (new - 1) / (_best(lambda: run(new)) - _best(lambda: run(1))))
     tokens = np.array([c.tokens for c in run(new)])
     reference = tokens if reference is None else reference
     agreement = float((tokens == reference).mean())
-    print(f"| {name} | " + " | ".join(f"{s:,.0f}" for s in speeds) + f" | {agreement:.1%} |")
-
-
-def _decode_memory(config, devices, batch=8, context=4096, page_size=128):
-  from jaxpar.mesh import logical_to_sharding
-  runtime = Runtime(config.model, config.mesh, devices)
-  params = runtime.abstract_targets()[0]
-  pages_per_seq = context // page_size
-  shard = lambda names, shape, dtype: jax.ShapeDtypeStruct(
-      shape, dtype, sharding=logical_to_sharding(names, shape, runtime.mesh, runtime.rules))
-  pages = kv_cache.page_shape(config.model, batch * pages_per_seq, page_size)
-  page_pool = shard(kv_cache.STACKED_NAMES, (config.model.num_layers,) + pages, jnp.bfloat16)
-  cache = {"layers": {"k": page_pool, "v": page_pool}}
-  tokens = shard(("batch", None), (batch, 1), jnp.int32)
-  table = shard(("batch", None), (batch, pages_per_seq), jnp.int32)
-
-  def decode(params, tokens, cache, table):
-    model = runtime.merge(params)
-    positions = jnp.full(tokens.shape, context - 1, jnp.int32)
-    last = jnp.zeros(tokens.shape[0], jnp.int32)
-    return model.decode(tokens, positions, cache, table, logits_index=last)
-
-  started = time.perf_counter()
-  with runtime.context():
-    compiled = jax.jit(decode, donate_argnums=2).lower(params, tokens, cache, table).compile()
-  m = compiled.memory_analysis()
-  weights = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                for x in jax.tree.leaves(params))
-  kernels = compiled.as_text().count("tpu_custom_call")
-  return weights, m.argument_size_in_bytes, m.temp_size_in_bytes, time.perf_counter() - started, kernels
+    pool = {g: {k: v for k, v in c.items() if not k.startswith("tail")} for g, c in engine.cache.items()}
+    per_token = _bytes(pool) / (engine.pool.num_pages * engine.pool.page_size)
+    print(f"| {name} | {kv or 'float32'} | {per_token:,.0f} | " + " | ".join(f"{s:,.0f}" for s in speeds)
+          + f" | {agreement:.1%} |")
 
 
 def tpu_table(topology):
-  from jaxpar.aot.chips import topology_devices
-  chip, devices = topology_devices(topology)
-  base = load_config("llama3-8b", ["model.param_dtype=bfloat16", "mesh.fsdp=1",
-                                   f"mesh.tensor={len(devices)}", "mesh.rules=tp"])
-  print(f"\nllama3-8b decode step on {topology} ({len(devices)} chips, tensor parallel), compile-only:")
+  from jaxpar.aot.inference import compile_inference
+  base = load_config("llama3-8b", ["mesh.fsdp=1", "mesh.tensor=-1", "mesh.rules=tp"])
+  print(f"\nllama3-8b decode step on {topology} (tensor parallel), compile-only (jaxpar compile --inference):")
   print("| weights | weights per chip | arguments per chip (weights + KV cache) | temporaries "
         "| Pallas calls | compile |")
   print("| --- | --- | --- | --- | --- | --- |")
@@ -198,9 +172,10 @@ def tpu_table(topology):
                         ("int4 (group 128)", quantization_section("int4", 128)),
                         ("w8a8", quantization_section("w8a8"))):
     config = base if section is None else replace(base, model={"quantization": section})
-    weights, args, temp, seconds, kernels = _decode_memory(config, devices)
-    print(f"| {name} | {weights / _GiB:.2f} GiB | {args / _GiB:.2f} GiB | {temp / _GiB:.2f} GiB | "
-          f"{kernels} | {seconds:.0f} s |")
+    report = compile_inference(config, topology, slots=8, context=4096, page_size=128, chunk=None)
+    decode = report["programs"]["decode"]
+    print(f"| {name} | {report['weights_bytes'] / _GiB:.2f} GiB | {decode['arguments'] / _GiB:.2f} GiB | "
+          f"{decode['temporaries'] / _GiB:.2f} GiB | {decode['pallas_calls']} | {decode['compile_s']:.0f} s |")
 
 
 def main():

@@ -5,7 +5,7 @@ from flax import nnx
 
 from jaxpar import pallas_kernels
 from jaxpar.mesh import constrain
-from jaxpar.models import kv_cache, kv_quant
+from jaxpar.models import kv_cache, kv_cache_quantized, kv_quant
 from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
 from jaxpar.models.norm import RMSNorm
@@ -66,6 +66,13 @@ class Attention(nnx.Module):
     elif cache is None:
       out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=context.segment_ids,
                                      implementation=self.implementation)
+    elif context.kv_quantization is not None:
+      spec, rows = context.kv_quantization, context.tail_index
+      cache = kv_cache_quantized.write(cache, k, v, positions, context.page_table, rows, spec)
+      k_pages, v_pages, table = kv_cache_quantized.read(cache, context.page_table, rows,
+                                                        jnp.max(positions, axis=1), spec, dt)
+      out = pallas_kernels.paged_attention(q, k_pages, v_pages, positions, table,
+                                           implementation=self.implementation)
     else:
       cache = kv_cache.write(cache, k, v, positions, context.page_table)
       k_pages, v_pages = cache.keys_values()

@@ -22,14 +22,17 @@ class LayerContext:
 
   positions, segment_ids: int [B, L]; inv_freq: RoPE frequencies [head_dim / 2];
   page_table: int [B, pages] when attending through a paged KV cache, else None;
-  kv_quantization: a full forward attends as a decode step reads a cache quantized so
-  (`kv_quant.cached_attention`): how KV-cache quantization is evaluated; else None.
+  kv_quantization: how the KV cache is quantized (a kv_quant.KVQuantization): with a cache,
+  it is stored so (models/kv_cache_quantized.py); in a full forward, attention reads as a
+  decode step would (`kv_quant.cached_attention`: how quality is measured); else None.
+  tail_index: int [B], each row's slot (its float tail page) in a quantized cache.
   """
   positions: jnp.ndarray
   segment_ids: jnp.ndarray | None
   inv_freq: jnp.ndarray
   page_table: jnp.ndarray | None = None
   kv_quantization: KVQuantization | None = struct.field(pytree_node=False, default=None)
+  tail_index: jnp.ndarray | None = None
 
 
 class DecoderLayer(nnx.Module):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.mesh import constrain
-from jaxpar.models import kv_cache
+from jaxpar.models import kv_cache, kv_cache_quantized
 from jaxpar.models.decoder import ACTIVATION, DecoderLayer, LayerContext
 from jaxpar.models.init import embedding_init, fan_in
 from jaxpar.models.norm import RMSNorm
@@ -79,28 +79,38 @@ class Transformer(nnx.Module):
     x, aux, _ = self._run_stack(self._embed(tokens), context, None)
     return self.final_norm(x), aux
 
-  def decode(self, tokens, positions, cache: dict, page_table, logits_index=None):
+  def decode(self, tokens, positions, cache: dict, page_table, logits_index=None, *,
+             kv_quantization=None, tail_index=None):
     """Generation: new tokens [B, T] at positions [B, T] (negative: padding) through the
     paged KV cache {group: {"k", "v"}} -> (logits, updated cache). Logits are
-    [B, T, vocab], or [B, vocab] at each row's `logits_index` [B] when given."""
-    x, cache = self._decode_hidden(tokens, positions, cache, page_table)
+    [B, T, vocab], or [B, vocab] at each row's `logits_index` [B] when given. With
+    `kv_quantization` the cache is the quantized layout (`init_cache(...,
+    kv_quantization=)`) and `tail_index` [B] names each row's slot."""
+    x, cache = self._decode_hidden(tokens, positions, cache, page_table, kv_quantization, tail_index)
     if logits_index is not None:
       x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
       return jnp.einsum("be,ev->bv", x, self.output_projection()), cache
     return jnp.einsum("ble,ev->blv", x, self.output_projection()), cache
 
-  def prefill_cache(self, tokens, positions, cache: dict, page_table) -> dict:
+  def prefill_cache(self, tokens, positions, cache: dict, page_table, *, kv_quantization=None,
+                    tail_index=None) -> dict:
     """Only write the new tokens' keys and values into the cache (no logits): prefill."""
-    return self._decode_hidden(tokens, positions, cache, page_table)[1]
+    return self._decode_hidden(tokens, positions, cache, page_table, kv_quantization, tail_index)[1]
 
-  def _decode_hidden(self, tokens, positions, cache, page_table):
-    context = LayerContext(positions, None, self._inv_freq(), page_table)
+  def _decode_hidden(self, tokens, positions, cache, page_table, kv_quantization, tail_index):
+    context = LayerContext(positions, None, self._inv_freq(), page_table, kv_quantization=kv_quantization,
+                           tail_index=tail_index)
     x, _, cache = self._run_stack(self._embed(tokens), context, cache)
     return self.final_norm(x), cache
 
-  def init_cache(self, num_pages: int, page_size: int, dtype=None) -> dict:
-    """A zeroed paged KV cache for every layer group."""
+  def init_cache(self, num_pages: int, page_size: int, dtype=None, *, kv_quantization=None,
+                 slots: int = 1) -> dict:
+    """A zeroed paged KV cache for every layer group; with `kv_quantization`, the quantized
+    layout (pages in the pool quantized, one float tail page per slot)."""
     dtype = dtype or jnp.dtype(self.cfg.compute_dtype)
+    if kv_quantization is not None:
+      return {name: kv_cache_quantized.init(self.cfg, count, num_pages, page_size, slots, kv_quantization, dtype)
+              for name, count, _ in layer_groups(self.cfg)}
     return {name: kv_cache.init_pages(self.cfg, count, num_pages, page_size, dtype)
             for name, count, _ in layer_groups(self.cfg)}
 

@@ -90,3 +90,28 @@ def test_int8_model_generates_through_the_engine_like_float(trained):
   assert outputs[0].shape == (4, 32)
   assert (outputs[0][:, 0] == outputs[1][:, 0]).all()
   assert (outputs[0] == outputs[1]).mean() > 0.5
+
+
+def test_quantized_kv_cache_in_the_engine(trained):
+  """The engine stores its paged cache quantized (--kv-cache): pages shrink as the format
+  says, nothing leaks, and greedy continuations stay close to the float cache's."""
+  from jaxpar.inference import Engine, SamplingParams
+  from jaxpar.models.kv_quant import nbytes
+  _, runtime, params, windows, *_ = trained
+  prompts = [w[:64].tolist() for w in windows[:4]]
+
+  def run(kv_cache):
+    engine = Engine(runtime, params, ByteTokenizer(), slots=4, max_seq_len=112, page_size=16,
+                    prefill_chunks=(32,), kv_cache=kv_cache)
+    done = engine.generate(prompts, SamplingParams(max_tokens=32, stop_token_ids=()))
+    assert engine.pool.free == engine.pool.num_pages
+    pool = {name: {k: v for k, v in group.items() if not k.startswith("tail")}
+            for name, group in engine.cache.items()}
+    return np.array([c.tokens for c in done]), nbytes(pool)
+  float_tokens, float_bytes = run(None)
+  # f32 pages vs int8 (+ a bf16 scale per token) / KIVI int4, int2 (+ per-channel and per-token scales).
+  bounds = {"int8": (0.30, 0.8), "int4": (0.22, 0.5), "int2": (0.16, 0.2)}  # (bytes ratio, agreement)
+  for mode, (ratio, agreement) in bounds.items():
+    tokens, pool_bytes = run(mode)
+    assert pool_bytes / float_bytes < ratio, (mode, pool_bytes / float_bytes)
+    assert (tokens == float_tokens).mean() > agreement, (mode, (tokens == float_tokens).mean())

@@ -32,9 +32,10 @@ def abstract_cache(runtime, num_pages: int, page_size: int, dtype) -> dict:
 
 
 def compile_inference(config, topology: str, *, slots: int, context: int, page_size: int = 128,
-                      chunk: int = 512, param_dtype: str = "bfloat16", num_slices: int = 1) -> dict:
-  """Report dict for the decode step ([slots, 1]) and one prefill chunk ([1, chunk]) of
-  `config`'s model with `param_dtype` weights and a cache holding `slots` x `context` tokens."""
+                      chunk: int | None = 512, param_dtype: str = "bfloat16", num_slices: int = 1) -> dict:
+  """Report dict for the decode step ([slots, 1]) and one prefill chunk ([1, chunk]; none
+  when chunk is None) of `config`'s model with `param_dtype` weights and a cache holding
+  `slots` x `context` tokens."""
   chip, devices = topology_devices(topology, num_slices)
   model = config.model.model_copy(update={"param_dtype": param_dtype, "compute_dtype": param_dtype})
   runtime = Runtime(model, config.mesh, devices)
@@ -48,16 +49,17 @@ def compile_inference(config, topology: str, *, slots: int, context: int, page_s
             "slots": slots, "context": context, "page_size": page_size,
             "weights_bytes": per_device_bytes(params), "cache_bytes": per_device_bytes(cache),
             "programs": {}}
-  for kind, batch, length in (("step", slots, 1), ("fill", 1, chunk)):
+  for kind, batch, length in (("step", slots, 1), ("fill", 1, chunk))[:2 if chunk else 1]:
     started = time.perf_counter()
     programs.compile(kind, batch, length, pages_per_seq)
-    memory = programs.compiled[kind, batch, length].memory_analysis()
+    compiled = programs.compiled[kind, batch, length]
+    memory = compiled.memory_analysis()
     total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
              + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
     report["programs"]["decode" if kind == "step" else "prefill"] = {
         "shape": [batch, length], "arguments": memory.argument_size_in_bytes,
         "temporaries": memory.temp_size_in_bytes, "total": total, "fits": total <= chip.hbm_bytes,
-        "compile_s": time.perf_counter() - started}
+        "pallas_calls": compiled.as_text().count("tpu_custom_call"), "compile_s": time.perf_counter() - started}
   return report
 
 

@@ -30,6 +30,9 @@ def add_engine_args(parser):
   parser.add_argument("--max-seq-len", type=int, help="longest prompt + completion (default: the model's)")
   parser.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
   parser.add_argument("--num-pages", type=int, help="KV cache pages (default: every slot at max length)")
+  parser.add_argument("--kv-cache", choices=("float", "int8", "int4", "int2"), default="float",
+                      help="store the KV cache quantized: int8 per token, or KIVI int4/int2 (keys per "
+                      "channel, values per token); each sequence's newest page stays float")
 
 
 def add_sampling_args(parser):
@@ -59,7 +62,7 @@ def build_engine(ns, echo=None):
   from jaxpar.inference import Engine
   return Engine.from_checkpoint(ns.checkpoint, mesh=mesh_sizes(ns.mesh) or None, slots=ns.slots,
                                 max_seq_len=ns.max_seq_len, page_size=ns.page_size,
-                                num_pages=ns.num_pages, echo=echo)
+                                num_pages=ns.num_pages, kv_cache=ns.kv_cache, echo=echo)
 
 
 def sampling_from(ns, **overrides):

@@ -24,6 +24,7 @@ from jaxpar.inference.requests import Completion, Request, TokenEvent
 from jaxpar.inference.sampling import GREEDY, SamplingParams, row_arrays
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import kv_cache
+from jaxpar.models.kv_quant import KVQuantization
 
 DEFAULT_CHUNKS = (16, 64, 256)
 
@@ -35,13 +36,15 @@ class Engine:
   model's); page_size / num_pages: the KV cache pool (default: every slot at max_seq_len);
   prefill_chunks: the prompt chunk lengths compiled; prefill_budget: prompt tokens written
   per step before the decode step runs (default: the longest chunk), which bounds how long
-  new prompts delay the running decodes. Everything compiles in the constructor.
+  new prompts delay the running decodes; kv_cache: "int8" | "int4" | "int2" stores the cache
+  quantized (models/kv_cache_quantized.py), None or "float" in the compute dtype.
+  Everything compiles in the constructor.
   """
 
   def __init__(self, runtime, params, tokenizer, *, model_state=None, slots: int = 8,
                max_seq_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
                prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
-               echo=None):
+               kv_cache: str | None = None, echo=None):
     cfg = runtime.model_config
     self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
     self.model_state = model_state if model_state is not None else {}
@@ -54,12 +57,13 @@ class Engine:
     self.pool = PagePool(num_pages, page_size)
     self.chunks = sorted({min(c, self.max_seq_len) for c in prefill_chunks})
     self.prefill_budget = prefill_budget or self.chunks[-1]
+    self.kv_quantization = None if kv_cache in (None, "float") else KVQuantization(kv_cache, page_size, 0)
     self._cache_layout = (num_pages, page_size, cache_dtype or cfg.compute_dtype)
-    self.cache = self._empty_cache(*self._cache_layout)
     self.slots: list[Request | None] = [None] * slots
+    self.cache = self._empty_cache(*self._cache_layout)
     self.waiting: collections.deque[Request] = collections.deque()
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-    self.programs = Programs(runtime, params, self.model_state, self.cache)
+    self.programs = Programs(runtime, params, self.model_state, self.cache, self.kv_quantization)
     self._compile_all(echo or (lambda text: None))
     self.stats = collections.Counter()
 
@@ -76,11 +80,13 @@ class Engine:
   def _empty_cache(self, num_pages, page_size, dtype):
     runtime = self.runtime
     model = runtime.merge(self.params, self.model_state)
-    shapes = jax.eval_shape(lambda: model.init_cache(num_pages, page_size, dtype))
+    make = lambda: model.init_cache(num_pages, page_size, dtype, kv_quantization=self.kv_quantization,  # noqa: E731
+                                    slots=len(self.slots))
+    shapes = jax.eval_shape(make)
     shardings = jax.tree.map(
         lambda s: logical_to_sharding(kv_cache.STACKED_NAMES, s.shape, runtime.mesh, runtime.rules), shapes)
     with runtime.context():
-      return jax.jit(lambda: model.init_cache(num_pages, page_size, dtype), out_shardings=shardings)()
+      return jax.jit(make, out_shardings=shardings)()
 
   def _compile_all(self, echo):
     shapes = [("step", len(self.slots), 1)] + [("fill", 1, c) for c in self.chunks]
@@ -180,7 +186,11 @@ class Engine:
     tokens[0, :count] = context[start:start + count]
     positions[0, :count] = np.arange(start, start + count)
     table = page_table_rows([request.pages], self.pages_per_seq)
-    self.cache = self.programs.run("fill", self.params, self.model_state, self.cache, tokens, positions, table)
+    # A request's slot names its tail page in a quantized cache (the speculative decoder's rows
+    # are not in slots: they use their row order, which is their slot order there).
+    row = self.slots.index(request) if request in self.slots else request.row
+    self.cache = self.programs.run("fill", self.params, self.model_state, self.cache, tokens, positions, table,
+                                   np.asarray([row], np.int32))
     request.cached += count
     self.stats["prefill_tokens"] += count
     return chunk
@@ -199,7 +209,8 @@ class Engine:
     table = page_table_rows([r.pages if r else [] for r in rows], self.pages_per_seq)
     settings = row_arrays([r.sampling if r else None for r in rows])
     next_tokens, logprobs, self.cache = self.programs.run(
-        "step", self.params, self.model_state, self.cache, tokens, positions, table, settings)
+        "step", self.params, self.model_state, self.cache, tokens, positions, table,
+        np.arange(len(rows), dtype=np.int32), settings)
     next_tokens, logprobs = np.asarray(next_tokens), np.asarray(logprobs)
     events = []
     for i, request in enumerate(rows):
@@ -218,7 +229,7 @@ class Engine:
     (negative: padding), written into the cache; (B, T) must have been compiled with
     `programs.compile("score", B, T, pages_per_seq)`."""
     logits, self.cache = self.programs.run("score", self.params, self.model_state, self.cache,
-                                           tokens, positions, page_table)
+                                           tokens, positions, page_table, np.arange(len(tokens), dtype=np.int32))
     return logits
 
   def reset(self) -> list[Request]:

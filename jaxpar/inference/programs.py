@@ -21,20 +21,23 @@ from jaxpar.mesh import logical_to_sharding
 SETTINGS = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "seed": jnp.uint32}
 
 
-def _step(graphdef, params, model_state, cache, tokens, positions, page_table, settings):
+def _step(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings):
   model = nnx.merge(graphdef, params, model_state)
   first = jnp.zeros(tokens.shape[:1], jnp.int32)
-  logits, cache = model.decode(tokens, positions, cache, page_table, logits_index=first)
+  logits, cache = model.decode(tokens, positions, cache, page_table, logits_index=first,
+                               kv_quantization=kv, tail_index=rows)
   next_tokens, logprobs = sample(logits, settings, positions[:, 0] + 1)
   return next_tokens, logprobs, cache
 
 
-def _fill(graphdef, params, model_state, cache, tokens, positions, page_table):
-  return nnx.merge(graphdef, params, model_state).prefill_cache(tokens, positions, cache, page_table)
+def _fill(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows):
+  return nnx.merge(graphdef, params, model_state).prefill_cache(tokens, positions, cache, page_table,
+                                                                kv_quantization=kv, tail_index=rows)
 
 
-def _score(graphdef, params, model_state, cache, tokens, positions, page_table):
-  logits, cache = nnx.merge(graphdef, params, model_state).decode(tokens, positions, cache, page_table)
+def _score(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows):
+  logits, cache = nnx.merge(graphdef, params, model_state).decode(tokens, positions, cache, page_table,
+                                                                  kv_quantization=kv, tail_index=rows)
   return logits.astype(jnp.float32), cache
 
 
@@ -48,8 +51,8 @@ def _struct(x, sharding=None):
 class Programs:
   """Compiled executables for one runtime, parameter layout and cache layout."""
 
-  def __init__(self, runtime, params, model_state, cache):
-    self.runtime = runtime
+  def __init__(self, runtime, params, model_state, cache, kv_quantization=None):
+    self.runtime, self.kv_quantization = runtime, kv_quantization
     self._state = (jax.tree.map(_struct, params), jax.tree.map(_struct, model_state),
                    jax.tree.map(_struct, cache))
     self._cache_shardings = jax.tree.map(lambda x: x.sharding, cache)
@@ -66,12 +69,13 @@ class Programs:
     rows, matrix = self._rows(batch)
     args = [jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=matrix),
             jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=matrix),
-            jax.ShapeDtypeStruct((batch, pages_per_seq), jnp.int32, sharding=matrix)]
+            jax.ShapeDtypeStruct((batch, pages_per_seq), jnp.int32, sharding=matrix),
+            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)]  # each row's slot
     if kind == "step":
       args.append({k: jax.ShapeDtypeStruct((batch,), dtype, sharding=rows) for k, dtype in SETTINGS.items()})
     out = {"step": (rows, rows, self._cache_shardings), "fill": self._cache_shardings,
            "score": (None, self._cache_shardings)}[kind]
-    fn = functools.partial(_KINDS[kind], self.runtime.graphdef)
+    fn = functools.partial(_KINDS[kind], self.runtime.graphdef, self.kv_quantization)
     with self.runtime.context():
       jitted = jax.jit(fn, out_shardings=out, donate_argnums=(2,))
       self.compiled[kind, batch, length] = jitted.lower(*self._state, *args).compile()

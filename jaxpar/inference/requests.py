@@ -56,6 +56,7 @@ class Request:
     self.finish_reason: str | None = None
     self.cancelled = False
     self.arrival = time.monotonic()
+    self.row = 0  # its row when a speculative decoder runs it outside the engine's slots
 
   @property
   def context(self) -> list[int]:

@@ -104,6 +104,8 @@ class SpeculativeDecoder:
   def _generate_batch(self, prompts, settings):
     requests = [self.target.make_request(p, s) for p, s in zip(prompts, settings)]
     drafts = [Request(r.prompt, r.sampling, tuple(r.stop_token_ids)) for r in requests]
+    for row, (request, draft) in enumerate(zip(requests, drafts)):
+      request.row = draft.row = row
     for engine, group in ((self.target, requests), (self.draft, drafts)):
       for request in group:
         while request.prefilling:
