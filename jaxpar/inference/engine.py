@@ -3,8 +3,9 @@
 A fixed number of slots decode together, one token each per step (one compiled program).
 Between steps, waiting requests take free slots and their prompts are written into the
 cache a chunk at a time (a few compiled chunk lengths), a bounded number of prompt tokens
-per step, so a long prompt never stalls the running decodes for its whole prefill. Finished requests free
-their slot and pages at once. When the page pool runs dry, the newest request is
+per step, so a long prompt never stalls the running decodes for its whole prefill. Prompts
+that arrive together are written together: each chunk length is also compiled for as many
+rows as the budget allows. Finished requests free their slot and pages at once. When the page pool runs dry, the newest request is
 preempted: its pages are freed and it is recomputed later, with the same tokens, since a
 row's random key depends only on its seed and position.
 """
@@ -35,8 +36,8 @@ class Engine:
   slots: sequences decoded together; max_seq_len: longest prompt + completion (default the
   model's); page_size / num_pages: the KV cache pool (default: every slot at max_seq_len);
   prefill_chunks: the prompt chunk lengths compiled; prefill_budget: prompt tokens written
-  per step before the decode step runs (default: the longest chunk), which bounds how long
-  new prompts delay the running decodes; kv_cache: "int8" | "int4" | "int2" stores the cache
+  per step before the decode step runs (default: the longest chunk, and at least 512), which
+  bounds how long new prompts delay the running decodes; kv_cache: "int8" | "int4" | "int2" stores the cache
   quantized (models/kv_cache_quantized.py), None or "float" in the compute dtype.
   Everything compiles in the constructor.
   """
@@ -56,7 +57,9 @@ class Engine:
                        f"{self.max_seq_len} ({self.pages_per_seq} pages of {page_size}): raise it")
     self.pool = PagePool(num_pages, page_size)
     self.chunks = sorted({min(c, self.max_seq_len) for c in prefill_chunks})
-    self.prefill_budget = prefill_budget or self.chunks[-1]
+    self.prefill_budget = prefill_budget or max(self.chunks[-1], 512)
+    # Rows of the widest fill program per chunk length: one row always, more when they fit the budget.
+    self.fill_rows = {c: max(1, min(slots, self.prefill_budget // c)) for c in self.chunks}
     self.kv_quantization = None if kv_cache in (None, "float") else KVQuantization(kv_cache, page_size, 0)
     self._cache_layout = (num_pages, page_size, cache_dtype or cfg.compute_dtype)
     self.slots: list[Request | None] = [None] * slots
@@ -89,7 +92,8 @@ class Engine:
       return jax.jit(make, out_shardings=shardings)()
 
   def _compile_all(self, echo):
-    shapes = [("step", len(self.slots), 1)] + [("fill", 1, c) for c in self.chunks]
+    fills = sorted({(rows, c) for c, widest in self.fill_rows.items() for rows in (1, widest)})
+    shapes = [("step", len(self.slots), 1)] + [("fill", rows, c) for rows, c in fills]
     started = time.perf_counter()
     for i, (kind, batch, length) in enumerate(shapes, 1):
       echo(f"compiling {kind} [{batch} x {length}] ({i}/{len(shapes)})")
@@ -157,7 +161,7 @@ class Engine:
         self.slots[i] = self.waiting.popleft()
     budget = self.prefill_budget
     while budget > 0 and (prefilling := [r for r in self.slots if r is not None and r.prefilling]):
-      budget -= self.prefill_chunk(min(prefilling, key=lambda r: r.arrival))
+      budget -= self.prefill(sorted(prefilling, key=lambda r: r.arrival))
     if any(r is not None and not r.prefilling for r in self.slots):
       events += self._decode()
     return events
@@ -172,28 +176,37 @@ class Engine:
       self.waiting.appendleft(newest)
       self.stats["preemptions"] += 1
 
-  def prefill_chunk(self, request: Request) -> int:
-    """Write the next prompt chunk of `request` into the cache (one compiled `fill`);
-    returns the chunk length run."""
-    context, start = request.context, request.cached
-    remaining = len(context) - 1 - start
+  def prefill(self, requests: list[Request]) -> int:
+    """Write the next prompt chunk of requests[0] into the cache, together with the next
+    chunks of as many of the others (in order) as the widest fill program for that chunk
+    length holds: one compiled `fill`. Returns the prompt positions it computed (padding
+    included)."""
+    first = requests[0]
+    remaining = len(first.context) - 1 - first.cached
     fitting = [c for c in self.chunks if c <= remaining]
     chunk = fitting[-1] if fitting else next(c for c in self.chunks if c >= remaining)
-    count = min(chunk, remaining)
-    self._reserve(request, start + count)
-    tokens = np.zeros((1, chunk), np.int32)
-    positions = np.full((1, chunk), -1, np.int32)
-    tokens[0, :count] = context[start:start + count]
-    positions[0, :count] = np.arange(start, start + count)
-    table = page_table_rows([request.pages], self.pages_per_seq)
-    # A request's slot names its tail page in a quantized cache (the speculative decoder's rows
-    # are not in slots: they use their row order, which is their slot order there).
-    row = self.slots.index(request) if request in self.slots else request.row
+    end = lambda r: min(r.cached + chunk, len(r.context) - 1)  # noqa: E731
+    self._reserve(first, end(first))
+    # The others join only if their pages are free: they never preempt anyone.
+    group = [first] + [r for r in requests[1:self.fill_rows[chunk]] if self.pool.grow(r.pages, end(r))]
+    rows = 1 if len(group) == 1 else self.fill_rows[chunk]
+    tokens = np.zeros((rows, chunk), np.int32)
+    positions = np.full((rows, chunk), -1, np.int32)
+    tails = np.zeros((rows,), np.int32)  # padding rows write nothing
+    for i, request in enumerate(group):
+      start = request.cached
+      count = min(chunk, len(request.context) - 1 - start)
+      tokens[i, :count] = request.context[start:start + count]
+      positions[i, :count] = np.arange(start, start + count)
+      # A request's slot names its tail page in a quantized cache (the speculative decoder's
+      # rows are not in slots: they use their row order, which is their slot order there).
+      tails[i] = self.slots.index(request) if request in self.slots else request.row
+      request.cached += count
+      self.stats["prefill_tokens"] += count
+    table = page_table_rows([r.pages for r in group] + [[]] * (rows - len(group)), self.pages_per_seq)
     self.cache = self.programs.run("fill", self.params, self.model_state, self.cache, tokens, positions, table,
-                                   np.asarray([row], np.int32))
-    request.cached += count
-    self.stats["prefill_tokens"] += count
-    return chunk
+                                   tails)
+    return rows * chunk
 
   def _decode(self) -> list:
     for request in sorted((r for r in self.slots if r is not None and not r.prefilling),

@@ -109,7 +109,7 @@ class SpeculativeDecoder:
     for engine, group in ((self.target, requests), (self.draft, drafts)):
       for request in group:
         while request.prefilling:
-          engine.prefill_chunk(request)
+          engine.prefill([request])
     rows = row_arrays([r.sampling for r in requests] + [None] * (self.batch - len(requests)))
     try:
       while any(r.finish_reason is None for r in requests):
