@@ -237,14 +237,6 @@ class Engine:
     self.stats["decode_steps"] += 1
     return events
 
-  def score(self, tokens, positions, page_table):
-    """Every position's logits [B, T, vocab] for new tokens [B, T] at positions [B, T]
-    (negative: padding), written into the cache; (B, T) must have been compiled with
-    `programs.compile("score", B, T, pages_per_seq)`."""
-    logits, self.cache = self.programs.run("score", self.params, self.model_state, self.cache,
-                                           tokens, positions, page_table, np.arange(len(tokens), dtype=np.int32))
-    return logits
-
   def reset(self) -> list[Request]:
     """After a failed step: end every request in flight ("error"), free every page, and
     rebuild the cache if the failure consumed its buffers. Returns the ended requests."""

@@ -2,13 +2,14 @@
 
 `step` feeds one new token per slot through the model and the paged KV cache and samples
 each slot's next token (decode); `fill` only writes a chunk of prompt tokens into the cache
-(prefill); `score` returns every position's logits for several new tokens per row (the
-target's verify pass in speculative decoding). The cache is donated, so it is updated in
-place. Every shape is compiled at start-up; calling with another shape is an error rather
+(prefill). Other modules add their own `Kind`s (speculative decoding's draft and target
+rounds). The cache is donated, so it is updated in place. Every shape is compiled at start-up; calling with another shape is an error rather
 than a silent recompile.
 """
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,13 +36,24 @@ def _fill(graphdef, kv, params, model_state, cache, tokens, positions, page_tabl
                                                                 kv_quantization=kv, tail_index=rows)
 
 
-def _score(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows):
-  logits, cache = nnx.merge(graphdef, params, model_state).decode(tokens, positions, cache, page_table,
-                                                                  kv_quantization=kv, tail_index=rows)
-  return logits.astype(jnp.float32), cache
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """A program: body(graphdef, kv_quantization, params, model_state, cache, tokens, positions,
+  page_table, rows, *extra) returning its outputs then the cache; `extra(batch, length, vocab)`
+  gives the other arguments' shapes and dtypes (each row-major: sharded by its first axis);
+  `outputs` says which outputs are per row (sharded like the rows) and which are not."""
+  body: Callable
+  extra: Callable = lambda batch, length, vocab: ()
+  outputs: tuple[str | None, ...] = ()
 
 
-_KINDS = {"step": _step, "fill": _fill, "score": _score}
+def settings_struct(batch: int) -> dict:
+  """Each row's sampling settings (`sampling.row_arrays`)."""
+  return {k: jax.ShapeDtypeStruct((batch,), dtype) for k, dtype in SETTINGS.items()}
+
+
+KINDS = {"step": Kind(_step, lambda batch, *_: (settings_struct(batch),), ("rows", "rows")),
+         "fill": Kind(_fill)}
 
 
 def _struct(x, sharding=None):
@@ -58,24 +70,30 @@ class Programs:
     self._cache_shardings = jax.tree.map(lambda x: x.sharding, cache)
     self.compiled = {}
 
-  def _rows(self, batch: int):
-    """Shardings of per-row arrays: rows over the batch axes when they divide them."""
-    mesh = self.runtime.mesh
-    spec = (logical_to_sharding(("batch",), (batch,), mesh, self.runtime.rules).spec
+  def _rows(self, batch: int) -> NamedSharding:
+    """Sharding of per-row arrays: rows over the batch axes when they divide them."""
+    spec = (logical_to_sharding(("batch",), (batch,), self.runtime.mesh, self.runtime.rules).spec
             if batch > 1 else PartitionSpec())
-    return NamedSharding(mesh, spec), NamedSharding(mesh, PartitionSpec(*(tuple(spec) or (None,)), None))
+    return NamedSharding(self.runtime.mesh, spec)
 
-  def compile(self, kind: str, batch: int, length: int, pages_per_seq: int):
-    rows, matrix = self._rows(batch)
-    args = [jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=matrix),
-            jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=matrix),
-            jax.ShapeDtypeStruct((batch, pages_per_seq), jnp.int32, sharding=matrix),
-            jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows)]  # each row's slot
-    if kind == "step":
-      args.append({k: jax.ShapeDtypeStruct((batch,), dtype, sharding=rows) for k, dtype in SETTINGS.items()})
-    out = {"step": (rows, rows, self._cache_shardings), "fill": self._cache_shardings,
-           "score": (None, self._cache_shardings)}[kind]
-    fn = functools.partial(_KINDS[kind], self.runtime.graphdef, self.kv_quantization)
+  def compile(self, kind: str, batch: int, length: int, pages_per_seq: int, program: Kind | None = None):
+    """Compile `kind` (one of KINDS, or any name for `program`) for [batch, length] tokens."""
+    rows = self._rows(batch)
+    mesh = self.runtime.mesh
+
+    def row_major(shape, dtype):  # sharded like the rows: over their first axis
+      spec = PartitionSpec(*(tuple(rows.spec) or (None,)), *([None] * (len(shape) - 1)))
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+    args = [row_major((batch, length), jnp.int32),
+            row_major((batch, length), jnp.int32),
+            row_major((batch, pages_per_seq), jnp.int32),
+            row_major((batch,), jnp.int32)]  # each row's slot
+    program = program or KINDS[kind]
+    args += jax.tree.map(lambda x: row_major(x.shape, x.dtype),
+                         program.extra(batch, length, self.runtime.model_config.vocab_size))
+    per_row = tuple(rows if o == "rows" else None for o in program.outputs)
+    out = (*per_row, self._cache_shardings) if per_row else self._cache_shardings
+    fn = functools.partial(program.body, self.runtime.graphdef, self.kv_quantization)
     with self.runtime.context():
       jitted = jax.jit(fn, out_shardings=out, donate_argnums=(2,))
       self.compiled[kind, batch, length] = jitted.lower(*self._state, *args).compile()

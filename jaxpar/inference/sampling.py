@@ -116,10 +116,15 @@ def filtered_probs(logits, settings: dict):
   """The distribution each row samples from [B, V]: temperature, top-k and top-p applied;
   one-hot on the argmax for greedy rows."""
   logits = logits.astype(jnp.float32)
-  scaled = logits / jnp.maximum(settings["temperature"], 1e-6)[:, None]
-  probs = _filtered_probs(scaled, settings["top_k"], settings["top_p"])
+  temperature, top_k, top_p = settings["temperature"], settings["top_k"], settings["top_p"]
+  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+  sampled = temperature > 0
+  # The filters' bisections cost more than the model on small ones: run them only when a row needs them.
+  probs = jax.lax.cond(jnp.any(sampled & ((top_k > 0) | (top_p < 1))),
+                       lambda: _filtered_probs(scaled, top_k, top_p),
+                       lambda: jax.nn.softmax(scaled, axis=-1))
   greedy = jax.nn.one_hot(argmax(logits), logits.shape[-1])
-  return jnp.where((settings["temperature"] > 0)[:, None], probs, greedy)
+  return jnp.where(sampled[:, None], probs, greedy)
 
 
 def row_keys(settings: dict, positions, stream: int = 0):

@@ -9,15 +9,20 @@ hot p and q) give exactly the target's greedy tokens.
 
 Both engines keep their own paged caches. Positions past what was accepted hold stale keys
 and values, never read (attention stops at each query's position) and overwritten next round.
+A round is two compiled programs: the draft's k proposals (a loop on the device), and the
+target's pass with the acceptance test.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxpar.inference.pages import page_table_rows
+from jaxpar.inference.programs import Kind, settings_struct
 from jaxpar.inference.requests import Completion, Request
 from jaxpar.inference.sampling import GREEDY, SamplingParams, filtered_probs, row_arrays, row_keys
 
@@ -40,7 +45,6 @@ class SpeculativeStats:
     return self.tokens / max(self.rounds, 1)
 
 
-@jax.jit
 def _propose(logits, settings, positions):
   """The draft's distribution at each row's last valid position and a token drawn from it."""
   probs = filtered_probs(logits, settings)
@@ -49,12 +53,55 @@ def _propose(logits, settings, positions):
   return tokens.astype(jnp.int32), probs
 
 
-@jax.jit
-def _target_probs(logits, settings):
-  return jax.vmap(filtered_probs, in_axes=(1, None), out_axes=1)(logits, settings)
+def _draft_round(k, graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings):
+  """What the draft's cache lacks, tokens [B, 2] at positions [B, 2] (negative: padding),
+  then k proposals, each fed back but the last -> (proposed [B, k], the distributions they
+  were drawn from [B, k, V], cache)."""
+  model = nnx.merge(graphdef, params, model_state)
+
+  def feed(cache, tokens, positions):
+    logits, cache = model.decode(tokens, positions, cache, page_table, kv_quantization=kv, tail_index=rows)
+    return logits[:, -1].astype(jnp.float32), cache
+
+  def propose_and_feed(carry, _):
+    cache, logits, position = carry
+    token, probs = _propose(logits, settings, jnp.maximum(position, 0) + 1)
+    position = jnp.where(position >= 0, position + 1, -1)
+    logits, cache = feed(cache, token[:, None], position[:, None])
+    return (cache, logits, position), (token, probs)
+
+  logits, cache = feed(cache, tokens, positions)
+  (cache, logits, position), (fed, fed_probs) = jax.lax.scan(
+      propose_and_feed, (cache, logits, positions[:, -1]), length=k - 1)
+  last, last_probs = _propose(logits, settings, jnp.maximum(position, 0) + 1)
+  proposed = jnp.concatenate([fed.T, last[:, None]], axis=1)
+  probs = jnp.concatenate([jnp.moveaxis(fed_probs, 0, 1), last_probs[:, None]], axis=1)
+  return proposed, probs, cache
 
 
-@jax.jit
+def _target_round(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings,
+                  draft_probs, proposed):
+  """The target's pass over [last token, *proposed] and the acceptance test -> (accepted
+  count [B], the token after them [B], cache)."""
+  logits, cache = nnx.merge(graphdef, params, model_state).decode(tokens, positions, cache, page_table,
+                                                                  kv_quantization=kv, tail_index=rows)
+  target_probs = jax.vmap(filtered_probs, in_axes=(1, None), out_axes=1)(logits.astype(jnp.float32), settings)
+  accepted, token = verify(target_probs, draft_probs, proposed, settings, jnp.maximum(positions, 0) + 1)
+  return accepted, token, cache
+
+
+def _draft_program(k):
+  return Kind(functools.partial(_draft_round, k), lambda batch, *_: (settings_struct(batch),), (None, None))
+
+
+def _target_extra(batch, length, vocab):
+  return (settings_struct(batch), jax.ShapeDtypeStruct((batch, length - 1, vocab), jnp.float32),
+          jax.ShapeDtypeStruct((batch, length - 1), jnp.int32))
+
+
+_TARGET_PROGRAM = Kind(_target_round, _target_extra, ("rows", "rows"))
+
+
 def verify(target_probs, draft_probs, proposed, settings, positions):
   """target_probs [B, k+1, V], draft_probs [B, k, V], proposed [B, k] int; positions [B, k+1]:
   where each checked token would go. -> (accepted count [B], the token after them [B])."""
@@ -86,9 +133,8 @@ class SpeculativeDecoder:
       raise ValueError("the draft and target models must share a vocabulary (and tokenizer)")
     self.target, self.draft, self.k = target, draft, k
     self.batch = len(target.slots)
-    for engine, lengths in ((target, (k + 1,)), (draft, (1, 2))):
-      for length in lengths:
-        engine.programs.compile("score", self.batch, length, engine.pages_per_seq)
+    target.programs.compile("speculate", self.batch, k + 1, target.pages_per_seq, _TARGET_PROGRAM)
+    draft.programs.compile("propose", self.batch, 2, draft.pages_per_seq, _draft_program(k))
     self.stats = SpeculativeStats()
 
   def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] = GREEDY) -> list[Completion]:
@@ -127,18 +173,18 @@ class SpeculativeDecoder:
       for request, n, alive in zip(group, starts, live):
         if alive and not engine.pool.grow(request.pages, n + extra):
           raise RuntimeError("the KV page pool is too small for speculative decoding: raise num_pages")
-    proposed, draft_probs = self._draft(requests, drafts, live, starts, settings)
+    proposed, draft_probs = self._draft(drafts, live, starts, settings)
     tokens = np.zeros((self.batch, k + 1), np.int32)
     positions = np.full((self.batch, k + 1), -1, np.int32)
     for i, (request, n) in enumerate(zip(requests, starts)):
       if live[i]:
         tokens[i] = [request.context[-1], *proposed[i]]
         positions[i] = np.arange(n - 1, n + k)
-    table = page_table_rows([r.pages for r in requests] + [[]] * (self.batch - len(requests)),
-                            self.target.pages_per_seq)
-    target_probs = _target_probs(self.target.score(tokens, positions, table), settings)
-    accepted, bonus = verify(target_probs, draft_probs, jnp.asarray(proposed), settings,
-                             jnp.asarray(np.maximum(positions, 0) + 1))
+    target = self.target
+    table = page_table_rows([r.pages for r in requests] + [[]] * (self.batch - len(requests)), target.pages_per_seq)
+    accepted, bonus, target.cache = target.programs.run(
+        "speculate", target.params, target.model_state, target.cache, tokens, positions, table,
+        np.arange(self.batch, dtype=np.int32), settings, draft_probs, proposed)
     accepted, bonus = np.asarray(accepted), np.asarray(bonus)
     self.stats.rounds += sum(live)
     for i, (request, draft, n) in enumerate(zip(requests, drafts, starts)):
@@ -157,25 +203,20 @@ class SpeculativeDecoder:
       draft.cached = min(n + k - 1, len(request.context) - 1)
       draft.generated = list(request.generated)
 
-  def _draft(self, requests, drafts, live, starts, settings):
-    """k proposals per live row, and the draft's distributions they came from."""
-    k, table = self.k, page_table_rows([d.pages for d in drafts] + [[]] * (self.batch - len(drafts)),
-                                       self.draft.pages_per_seq)
+  def _draft(self, drafts, live, starts, settings):
+    """k proposals per live row [B, k] (host), and the draft's distributions they came from."""
+    draft = self.draft
+    table = page_table_rows([d.pages for d in drafts] + [[]] * (self.batch - len(drafts)), draft.pages_per_seq)
     # Catch up: feed what the draft's cache lacks (the last token, and the one before it
-    # when every proposal was accepted last round), then one token per step.
+    # when every proposal was accepted last round).
     tokens = np.zeros((self.batch, 2), np.int32)
     positions = np.full((self.batch, 2), -1, np.int32)
-    for i, (draft, n) in enumerate(zip(drafts, starts)):
+    for i, (request, n) in enumerate(zip(drafts, starts)):
       if live[i]:
-        feed = draft.context[draft.cached:n]
+        feed = request.context[request.cached:n]
         tokens[i, 2 - len(feed):] = feed
         positions[i, 2 - len(feed):] = np.arange(n - len(feed), n)
-    proposed, probs = [], []
-    for step in range(k):
-      logits = self.draft.score(tokens, positions, table)[:, -1]
-      token, q = _propose(logits, settings, jnp.asarray(np.maximum(positions[:, -1], 0) + 1))
-      proposed.append(np.asarray(token))
-      probs.append(q)
-      tokens = proposed[-1][:, None].astype(np.int32)
-      positions = np.where(positions[:, -1:] >= 0, positions[:, -1:] + 1, -1).astype(np.int32)
-    return np.stack(proposed, axis=1), jnp.stack(probs, axis=1)
+    proposed, probs, draft.cache = draft.programs.run(
+        "propose", draft.params, draft.model_state, draft.cache, tokens, positions, table,
+        np.arange(self.batch, dtype=np.int32), settings)
+    return np.asarray(proposed), probs
