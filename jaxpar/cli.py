@@ -56,7 +56,7 @@ def _cmd_train(ns):
     with trainer.context():
       text = greedy_sample(trainer.graphdef, result.state.params, tokenizer,
                            config.train.sample_prompt, config.train.sample_tokens,
-                           config.model.max_seq_len)
+                           config.model.max_seq_len, result.state.model_state)
     console.print("[bold]sample[/bold] (greedy):", markup=True)
     console.print(config.train.sample_prompt + text, markup=False, highlight=False)
 

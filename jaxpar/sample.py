@@ -10,19 +10,20 @@ import numpy as np
 from flax import nnx
 
 
-def greedy_sample(graphdef, params, tokenizer, prompt: str, num_tokens: int, max_len: int) -> str:
+def greedy_sample(graphdef, params, tokenizer, prompt: str, num_tokens: int, max_len: int,
+                  model_state=None) -> str:
   prompt_ids = tokenizer.encode(prompt)[-max_len + num_tokens:] if num_tokens < max_len else []
   length = min(len(prompt_ids) + num_tokens, max_len)
   buffer = np.zeros((1, length), np.int32)
   buffer[0, :len(prompt_ids)] = prompt_ids
 
   @jax.jit
-  def next_token(params, tokens, position):
-    logits, _ = nnx.merge(graphdef, params)(tokens)
+  def next_token(params, model_state, tokens, position):
+    logits, _ = nnx.merge(graphdef, params, model_state)(tokens)
     return jnp.argmax(logits[0, position - 1]).astype(jnp.int32)
 
   tokens = jnp.asarray(buffer)
   for position in range(len(prompt_ids), length):
-    token = next_token(params, tokens, position)
+    token = next_token(params, model_state or {}, tokens, position)
     tokens = tokens.at[0, position].set(token)
   return tokenizer.decode(np.asarray(tokens[0, len(prompt_ids):]).tolist())

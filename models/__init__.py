@@ -5,15 +5,17 @@ registers the shipped ones. Nothing here changes global Flax behaviour: `build_m
 scopes what it needs.
 """
 
-from jaxpar.models import llama, mlp  # noqa: F401  (register the shipped family and block)
+from jaxpar.models import llama, mlp, moe_families  # noqa: F401  (register the shipped families and blocks)
 from jaxpar.models.attention import Attention
 from jaxpar.models.config import ModelConfig, RopeScaling
 from jaxpar.models.decoder import DecoderLayer, LayerContext
 from jaxpar.models.mlp import MLP
+from jaxpar.models.moe import MoE
+from jaxpar.models.moe_config import MoEConfig, MoEModelConfig
 from jaxpar.models.registry import (HFMapping, ModelFamily, block_names, build_model, family_names,
                                     get_block, get_family, register_block, register_family)
 from jaxpar.models.transformer import Transformer
 
-__all__ = ["Attention", "DecoderLayer", "HFMapping", "LayerContext", "MLP", "ModelConfig",
-           "ModelFamily", "RopeScaling", "Transformer", "block_names", "build_model",
-           "family_names", "get_block", "get_family", "register_block", "register_family"]
+__all__ = ["Attention", "DecoderLayer", "HFMapping", "LayerContext", "MLP", "ModelConfig", "MoE",
+           "MoEConfig", "MoEModelConfig", "ModelFamily", "RopeScaling", "Transformer", "block_names",
+           "build_model", "family_names", "get_block", "get_family", "register_block", "register_family"]
