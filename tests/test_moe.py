@@ -14,7 +14,7 @@ from jaxpar.config import MeshConfig
 from jaxpar.mesh import build_mesh, resolve_rules
 from jaxpar.models import MoEConfig, router
 from jaxpar.pallas_kernels.moe import (grouped_ffn, grouped_ffn_reference, rank_within, routed_experts,
-                                       routed_experts_reference)
+                                       routed_experts_reference, take_rows)
 
 B, L, D, F, E, K = 8, 16, 32, 48, 8, 2
 RNG = np.random.default_rng(0)
@@ -38,26 +38,41 @@ MESHES = {"ep2_fsdp4": {"expert": 2, "fsdp": 4}, "ep8": {"expert": 8, "fsdp": 1}
 @pytest.mark.parametrize("implementation", ["blocked", "ragged"])
 def test_grouped_ffn_matches_reference_forward_and_backward(implementation):
   rows = jnp.asarray(RNG.normal(size=(100, D)), jnp.float32)
-  sizes = jnp.asarray([30, 0, 7, 1, 20, 0, 12, 9], jnp.int32)  # 79 rows; 21 rows past the groups
+  # Uneven groups in any order, two experts unused, and rows of no expert (group E).
+  groups = jnp.asarray(RNG.choice([0, 2, 3, 4, 6, 7, E], size=100, p=[.3, .1, .02, .2, .13, .1, .15]), jnp.int32)
 
   @jax.jit
   def run(rows, gate, up, down):
     def both(fn):
-      return jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(a[0], sizes, *a[1:]))),
+      return jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(a[0], groups, *a[1:]))),
                                 argnums=(0, 1, 2, 3))(rows, gate, up, down)
     got = both(lambda *a: grouped_ffn(*a, implementation=implementation, block=8))
-    return got, both(grouped_ffn_reference), grouped_ffn(rows, sizes, gate, up, down,
+    return got, both(grouped_ffn_reference), grouped_ffn(rows, groups, gate, up, down,
                                                          implementation=implementation)
   (got, got_grads), (want, want_grads), out = run(rows, GATE, UP, DOWN)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   for g, w in zip(got_grads, want_grads):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
-  assert not np.any(np.asarray(out)[79:])  # rows past the last group stay zero
+  assert not np.any(np.asarray(out)[np.asarray(groups) == E])  # rows of no expert stay zero
 
 
-def test_rank_within_counts_in_index_order():
-  keys = jnp.asarray([2, 0, 2, 1, 0, 2], jnp.int32)
-  np.testing.assert_array_equal(rank_within(keys, 3), [0, 0, 1, 0, 1, 2])
+@pytest.mark.parametrize("num_keys", [3, 100])  # a running count, and a sort past 64 keys
+def test_rank_within_counts_in_index_order(num_keys):
+  keys = RNG.integers(0, 3, 700)
+  want = [int(np.sum(keys[:i] == keys[i])) for i in range(len(keys))]
+  np.testing.assert_array_equal(rank_within(jnp.asarray(keys, jnp.int32), num_keys), want)
+
+
+def test_take_rows_gradient_is_the_gather_transpose():
+  x = jnp.asarray(RNG.normal(size=(6, 3)), jnp.float32)
+  index = jnp.asarray([4, 0, 6, 4, 2, 0, 5], jnp.int32)  # 6: a zero row; rows 1 and 3 unread
+  readers = jnp.asarray([[1, 5], [7, 7], [4, 7], [7, 7], [0, 3], [6, 7]], jnp.int32)  # 7: nobody
+  weights = jnp.asarray(RNG.normal(size=(7, 3)), jnp.float32)
+  loss = lambda fn: lambda x: jnp.sum(jnp.sin(fn(x) * weights))  # noqa: E731
+  plain = jax.value_and_grad(loss(lambda x: jnp.take(x, index, axis=0, mode="fill", fill_value=0)))(x)
+  ours = jax.value_and_grad(loss(lambda x: take_rows(x, index, readers)))(x)
+  np.testing.assert_allclose(ours[0], plain[0], rtol=1e-6)
+  np.testing.assert_allclose(ours[1], plain[1], rtol=1e-6)
 
 
 def _on_mesh(sizes, fn, *args):
@@ -93,18 +108,19 @@ def test_dropless_dispatch_keeps_every_assignment_once(mesh, routing):
 
 def _expected_kept(ids, rows_per_group, limit_fn):
   """numpy: per group of batch rows (one device's tokens), keep an assignment when its rank
-  among the group's assignments with the same key (limit_fn's key) is below the limit."""
+  among the group's assignments with the same key (limit_fn's key) is below the limit,
+  counting every token's first choice before any second choice."""
   ids = np.asarray(ids)
   kept = np.zeros(ids.shape, bool)
   for start in range(0, ids.shape[0], rows_per_group):
-    flat = ids[start:start + rows_per_group].reshape(-1)
-    keys, limit = limit_fn(flat)
+    group = ids[start:start + rows_per_group]
+    keys, limit = limit_fn(group.reshape(-1, K).T.reshape(-1))  # choice-major
     seen = {}
     keep = []
     for key in keys:
       keep.append(seen.get(key, 0) < limit)
       seen[key] = seen.get(key, 0) + 1
-    kept[start:start + rows_per_group] = np.asarray(keep).reshape(ids[start:start + rows_per_group].shape)
+    kept[start:start + rows_per_group] = np.asarray(keep).reshape(K, -1).T.reshape(group.shape)
   return kept
 
 
@@ -130,7 +146,7 @@ def test_bounded_ep_buffer_drops_exactly_the_overflow():
   assignments = rows * L * K
   buffer = int(np.ceil(1.0 * assignments / ep))  # ep_buffer_factor=1: a balanced share
   # The skewed routing sends everything to EP device 0: each device keeps `buffer` of its
-  # assignments (in assignment order) and drops the rest, counted exactly.
+  # assignments (first choices first) and drops the rest, counted exactly.
   want = _expected_kept(SKEWED_IDS, rows, lambda flat: (flat // (E // ep), buffer))
   assert (~want).sum() == 8 * (assignments - buffer)
   fn = lambda *a: routed_experts(*a, ep_buffer_factor=1.0)  # noqa: E731

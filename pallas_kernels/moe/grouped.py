@@ -1,20 +1,24 @@
-"""Grouped SwiGLU: rows sorted by expert, each contiguous group through its own expert.
+"""Grouped SwiGLU: each row through the expert its group names.
 
 implementation:
-  blocked    (auto) the rows are cut into blocks of one expert each (every group padded to
-             whole blocks) and a loop runs one dense SwiGLU per block, skipping empty blocks:
+  blocked    (auto) rows are laid out by group, each group padded to whole blocks of
+             `block` rows, and a loop runs one dense SwiGLU per block, skipping empty blocks:
              the matmul work is the real rows plus at most one block per expert, whatever
              the buffer size, on every backend.
-  ragged     `jax.lax.ragged_dot`. On CPU XLA expands it to a dense matmul over every
-             expert (E times the work), and libtpu compiles its weight gradient the same
-             way; measured in benchmarks/moe.py.
+  ragged     `jax.lax.ragged_dot` over the rows sorted by group. On CPU XLA expands it to a
+             dense matmul over every expert (E times the work), and libtpu compiles its
+             weight gradient the same way; measured in benchmarks/moe.py.
   reference  every expert on every row (pallas_kernels/moe/reference.py).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.pallas_kernels.moe.reference import grouped_ffn_reference, swiglu
+from jaxpar.pallas_kernels.moe.reference import grouped_ffn_reference
+from jaxpar.pallas_kernels.moe.rows import inverse, rank_within, take_rows
 from jaxpar.pallas_kernels.tiling import round_up
 
 IMPLEMENTATIONS = ("auto", "blocked", "ragged", "reference")
@@ -29,47 +33,56 @@ def block_rows(expected_rows: int, num_groups: int) -> int:
   return int(min(512, max(128, 1 << (share.bit_length() - 1))))
 
 
-def _blocked_ffn(rows, group_sizes, gate, up, down, block):
+def _blocked_ffn(rows, groups, gate, up, down, block):
   num_rows, dim = rows.shape
-  groups = group_sizes.shape[0]
-  num_blocks = -(-num_rows // block) + groups  # enough for every group's last partial block
-  padded = round_up(group_sizes, block)
+  num_groups = gate.shape[0]
+  num_blocks = -(-num_rows // block) + num_groups  # room for every group's last partial block
+  sizes = jnp.zeros((num_groups,), jnp.int32).at[groups].add(1, mode="drop")
+  padded = round_up(sizes, block)
   padded_ends = jnp.cumsum(padded)
-  ends = jnp.cumsum(group_sizes)
-  # Row r of the sorted rows: its group and rank -> its slot in the padded layout.
-  row_group = jnp.searchsorted(ends, jnp.arange(num_rows), side="right")
-  safe = jnp.minimum(row_group, groups - 1)
-  rank = jnp.arange(num_rows) - (ends - group_sizes)[safe]
-  slot = jnp.where(row_group < groups, padded_ends[safe] - padded[safe] + rank, num_blocks * block)
-  blocks = jnp.zeros((num_blocks * block, dim), rows.dtype).at[slot].set(rows, mode="drop")
+  # Row r goes to slot (its group's first padded slot + its rank in the group).
+  group = jnp.minimum(groups, num_groups - 1)
+  slot = jnp.where(groups < num_groups, padded_ends[group] - padded[group] + rank_within(groups, num_groups + 1),
+                   num_blocks * block)
+  holder = inverse(slot, num_blocks * block)  # the row each slot holds (num_rows: none)
+  blocks = take_rows(rows, holder[:, 0], slot[:, None])
   block_group = jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right")
 
+  def expert(x, e):
+    hidden = (jax.nn.silu(checkpoint_name(x @ gate[e], "moe_gate"))
+              * checkpoint_name(x @ up[e], "moe_up"))
+    return hidden @ down[e]
+
+  # For the backward pass keep each block's two hidden activations (as a dense MLP does)
+  # and nothing else: saving the weight slices would store a [D, F] copy per block.
+  @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(
+      "moe_gate", "moe_up"))
   def one_block(args):
     x, g = args
-    e = jnp.minimum(g, groups - 1)
-    return jax.lax.cond(g < groups, lambda: swiglu(x, gate[e], up[e], down[e]),
+    return jax.lax.cond(g < num_groups, lambda: expert(x, jnp.minimum(g, num_groups - 1)),
                         lambda: jnp.zeros_like(x))
 
   out = jax.lax.map(one_block, (blocks.reshape(num_blocks, block, dim), block_group))
-  return jnp.take(out.reshape(-1, dim), slot, axis=0, mode="fill", fill_value=0)
+  return take_rows(out.reshape(-1, dim), slot, holder)
 
 
-def _ragged_ffn(rows, group_sizes, gate, up, down):
-  hidden = (jax.nn.silu(jax.lax.ragged_dot(rows, gate, group_sizes))
-            * jax.lax.ragged_dot(rows, up, group_sizes))
-  return jax.lax.ragged_dot(hidden, down, group_sizes)
+def _ragged_ffn(rows, groups, gate, up, down):
+  order = jnp.argsort(groups, stable=True)
+  sizes = jnp.zeros((gate.shape[0],), jnp.int32).at[groups].add(1, mode="drop")
+  x = rows[order]
+  hidden = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
+  return jnp.zeros_like(rows).at[order].set(jax.lax.ragged_dot(hidden, down, sizes))
 
 
-def grouped_ffn(rows, group_sizes, gate, up, down, *, implementation="auto", block=None):
-  """rows [R, D] sorted by group; group_sizes int [G] (sum <= R); gate, up [G, D, F];
-  down [G, F, D] -> [R, D]. Rows past the last group come out as zeros.
+def grouped_ffn(rows, groups, gate, up, down, *, implementation="auto", block=None):
+  """rows [R, D]; groups int [R] in [0, G] -> [R, D]: row r through expert groups[r]
+  (gate, up [G, D, F]; down [G, F, D]); rows of group G (no expert) come out as zeros.
   block: rows per block of the blocked path (default from R and G)."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"moe.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
-  group_sizes = group_sizes.astype(jnp.int32)
+  groups = groups.astype(jnp.int32)
   if implementation == "reference":
-    return grouped_ffn_reference(rows, group_sizes, gate, up, down)
+    return grouped_ffn_reference(rows, groups, gate, up, down)
   if implementation == "ragged":
-    return _ragged_ffn(rows, group_sizes, gate, up, down)
-  return _blocked_ffn(rows, group_sizes, gate, up, down,
-                      block or block_rows(rows.shape[0], gate.shape[0]))
+    return _ragged_ffn(rows, groups, gate, up, down)
+  return _blocked_ffn(rows, groups, gate, up, down, block or block_rows(rows.shape[0], gate.shape[0]))

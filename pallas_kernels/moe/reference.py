@@ -16,13 +16,13 @@ def _all_experts(x, gate, up, down):
   return jax.vmap(swiglu, in_axes=(None, 0, 0, 0))(x, gate, up, down)
 
 
-def grouped_ffn_reference(rows, group_sizes, gate, up, down):
-  """rows [R, D] sorted by group, group_sizes [G] -> [R, D]: the first group_sizes[0] rows
-  through expert 0, the next through expert 1, ...; rows past the groups give zeros."""
-  group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right")
+def grouped_ffn_reference(rows, groups, gate, up, down):
+  """rows [R, D], groups int [R] in [0, G] -> [R, D]: row r through expert groups[r];
+  group G (no expert) gives zeros."""
   every = _all_experts(rows, gate, up, down)  # [G, R, D]
-  picked = jnp.take_along_axis(every, jnp.minimum(group, gate.shape[0] - 1)[None, :, None], axis=0)[0]
-  return jnp.where((group < gate.shape[0])[:, None], picked, 0)
+  num_groups = gate.shape[0]
+  picked = jnp.take_along_axis(every, jnp.minimum(groups, num_groups - 1)[None, :, None], axis=0)[0]
+  return jnp.where((groups < num_groups)[:, None], picked, 0)
 
 
 def routed_experts_reference(x, expert_ids, weights, gate, up, down):
