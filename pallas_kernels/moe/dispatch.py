@@ -31,6 +31,26 @@ _IN = ("experts", "embed", "mlp")  # gate, up [E, D, F]
 _OUT = ("experts", "mlp", "embed")  # down [E, F, D]
 
 
+def _send_plan(ids, num_local: int, ep_size: int, capacity_factor, ep_buffer_factor):
+  """Where each assignment goes -> (kept bool [A], index int [A] into the send buffer of
+  ep_size x buffer rows, ordered by destination (ep_size x buffer: dropped), buffer)."""
+  assignments = ids.shape[0]
+  kept = jnp.ones((assignments,), bool)
+  if capacity_factor is not None:
+    # Per expert, the first `capacity` of this device's assignments.
+    capacity = max(1, math.ceil(capacity_factor * assignments / (num_local * ep_size)))
+    kept = rank_within(ids, num_local * ep_size) < capacity
+    buffer = min(assignments, num_local * capacity)  # a destination can never overflow
+  elif ep_buffer_factor is None:
+    buffer = assignments
+  else:
+    buffer = min(assignments, max(1, math.ceil(ep_buffer_factor * assignments / ep_size)))
+  dest = jnp.where(kept, ids // num_local, ep_size)  # ep_size: dropped already
+  slot = rank_within(dest, ep_size + 1)
+  kept = kept & (slot < buffer)
+  return kept, jnp.where(kept, dest * buffer + slot, ep_size * buffer), buffer
+
+
 def _per_device(x, expert_ids, weights, gate, up, down, *, axes, ep_size, capacity_factor,
                 ep_buffer_factor, implementation):
   ep, tp, fsdp, replicated = axes["ep"], axes["tp"], axes["fsdp"], axes["replicated"]
@@ -50,31 +70,16 @@ def _per_device(x, expert_ids, weights, gate, up, down, *, axes, ep_size, capaci
   k = expert_ids.shape[-1]
   tokens, assignments = b * length, b * length * k
   num_local = gate.shape[0]
-  num_experts = num_local * ep_size
   # Assignments in choice-major order (a = j x T + t: every token's first choice, then every
   # second choice): a capacity drops later choices first, and on TPU flattening [T, k] with k
   # minor made the index arithmetic below compile 5x slower.
   ids = expert_ids.reshape(tokens, k).T.reshape(assignments).astype(jnp.int32)
-  kept = jnp.ones((assignments,), bool)
-  if capacity_factor is not None:
-    # Per expert, the first `capacity` of this device's assignments.
-    capacity = max(1, math.ceil(capacity_factor * assignments / num_experts))
-    kept = rank_within(ids, num_experts) < capacity
-    buffer = min(assignments, num_local * capacity)  # a destination can never overflow
-  elif ep_buffer_factor is None:
-    buffer = assignments
-  else:
-    buffer = min(assignments, max(1, math.ceil(ep_buffer_factor * assignments / ep_size)))
-  # Each kept assignment's slot in its destination's buffer (ep_size: dropped).
-  dest = jnp.where(kept, ids // num_local, ep_size)
-  slot = rank_within(dest, ep_size + 1)
-  kept = kept & (slot < buffer)
-  index = jnp.where(kept, dest * buffer + slot, ep_size * buffer)
-  # What each buffer row holds: an assignment (assignments: none), its token, its local expert.
-  row_assignment = inverse(index, ep_size * buffer)
-  row_token = jnp.where(row_assignment[:, 0] < assignments, row_assignment[:, 0] % tokens, tokens)
-  row_expert = jnp.where(row_assignment[:, 0] < assignments,
-                         ids[jnp.minimum(row_assignment[:, 0], assignments - 1)] % num_local, num_local)
+  kept, index, buffer = _send_plan(ids, num_local, ep_size, capacity_factor, ep_buffer_factor)
+  # What each send-buffer row holds: an assignment, its token and its expert (or nothing).
+  owner = inverse(index, ep_size * buffer)
+  held = owner[:, 0] < assignments
+  row_token = jnp.where(held, owner[:, 0] % tokens, tokens)
+  row_expert = jnp.where(held, ids[jnp.minimum(owner[:, 0], assignments - 1)] % num_local, num_local)
   rows = take_rows(x.reshape(tokens, dim), row_token, index.reshape(k, tokens).T)
   exchange = functools.partial(jax.lax.all_to_all, axis_name=ep, split_axis=0, concat_axis=0, tiled=True)
   if ep:
@@ -84,7 +89,7 @@ def _per_device(x, expert_ids, weights, gate, up, down, *, axes, ep_size, capaci
                     block=block_rows(assignments, num_local))
   if ep:
     out = exchange(out)
-  mine = take_rows(out, index, row_assignment).reshape(k, tokens, dim)
+  mine = take_rows(out, index, owner).reshape(k, tokens, dim)
   # A weighted sum of k rows, in the compute dtype: a float32 result would make its
   # gradient a float32 copy of all T x k rows.
   y = jnp.einsum("tk,ktd->td", weights.reshape(tokens, k).astype(x.dtype), mine)
