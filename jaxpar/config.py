@@ -127,6 +127,13 @@ class Config(_Frozen):
                        "implementation yet, so every device would repeat the whole sequence; "
                        "set mesh.context=1")
     get_block("feed_forward", m.mlp)
+    moe = getattr(m, "moe", None)
+    if m.mlp == "moe" and moe is None:
+      raise ValueError(f"model.mlp='moe' needs a model.moe section, which model.family={m.family!r} "
+                       "does not have: use a mixture-of-experts family (mixtral, qwen3_moe, deepseek)")
+    if moe is not None and self.mesh.expert > 1 and moe.num_experts % self.mesh.expert:
+      raise ValueError(f"mesh.expert={self.mesh.expert} does not divide model.moe.num_experts="
+                       f"{moe.num_experts}: each device must hold a whole number of experts")
     return self
 
 

@@ -1,11 +1,14 @@
 """Hugging Face <-> jaxpar, for every registered family with an HF mapping (the `llama`
-family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3; see models/llama_hf.py for its names).
+family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, see models/llama_hf.py; `mixtral` and
+`qwen3_moe`, see models/moe_hf.py). HF stores layers (and experts) one tensor each; ours
+are stacked on leading `layers` (and `experts`) axes.
 
 Import reads `config.json` and the `*.safetensors` files (sharded or not) tensor by tensor;
 each device reads only the slice of each tensor that its shard holds, so a model never has
 to fit on one device or in host memory. Export gathers one layer of one tensor at a time.
 """
 
+import itertools
 import json
 from pathlib import Path
 
@@ -35,9 +38,6 @@ def _mapping_for_type(model_type):
       if model_type in mapping.model_types:
         return mapping
       supported += mapping.model_types
-  if model_type == "mixtral":
-    raise ValueError("Mixtral (mixture of experts) is not supported yet: jaxpar has no MoE layers; "
-                     f"convert a dense model ({', '.join(supported)})")
   raise ValueError(f"config.json model_type={model_type!r} is not supported; use one of {supported}")
 
 
@@ -92,8 +92,9 @@ def _to_hf(layout: str, x: np.ndarray) -> np.ndarray:
 
 
 def _entries(params: dict, cfg: ModelConfig):
-  """(our full path, HF name, layout, index into the stacked layer axis or None) for every
-  HF tensor of the model."""
+  """(our full path, HF name, layout, index into our array's leading stacked axes) for every
+  HF tensor of the model. The index is () for an unstacked tensor, (layer,) for a layer of
+  a scanned stack, plus (expert,) for names with an `{expert}` field."""
   mapping = _mapping_for_family(cfg)
   def present(tree, path):
     for key in path:
@@ -103,15 +104,17 @@ def _entries(params: dict, cfg: ModelConfig):
     return True
   for path, name, layout in mapping.top:
     if present(params, path):
-      yield path, name, layout, None
+      yield path, name, layout, ()
   layer0 = params["layers"] if cfg.scan_layers else params["layers"][0]
   for path, name, layout in mapping.layer:
-    if present(layer0, path):
-      for i in range(cfg.num_layers):
-        if cfg.scan_layers:
-          yield ("layers",) + path, f"model.layers.{i}.{name}", layout, i
-        else:
-          yield ("layers", i) + path, f"model.layers.{i}.{name}", layout, None
+    if not present(layer0, path):
+      continue
+    experts = range(_get(layer0, path).shape[int(cfg.scan_layers)]) if "{expert}" in name else [None]
+    for i in range(cfg.num_layers):
+      ours = ("layers",) + path if cfg.scan_layers else ("layers", i) + path
+      for j in experts:
+        index = (i,) * cfg.scan_layers + (() if j is None else (j,))
+        yield ours, f"model.layers.{i}.{name}".format(expert=j), layout, index
 
 
 def _get(tree, path):
@@ -158,14 +161,16 @@ class _SafetensorsDir:
     self._open.clear()  # the handles close (and unmap their files) when dropped
 
 
-def _import_param(source, names, layout, cfg, sharding, shape, dtype, stacked):
-  """One (possibly layer-stacked) parameter, built shard by shard straight onto its devices."""
+def _import_param(source, names: np.ndarray, layout, cfg, sharding, shape, dtype):
+  """One parameter built shard by shard straight onto its devices. `names` holds the HF
+  tensor of each index of the leading stacked axes (layers, experts; 0-d: unstacked)."""
+  lead = names.ndim
+
   def shard(index):
-    if not stacked:
-      return _read_shard(layout, source.slice(names[0]), shape, cfg.head_dim, index).astype(dtype)
-    first, last = _span(index[0], shape[0])
-    return np.stack([_read_shard(layout, source.slice(names[i]), shape[1:], cfg.head_dim, index[1:])
-                     for i in range(first, last)]).astype(dtype)
+    spans = [range(*_span(index[a], shape[a])) for a in range(lead)]
+    blocks = [_read_shard(layout, source.slice(names[i]), shape[lead:], cfg.head_dim, index[lead:])
+              for i in itertools.product(*spans)]
+    return np.stack(blocks).reshape(*map(len, spans), *blocks[0].shape).astype(dtype)
   return jax.make_array_from_callback(shape, sharding, shard)
 
 
@@ -182,19 +187,22 @@ def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: s
   runtime = Runtime(config.model, config.mesh)
   shardings, abstract = runtime.param_shardings, runtime.abstract_params
   names = {}
-  for path, name, layout, _ in _entries(abstract, config.model):
-    names.setdefault(path, (layout, []))[1].append(name)
+  for path, name, layout, index in _entries(abstract, config.model):
+    names.setdefault(path, (layout, {}))[1][index] = name
   source = _SafetensorsDir(hf_dir)
   params = {}
   try:
-    for path, (layout, hf_names) in names.items():
-      missing = [n for n in hf_names if n not in source]
+    for path, (layout, by_index) in names.items():
+      missing = [n for n in by_index.values() if n not in source]
       if missing:
         raise ValueError(f"{hf_dir} has no tensor {missing[0]!r} that a {hf['model_type']} model with "
                          "this config.json needs: the checkpoint is incomplete or of another architecture")
-      stacked = config.model.scan_layers and path[0] == "layers"
+      shape = _get(abstract, path).shape
+      hf_names = np.empty(shape[:len(next(iter(by_index)))], object)
+      for index, name in by_index.items():
+        hf_names[index] = name
       _set(params, path, _import_param(source, hf_names, layout, config.model, _get(shardings, path),
-                                       _get(abstract, path).shape, DTYPES[param_dtype], stacked))
+                                       shape, DTYPES[param_dtype]))
   finally:
     source.close()
   with Checkpointer(out) as checkpoints:
@@ -227,10 +235,8 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
   copy_tokenizer_files(root / TOKENIZER_DIR, out)
   (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
   shards, current, size = [], {}, 0
-  for path, name, layout, layer in _entries(params, cfg):
-    leaf = _get(params, path)
-    if layer is not None:
-      leaf = leaf[layer]  # one layer at a time on the host
+  for path, name, layout, index in _entries(params, cfg):
+    leaf = _get(params, path)[index]  # one layer (of one expert) at a time on the host
     tensor = _to_hf(layout, np.asarray(jax.device_get(leaf)).astype(DTYPES[dtype]))
     if current and size + tensor.nbytes > max_shard_bytes:
       shards.append(current)

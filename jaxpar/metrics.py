@@ -7,10 +7,28 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from tensorboardX import SummaryWriter
+
+
+# Shown on the progress bar next to loss, tokens/s and MFU when a model reports them.
+PROGRESS_EXTRAS = {"moe/imbalance": "max/mean load {:.2f}", "moe/dropped": "dropped {:.1%}"}
+
+
+def scalars(metrics: dict) -> dict[str, float]:
+  """Metric values as floats; an array metric (one value per expert, say) becomes one
+  scalar per element, `name/i`."""
+  out = {}
+  for key, value in metrics.items():
+    value = np.asarray(value)
+    if value.ndim == 0:
+      out[key] = float(value)
+    else:
+      out.update({f"{key}/{i}": float(v) for i, v in enumerate(value.reshape(-1))})
+  return out
 
 
 class MetricsLogger:
@@ -35,19 +53,22 @@ class MetricsLogger:
     self.history: list[dict] = []
 
   def log(self, step: int, metrics: dict, *, echo: bool = False):
-    record = {"step": step, "time": time.time(), **{k: float(v) for k, v in metrics.items()}}
+    values = scalars(metrics)
+    record = {"step": step, "time": time.time(), **values}
     self.history.append(record)
     if not self.writes:
       return
     self.jsonl.write(json.dumps(record) + "\n")
-    for key, value in metrics.items():
-      self.tensorboard.add_scalar(f"train/{key}", float(value), step)
+    for key, value in values.items():
+      self.tensorboard.add_scalar(f"train/{key}", value, step)
+    extras = "".join(f"  {text.format(record[key])}" for key, text in PROGRESS_EXTRAS.items()
+                     if key in record)
     status = (f"loss {record['loss']:.3f}  {record.get('tokens_per_s', 0):,.0f} tok/s  "
-              f"mfu {100 * record.get('mfu', 0):.1f}%")
+              f"mfu {100 * record.get('mfu', 0):.1f}%{extras}")
     self.progress.update(self.task, completed=step, status=status)
     if echo:
       line = (f"step {step:>6}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
-              f"lr {record['lr']:.2e}")
+              f"lr {record['lr']:.2e}{extras}")
       if "step_time_s" in record:
         line += (f"  {record['step_time_s'] * 1e3:.0f} ms  {record['tokens_per_s']:,.0f} tok/s  "
                  f"mfu {100 * record['mfu']:.1f}%")

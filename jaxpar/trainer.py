@@ -17,7 +17,7 @@ from jaxpar.config import Config, checkpoint_dir
 from jaxpar.data import TrainBatches, copy_tokenizer_files, load_tokenizer
 from jaxpar.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import logical_to_sharding
-from jaxpar.metrics import MetricsLogger, StepClock
+from jaxpar.metrics import PROGRESS_EXTRAS, MetricsLogger, StepClock, scalars
 from jaxpar.optim import learning_rate_schedule, make_optimizer
 from jaxpar.preemption import stop_on_signals
 from jaxpar.run_lock import hold_run_dirs
@@ -227,7 +227,8 @@ class Trainer:
     summary = {"steps": len(history), "params": self.num_params,
                "first_loss": history[0]["loss"] if history else None,
                "final_loss": history[-1]["loss"] if history else None,
-               "wall_s": time.perf_counter() - started, "stopped_by": stop.signal if stop else None}
+               "wall_s": time.perf_counter() - started, "stopped_by": stop.signal if stop else None,
+               **{k: history[-1][k] for k in PROGRESS_EXTRAS if history and k in history[-1]}}
     if timed:
       step_time = sum(h["step_time_s"] for h in timed) / len(timed)
       summary.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
@@ -236,7 +237,7 @@ class Trainer:
 
   def _log(self, logger, clock, pending, tokens_per_step, flops_per_step, peak):
     step, metrics = pending
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    values = scalars(jax.device_get(metrics))
     dt = clock.step_time(step)  # None for the first step of a run: it includes compiling
     if dt is not None:
       values.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt, mfu=flops_per_step / dt / peak)

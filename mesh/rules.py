@@ -1,12 +1,16 @@
 """Logical-axis rules: which mesh axes each logical array axis is split over.
 
-Parameters use `embed, heads, kv_heads, head_dim, mlp, vocab, layers`; activations use
-`batch, length` and `act_*` names, so that a parameter's `embed` can live on `fsdp`
+Parameters use `embed, heads, kv_heads, head_dim, mlp, vocab, layers, experts`; activations
+use `batch, length` and `act_*` names, so that a parameter's `embed` can live on `fsdp`
 while an activation's batch uses the same mesh axis; the KV cache uses `cache_*` names.
+
+The `expert` mesh axis holds different tokens (it splits the batch) and, in every preset,
+different experts (`experts`, expert parallelism): MoE layers send each token to the
+devices holding its experts. Outside the experts it acts as more FSDP where FSDP is on.
 """
 
 # Batch is split over every axis that holds different data.
-_BATCH = ("data", "fsdp")
+_BATCH = ("data", "fsdp", "expert")
 
 _COMMON = (
   ("batch", _BATCH),
@@ -16,6 +20,7 @@ _COMMON = (
   ("norm", None),
   ("layers", None),
   ("cache_pages", None),  # KV-cache pages: one pool, indexed by every sequence's page table
+  ("experts", "expert"),  # MoE expert weights: expert parallelism
 )
 
 _TENSOR = (
@@ -36,11 +41,11 @@ PRESETS = {
   # Plain data parallelism: every device holds all parameters (ZeRO-0).
   "dp": _COMMON + (("embed", None),) + _NO_TENSOR,
   # ZeRO-3 / FSDP: parameters and optimizer state split over fsdp, gathered per layer.
-  "fsdp": _COMMON + (("embed", "fsdp"),) + _NO_TENSOR,
+  "fsdp": _COMMON + (("embed", ("fsdp", "expert")),) + _NO_TENSOR,
   # Megatron tensor parallelism: column/row-split heads and MLP, vocab-split embedding.
   "tp": _COMMON + (("embed", None),) + _TENSOR,
   # Both; the default, since size-1 axes make either part a no-op.
-  "fsdp_tp": _COMMON + (("embed", "fsdp"),) + _TENSOR,
+  "fsdp_tp": _COMMON + (("embed", ("fsdp", "expert")),) + _TENSOR,
 }
 
 

@@ -33,12 +33,17 @@ def _free_axes(mesh, rules, name):
                if a in mesh.axis_names and mesh.shape[a] > 1 and a not in mesh.manual_axes)
 
 
-def mesh_axes(name, mesh=None, rules=None) -> tuple[str, ...]:
-  """The mesh axes (size > 1) the logical axis `name` is split over in the current context."""
+def mesh_axes(name, size: int | None = None, mesh=None, rules=None) -> tuple[str, ...]:
+  """The mesh axes (size > 1) the logical axis `name` is split over in the current context;
+  with `size`, those that `logical_shard_map` splits a dimension of that size over (so
+  per-device code knows which axes its collectives run on)."""
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   if mesh.empty:
     return ()
-  return _free_axes(mesh, rules or current_rules(), name)
+  rules = rules or current_rules()
+  if size is None:
+    return _free_axes(mesh, rules, name)
+  return _axes_per_name(mesh, rules, [((name,), (size,))])[name]
 
 
 def _axes_per_name(mesh, rules, named_shapes):

@@ -20,3 +20,19 @@ def dense_matmul_params(cfg) -> int:
 def dense_train_flops_per_token(cfg, seq_len: int) -> float:
   """6 x matmul params (forward + backward) plus causal attention."""
   return 6 * dense_matmul_params(cfg) + causal_attention_flops(cfg, seq_len)
+
+
+def moe_active_matmul_params(cfg) -> int:
+  """Matmul parameters one token passes through in a mixture-of-experts decoder: attention,
+  the router, its k routed experts and the shared expert in MoE layers, the dense MLP in
+  the first `first_dense_layers`, and the output head. Idle experts do no work."""
+  m, e = cfg.moe, cfg.embed_dim
+  moe_ffn = e * m.num_experts + 3 * e * (m.experts_per_token * m.expert_mlp_dim + m.shared_mlp_dim)
+  dense = cfg.first_dense_layers
+  return (cfg.num_layers * attention_params(cfg) + dense * 3 * e * cfg.mlp_dim
+          + (cfg.num_layers - dense) * moe_ffn + e * cfg.vocab_size)
+
+
+def moe_train_flops_per_token(cfg, seq_len: int) -> float:
+  """6 x active matmul params plus causal attention: what MFU counts for MoE models."""
+  return 6 * moe_active_matmul_params(cfg) + causal_attention_flops(cfg, seq_len)

@@ -8,8 +8,9 @@ from jaxpar.models.registry import HFMapping
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
-# (our path inside a layer, HF name after `model.layers.{i}.`, layout); absent entries are skipped.
-LAYER = (
+# (our path inside a layer, HF name after `model.layers.{i}.`, layout); absent entries are
+# skipped. The attention and norm entries are shared with the MoE families (moe_hf.py).
+ATTENTION = (
   (("attn", "q"), "self_attn.q_proj.weight", "heads_in"),
   (("attn", "k"), "self_attn.k_proj.weight", "heads_in"),
   (("attn", "v"), "self_attn.v_proj.weight", "heads_in"),
@@ -20,10 +21,12 @@ LAYER = (
   (("attn", "q_norm", "scale"), "self_attn.q_norm.weight", "same"),
   (("attn", "k_norm", "scale"), "self_attn.k_norm.weight", "same"),
   (("attn_norm", "scale"), "input_layernorm.weight", "same"),
+  (("mlp_norm", "scale"), "post_attention_layernorm.weight", "same"),
+)
+LAYER = ATTENTION + (
   (("mlp", "gate"), "mlp.gate_proj.weight", "transpose"),
   (("mlp", "up"), "mlp.up_proj.weight", "transpose"),
   (("mlp", "down"), "mlp.down_proj.weight", "transpose"),
-  (("mlp_norm", "scale"), "post_attention_layernorm.weight", "same"),
 )
 TOP = (
   (("embed",), "model.embed_tokens.weight", "same"),
@@ -32,7 +35,7 @@ TOP = (
 )
 
 
-def _rope(hf: dict) -> tuple[float, dict | None]:
+def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
   """(theta, our rope_scaling) from legacy `rope_theta`/`rope_scaling` or v5 `rope_parameters`."""
   params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
   theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -54,7 +57,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
   if kind in ("llama", "mistral", "qwen3") and hf.get("attention_bias"):
     raise ValueError(f"{kind} with attention_bias=true (o_proj bias too) is not supported")
   heads = hf["num_attention_heads"]
-  theta, scaling = _rope(hf)
+  theta, scaling = rope_from_hf(hf)
   max_len = hf["max_position_embeddings"]
   window = hf.get("sliding_window")
   if window and (kind == "mistral" or hf.get("use_sliding_window")):
@@ -74,6 +77,11 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
   kind = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
   if cfg.mlp != "dense":
     raise ValueError(f"model.mlp={cfg.mlp!r} has no Hugging Face architecture in the llama family")
+  return {"architectures": [ARCHITECTURES[kind]], "model_type": kind, **decoder_config_to_hf(cfg, dtype)}
+
+
+def decoder_config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
+  """The HF config fields every decoder family here shares (no model type)."""
   if cfg.qk_norm and cfg.attention_bias:
     raise ValueError("model.qk_norm with model.attention_bias has no Hugging Face architecture")
   scaling = cfg.rope_scaling and {
@@ -82,7 +90,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
       "high_freq_factor": cfg.rope_scaling.high_freq_factor,
       "original_max_position_embeddings": cfg.rope_scaling.original_max_position}
   return {
-      "architectures": [ARCHITECTURES[kind]], "model_type": kind, "vocab_size": cfg.vocab_size,
+      "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.embed_dim, "intermediate_size": cfg.mlp_dim,
       "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
       "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",

@@ -1,5 +1,6 @@
 """Hugging Face import/export: logits match transformers in f32, export round-trips bit-exact
-and loads in transformers; random-weight models from small configs (no download)."""
+and loads in transformers; random-weight models from small configs (no download), dense
+and mixture-of-experts (Mixtral, Qwen3-MoE: per-expert tensors)."""
 
 import json
 
@@ -13,7 +14,7 @@ from safetensors.numpy import load_file
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.cli import main
 from jaxpar.config import replace
-from jaxpar.hf import hf_to_jaxpar, jaxpar_to_hf, model_config_from_hf
+from jaxpar.hf import hf_config_from_model, hf_to_jaxpar, jaxpar_to_hf, model_config_from_hf
 from jaxpar.runtime import abstract_model
 from jaxpar.trainer import Trainer
 
@@ -30,6 +31,10 @@ FAMILIES = {
   "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=None),
   "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
   "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=32),  # head_dim != hidden / heads
+  "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
+  "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=32, num_experts=8,
+                                                   num_experts_per_tok=3, moe_intermediate_size=32,
+                                                   norm_topk_prob=True),
 }
 
 
@@ -103,9 +108,20 @@ def test_imported_checkpoint_fine_tunes(tmp_path):
   assert np.isfinite(result.summary["final_loss"])
 
 
-def test_mixtral_and_unknown_architectures_are_clear_errors():
-  with pytest.raises(ValueError, match="Mixtral .* not supported yet"):
-    model_config_from_hf({"model_type": "mixtral"})
+def test_moe_configs_map_both_ways_and_unmappable_ones_are_clear_errors():
+  qwen = model_config_from_hf(FAMILIES["qwen3_moe"]().to_dict())
+  assert (qwen.family, qwen.qk_norm, qwen.moe.num_experts, qwen.moe.experts_per_token,
+          qwen.moe.expert_mlp_dim, qwen.moe.normalize_weights) == ("qwen3_moe", True, 8, 3, 32, True)
+  mixtral = model_config_from_hf(FAMILIES["mixtral"]().to_dict())
+  assert (mixtral.family, mixtral.moe.num_experts, mixtral.moe.expert_mlp_dim) == ("mixtral", 4, 96)
+  with pytest.raises(ValueError, match="decoder_sparse_step=2, .* not supported"):
+    model_config_from_hf({**FAMILIES["qwen3_moe"]().to_dict(), "decoder_sparse_step": 2})
+  deepseek_style = mixtral.model_copy(update={"moe": mixtral.moe.model_copy(update={"router": "sigmoid"})})
+  with pytest.raises(ValueError, match="model.moe.router='sigmoid' has no Hugging Face mixtral"):
+    hf_config_from_model(deepseek_style, "float32")
+
+
+def test_unknown_architectures_are_clear_errors():
   with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
     model_config_from_hf({"model_type": "gpt2"})
   with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):

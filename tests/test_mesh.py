@@ -38,7 +38,7 @@ def test_multi_slice_mesh_puts_dcn_axis_across_slices():
 
 
 def test_presets_and_unused_axes():
-  assert dict(resolve_rules("fsdp"))["embed"] == ("fsdp",)
+  assert dict(resolve_rules("fsdp"))["embed"] == ("fsdp", "expert")  # expert: more FSDP outside experts
   assert dict(resolve_rules("dp"))["embed"] == ()
   assert dict(resolve_rules("tp"))["mlp"] == ("tensor",)
   assert unused_mesh_axes(resolve_rules("fsdp"), {"fsdp": 4, "tensor": 2}) == ["tensor"]
@@ -58,6 +58,18 @@ def test_logical_to_spec_maps_and_falls_back(caplog):
   assert "replicating logical axis 'embed' (size 6)" in caplog.text
   with pytest.raises(ValueError, match="logical axis 'nonsense' has no rule"):
     logical_to_spec(("nonsense",), (8,), mesh, rules)
+
+
+def test_expert_axis_splits_experts_and_tokens_in_every_preset():
+  mesh = build_mesh(MeshConfig(expert=2, fsdp=2, tensor=2))
+  for preset in ("dp", "fsdp", "tp", "fsdp_tp"):
+    rules = resolve_rules(preset)
+    assert logical_to_spec(("batch", "length"), (8, 16), mesh, rules)[0] == ("fsdp", "expert")
+    assert logical_to_spec(("experts", "embed", "mlp"), (8, 64, 128), mesh, rules)[0] == "expert"
+  rules = resolve_rules("fsdp_tp")
+  # Expert weights: experts over expert, embed over what is left of FSDP, mlp over tensor.
+  assert logical_to_spec(("experts", "embed", "mlp"), (8, 64, 128), mesh, rules) == P("expert", "fsdp", "tensor")
+  assert logical_to_spec(("embed", "mlp"), (64, 128), mesh, rules) == P(("fsdp", "expert"), "tensor")
 
 
 def test_explicit_rules_from_config():

@@ -1,0 +1,74 @@
+"""Mixture-of-experts feed-forward block (`model.mlp: moe`): a router picks the top-k of
+`num_experts` SwiGLU experts per token, plus optional always-on shared experts.
+
+Pure model code: the experts' weights carry the `experts` logical axis, and the routed
+compute (sorting, grouped matmuls, the all-to-all of expert parallelism) happens behind
+`jaxpar.pallas_kernels.moe.routed_experts`.
+"""
+
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.models import router
+from jaxpar.models.dense import dense
+from jaxpar.models.init import fan_in
+from jaxpar.models.mlp import MLP
+from jaxpar.models.registry import register_block
+from jaxpar.pallas_kernels.moe import routed_experts
+
+
+class RouterBias(nnx.Variable):
+  """Per-expert bias on the scores that choose experts (auxiliary-loss-free balancing).
+  Not a parameter: the optimizer never sees it; each training forward pass nudges it."""
+
+
+class MoE(nnx.Module):
+  """[B, L, embed] -> ([B, L, embed], aux).
+
+  Parameters: router [embed, experts]; gate, up [experts, embed, mlp]; down
+  [experts, mlp, embed]; `shared` (an MLP) when moe.shared_mlp_dim > 0. Model state: `bias`
+  [experts] when moe.bias_update_rate > 0.
+  aux losses: moe_balance, moe_router_z (already weighted); metrics: moe/load (fraction of
+  assignments per expert), moe/imbalance (max / mean load), moe/dropped (fraction dropped).
+  """
+
+  def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    m = self.moe = cfg.moe
+    e, d, f = m.num_experts, cfg.embed_dim, m.expert_mlp_dim
+    self.router = nnx.Param(fan_in()(rngs.params(), (d, e), param_dtype), out_sharding=("embed", None))
+    expert_init = fan_in(in_axis=1, out_axis=2)  # each expert's own fan-in
+    self.gate = nnx.Param(expert_init(rngs.params(), (e, d, f), param_dtype),
+                          out_sharding=("experts", "embed", "mlp"))
+    self.up = nnx.Param(expert_init(rngs.params(), (e, d, f), param_dtype),
+                        out_sharding=("experts", "embed", "mlp"))
+    self.down = nnx.Param(expert_init(rngs.params(), (e, f, d), param_dtype),
+                          out_sharding=("experts", "mlp", "embed"))
+    self.shared = (MLP(d, m.shared_mlp_dim, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                       rngs=rngs) if m.shared_mlp_dim else None)
+    self.bias = RouterBias(jnp.zeros((e,), jnp.float32)) if m.bias_update_rate > 0 else None
+    self.dtype = compute_dtype
+
+  def __call__(self, x):
+    m, dt = self.moe, self.dtype
+    # Routing in float32: near-ties between experts must not flip with the compute dtype.
+    logits = dense(x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+    ids, weights, scores = router.route(logits, None if self.bias is None else self.bias[...], m)
+    y, kept = routed_experts(x, ids, weights, self.gate[...].astype(dt), self.up[...].astype(dt),
+                             self.down[...].astype(dt), capacity_factor=m.capacity_factor,
+                             ep_buffer_factor=m.ep_buffer_factor, implementation=m.implementation)
+    if self.shared is not None:
+      y = y + self.shared(x)[0]
+    load = router.load_fractions(ids, m.num_experts)
+    if self.bias is not None:
+      self.bias[...] = router.updated_bias(self.bias[...], load, m.bias_update_rate)
+    losses = {}
+    if m.balance_loss:
+      losses["moe_balance"] = m.balance_loss * router.balance_loss(load, scores, m.router)
+    if m.router_z_loss:
+      losses["moe_router_z"] = m.router_z_loss * router.router_z_loss(logits)
+    metrics = {"moe/load": load, "moe/imbalance": jnp.max(load) * m.num_experts,
+               "moe/dropped": 1.0 - jnp.mean(kept.astype(jnp.float32))}
+    return y, {"losses": losses, "metrics": metrics}
+
+
+register_block("feed_forward", "moe", MoE)

@@ -1,0 +1,45 @@
+"""The `model` section of mixture-of-experts families: `ModelConfig` plus `model.moe`."""
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from jaxpar.models.config import Frozen, ModelConfig
+
+
+class MoEConfig(Frozen):
+  """Routed experts (and optional shared experts) of the `mlp: moe` layers."""
+  num_experts: int = Field(8, ge=1)
+  experts_per_token: int = Field(2, ge=1)  # top-k
+  expert_mlp_dim: int = Field(256, ge=1)  # hidden width of each routed expert
+  shared_mlp_dim: int = Field(0, ge=0)  # an always-on SwiGLU of this width (0: none; DeepSeek)
+  # softmax over all experts (Mixtral, Qwen3-MoE) or independent sigmoids (DeepSeek-V3).
+  router: Literal["softmax", "sigmoid"] = "softmax"
+  normalize_weights: bool = True  # the top-k weights sum to 1 (Qwen3's norm_topk_prob)
+  routed_scale: float = Field(1.0, gt=0)  # multiplies the routed output (DeepSeek-V3: 2.5)
+  balance_loss: float = Field(0.01, ge=0)  # weight of the load-balancing loss (Switch)
+  router_z_loss: float = Field(0.001, ge=0)  # weight of mean(logsumexp(router logits)^2)
+  # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the scores that pick the
+  # experts (not on the weights), moved by this much per forward pass towards equal load.
+  bias_update_rate: float = Field(0.0, ge=0)
+  # None: dropless. Else each expert takes at most ceil(factor x tokens x k / experts) of a
+  # device's token-assignments; the rest are dropped (metric moe/dropped).
+  capacity_factor: float | None = Field(None, gt=0)
+  # Expert parallelism without capacity: the all-to-all buffer per destination device, as a
+  # multiple of a balanced share (tokens x k / mesh.expert). None: big enough for anything.
+  ep_buffer_factor: float | None = Field(None, gt=0)
+  implementation: Literal["auto", "blocked", "ragged", "reference"] = "auto"
+
+  @model_validator(mode="after")
+  def _top_k(self):
+    if self.experts_per_token > self.num_experts:
+      raise ValueError(f"model.moe.experts_per_token={self.experts_per_token} exceeds "
+                       f"model.moe.num_experts={self.num_experts}")
+    return self
+
+
+class MoEModelConfig(ModelConfig):
+  """A decoder whose feed-forward blocks are mixtures of experts (`model.first_dense_layers`
+  keeps the first layers dense, with `mlp_dim`)."""
+  mlp: str = "moe"
+  moe: MoEConfig = MoEConfig()

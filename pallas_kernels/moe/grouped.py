@@ -1,0 +1,88 @@
+"""Grouped SwiGLU: each row through the expert its group names.
+
+implementation:
+  blocked    (auto) rows are laid out by group, each group padded to whole blocks of
+             `block` rows, and a loop runs one dense SwiGLU per block, skipping empty blocks:
+             the matmul work is the real rows plus at most one block per expert, whatever
+             the buffer size, on every backend.
+  ragged     `jax.lax.ragged_dot` over the rows sorted by group. On CPU XLA expands it to a
+             dense matmul over every expert (E times the work), and libtpu compiles its
+             weight gradient the same way; measured in benchmarks/moe.py.
+  reference  every expert on every row (pallas_kernels/moe/reference.py).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.pallas_kernels.moe.reference import grouped_ffn_reference
+from jaxpar.pallas_kernels.moe.rows import inverse, rank_within, take_rows
+from jaxpar.pallas_kernels.tiling import round_up
+
+IMPLEMENTATIONS = ("auto", "blocked", "ragged", "reference")
+
+
+def block_rows(expected_rows: int, num_groups: int) -> int:
+  """Rows per block: about half a group's balanced share, a power of two in [128, 512].
+  Padding each group to whole blocks then adds at most ~50% of the real rows; smaller
+  blocks cost more loop trips than they save (on CPU, 8192 x 128 -> 256 rows over 8
+  experts, forward + backward: blocks of 128 took 2.7x a dense matmul, 256 took 1.4x)."""
+  share = max(expected_rows // (2 * num_groups), 1)
+  return int(min(512, max(128, 1 << (share.bit_length() - 1))))
+
+
+def _blocked_ffn(rows, groups, gate, up, down, block):
+  num_rows, dim = rows.shape
+  num_groups = gate.shape[0]
+  num_blocks = -(-num_rows // block) + num_groups  # room for every group's last partial block
+  sizes = jnp.zeros((num_groups,), jnp.int32).at[groups].add(1, mode="drop")
+  padded = round_up(sizes, block)
+  padded_ends = jnp.cumsum(padded)
+  # Row r goes to slot (its group's first padded slot + its rank in the group).
+  group = jnp.minimum(groups, num_groups - 1)
+  slot = jnp.where(groups < num_groups, padded_ends[group] - padded[group] + rank_within(groups, num_groups + 1),
+                   num_blocks * block)
+  holder = inverse(slot, num_blocks * block)  # the row each slot holds (num_rows: none)
+  blocks = take_rows(rows, holder[:, 0], slot[:, None])
+  block_group = jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right")
+
+  def expert(x, e):
+    hidden = (jax.nn.silu(checkpoint_name(x @ gate[e], "moe_gate"))
+              * checkpoint_name(x @ up[e], "moe_up"))
+    return hidden @ down[e]
+
+  # For the backward pass keep each block's two hidden activations (as a dense MLP does)
+  # and nothing else: saving the weight slices would store a [D, F] copy per block.
+  @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names(
+      "moe_gate", "moe_up"))
+  def one_block(args):
+    x, g = args
+    return jax.lax.cond(g < num_groups, lambda: expert(x, jnp.minimum(g, num_groups - 1)),
+                        lambda: jnp.zeros_like(x))
+
+  out = jax.lax.map(one_block, (blocks.reshape(num_blocks, block, dim), block_group))
+  return take_rows(out.reshape(-1, dim), slot, holder)
+
+
+def _ragged_ffn(rows, groups, gate, up, down):
+  order = jnp.argsort(groups, stable=True)
+  sizes = jnp.zeros((gate.shape[0],), jnp.int32).at[groups].add(1, mode="drop")
+  x = rows[order]
+  hidden = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
+  return jnp.zeros_like(rows).at[order].set(jax.lax.ragged_dot(hidden, down, sizes))
+
+
+def grouped_ffn(rows, groups, gate, up, down, *, implementation="auto", block=None):
+  """rows [R, D]; groups int [R] in [0, G] -> [R, D]: row r through expert groups[r]
+  (gate, up [G, D, F]; down [G, F, D]); rows of group G (no expert) come out as zeros.
+  block: rows per block of the blocked path (default from R and G)."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"moe.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+  groups = groups.astype(jnp.int32)
+  if implementation == "reference":
+    return grouped_ffn_reference(rows, groups, gate, up, down)
+  if implementation == "ragged":
+    return _ragged_ffn(rows, groups, gate, up, down)
+  return _blocked_ffn(rows, groups, gate, up, down, block or block_rows(rows.shape[0], gate.shape[0]))
