@@ -43,3 +43,12 @@ class MoEModelConfig(ModelConfig):
   keeps the first layers dense, with `mlp_dim`)."""
   mlp: str = "moe"
   moe: MoEConfig = MoEConfig()
+
+  @model_validator(mode="after")
+  def _float_experts(self):
+    # Quantization covers the attention and dense projections, not expert weights (yet): a
+    # quantized MoE model would keep most of its bytes in float without saying so.
+    if self.quantization is not None:
+      raise ValueError(f"model.quantization.mode={self.quantization.mode}: mixture-of-experts models "
+                       "cannot be quantized yet (expert weights have no quantized kernel); keep them float")
+    return self

@@ -214,6 +214,8 @@ def test_moe_config_mistakes_are_one_line_errors():
     "model.moe.capacity_factor=0: Input should be greater than 0":
         {"model": {"family": "deepseek", "moe": {"capacity_factor": 0}}},
     "model.moe.router='topk'": {"model": {"family": "deepseek", "moe": {"router": "topk"}}},
+    "mixture-of-experts models cannot be quantized yet":
+        {"model": {"family": "mixtral", "quantization": {"mode": "int8"}}},
   }
   for message, tree in cases.items():
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as error:

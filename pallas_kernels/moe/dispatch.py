@@ -54,6 +54,7 @@ def _send_plan(ids, num_local: int, ep_size: int, capacity_factor, ep_buffer_fac
 def _per_device(x, expert_ids, weights, gate, up, down, *, axes, ep_size, capacity_factor,
                 ep_buffer_factor, implementation):
   ep, tp, fsdp, replicated = axes["ep"], axes["tp"], axes["fsdp"], axes["replicated"]
+  shared = axes["shared"]
   if fsdp:
     gate, up = (jax.lax.all_gather(w, fsdp, axis=1, tiled=True) for w in (gate, up))
     down = jax.lax.all_gather(down, fsdp, axis=2, tiled=True)
@@ -95,7 +96,10 @@ def _per_device(x, expert_ids, weights, gate, up, down, *, axes, ep_size, capaci
   y = jnp.einsum("tk,ktd->td", weights.reshape(tokens, k).astype(x.dtype), mine)
   if tp:
     y = jax.lax.psum(y, tp)
-  return y.reshape(b, length, dim), kept.reshape(k, tokens).T.reshape(b, length, k)
+  kept = kept.reshape(k, tokens).T.reshape(b, length, k)
+  if shared:  # the same tokens on these devices, so the same results: say so
+    y, kept = jax.lax.pmax(y, shared), jax.lax.pmax(kept.astype(jnp.int32), shared) > 0
+  return y.reshape(b, length, dim), kept
 
 
 def routed_experts(x, expert_ids, weights, gate, up, down, *, capacity_factor=None,
@@ -112,8 +116,11 @@ def routed_experts(x, expert_ids, weights, gate, up, down, *, capacity_factor=No
   num_experts, dim, ffn = gate.shape
   ep, tp = mesh_axes("experts", num_experts), mesh_axes("mlp", ffn)
   fsdp = tuple(a for a in mesh_axes("embed", dim) if a not in ep + tp)
-  axes = {"ep": ep, "tp": tp, "fsdp": fsdp,
-          "replicated": tuple(a for a in mesh_axes("batch", x.shape[0]) if a not in ep + tp + fsdp)}
+  batch = mesh_axes("batch", x.shape[0])
+  # shared: axes the weights are split over that a batch too small to split (decoding a few
+  # rows) is repeated over: every copy computes the same result.
+  axes = {"ep": ep, "tp": tp, "fsdp": fsdp, "shared": tuple(a for a in ep + fsdp if a not in batch),
+          "replicated": tuple(a for a in batch if a not in ep + tp + fsdp)}
   mesh = jax.sharding.get_abstract_mesh()
   fn = functools.partial(_per_device, axes=axes, ep_size=math.prod(mesh.shape[a] for a in ep),
                          capacity_factor=capacity_factor, ep_buffer_factor=ep_buffer_factor,

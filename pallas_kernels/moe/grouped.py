@@ -60,10 +60,19 @@ def _blocked_ffn(rows, groups, gate, up, down, block):
   def one_block(args):
     x, g = args
     return jax.lax.cond(g < num_groups, lambda: expert(x, jnp.minimum(g, num_groups - 1)),
-                        lambda: jnp.zeros_like(x))
+                        lambda: _zeros_varying_like(x, gate, up, down))
 
   out = jax.lax.map(one_block, (blocks.reshape(num_blocks, block, dim), block_group))
   return take_rows(out.reshape(-1, dim), slot, holder)
+
+
+def _zeros_varying_like(x, *weights):
+  """Zeros like x that vary over every mesh axis x or the weights vary over (inside
+  shard_map), as expert(x) does: both branches of a cond must agree."""
+  varying = lambda a: jax.typeof(a).manual_axis_type.varying  # noqa: E731
+  missing = set().union(*(varying(w) for w in weights)) - varying(x)
+  zeros = jnp.zeros_like(x)
+  return jax.lax.pcast(zeros, tuple(sorted(missing)), to="varying") if missing else zeros
 
 
 def _ragged_ffn(rows, groups, gate, up, down):
