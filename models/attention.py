@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import pallas_kernels
 from jaxpar.mesh import constrain
@@ -50,9 +51,7 @@ class Attention(nnx.Module):
   def __call__(self, x, context, cache=None):
     """x [B, L, embed] -> ([B, L, embed], cache)."""
     dt = self.dtype
-    q = dense(x, self.q[...].astype(dt))
-    k = dense(x, self.k[...].astype(dt))
-    v = dense(x, self.v[...].astype(dt))
+    q, k, v = (checkpoint_name(dense(x, w[...].astype(dt)), "qkv_proj") for w in (self.q, self.k, self.v))
     if self.use_bias:
       q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
                  v + self.v_bias[...].astype(dt))
@@ -69,4 +68,5 @@ class Attention(nnx.Module):
       cache = kv_cache.write(cache, k, v, positions, context.page_table)
       out = pallas_kernels.paged_attention(q, cache["k"], cache["v"], positions, context.page_table,
                                            implementation=self.implementation)
-    return dense(out, self.o[...].astype(dt), contract=2), cache
+    out = checkpoint_name(out, "attention_out")
+    return checkpoint_name(dense(out, self.o[...].astype(dt), contract=2), "out_proj"), cache
