@@ -89,14 +89,15 @@ def build_report(trainer, compiled, oom, chip, topology, num_slices) -> dict:
   est = roofline.estimate(chip, module, rows)
   minimum = traffic.minimum_wire_bytes(cfg, mesh, trainer.rules)
   measured = sum(r["wire_bytes"] for r in rows)
-  # What the sliced all-reduces would send as the reduce-scatters they stand for (half).
-  as_scatters = measured - sum(r["wire_bytes"] for r in rows if r["kind"] == hlo.SLICED) / 2
+  # What libtpu's stand-in all-reduces would send as the reduce-scatters and all-gathers
+  # the partitioner wrote (half).
+  as_written = measured - sum(r["wire_bytes"] for r in rows if r["kind"] in (hlo.SLICED, hlo.GATHER)) / 2
   cost = compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, list) else cost
   optimal = cost.get("optimal_seconds", -1.0)
   report.update({
     "memory": sizes, "fits": sizes["total"] <= chip.hbm_bytes, "collectives": rows,
-    "traffic": {"wire_bytes": measured, "wire_bytes_as_reduce_scatters": as_scatters,
+    "traffic": {"wire_bytes": measured, "wire_bytes_as_written": as_written,
                 "minimum": minimum,
                 "ratio": measured / minimum["total"] if minimum["total"] else None},
     "compiled_flops_per_step": est.flops * mesh.size,

@@ -99,7 +99,8 @@ class Module:
         args, _, attrs = m[4].partition(")")
         current.append(Instruction(m[1], m[2], m[3], re.findall(r"%([\w.\-]+)", args), args,
                                    attrs, root=line.lstrip().startswith("ROOT")))
-    self.shapes = {i.name: i.shape for body in self.computations.values() for i in body}
+    self.instructions = {i.name: i for body in self.computations.values() for i in body}
+    self.shapes = {name: i.shape for name, i in self.instructions.items()}
     self.users: dict[str, list[tuple[Instruction, int]]] = {}
     for body in self.computations.values():
       for inst in body:
@@ -172,11 +173,12 @@ def collectives(hlo: str | Module, slice_of_device=None, *, cpu: bool = False) -
 
   slice_of_device: slice index per flat mesh device (multi-slice), to flag DCN collectives.
   An all-reduce whose every use keeps only this device's 1/n slice is what the partitioner
-  writes for a reduce-scatter. On a TPU it is a real all-reduce on the wire (libtpu emits
-  reduce-scatters over 2-D tori this way, even an explicit `psum_scatter`), counted as one
-  under the kind "all-reduce (sliced)". cpu: the module was compiled for (simulated) CPU
-  devices, a backend with no reduce-scatter creator at all; there it is counted as the
-  reduce-scatter it stands for.
+  writes for a reduce-scatter; one whose input is this device's 1/n written into zeros, an
+  all-gather. On a TPU these are real all-reduces on the wire (libtpu emits reduce-scatters
+  over 2-D tori that way, even an explicit `psum_scatter`, and many gathers on v5p), counted
+  as such under the kinds "all-reduce (sliced)" and "all-reduce (gather)". cpu: the module
+  was compiled for (simulated) CPU devices, a backend with no reduce-scatter creator; there
+  a sliced all-reduce is counted as the reduce-scatter it stands for.
   """
   module = hlo if isinstance(hlo, Module) else Module(hlo)
   num_devices = len(slice_of_device) if slice_of_device is not None else 1
@@ -227,6 +229,7 @@ def collective(module, inst, num_devices, slice_of_device=None, *, cpu=False) ->
 
 
 SLICED = "all-reduce (sliced)"
+GATHER = "all-reduce (gather)"
 
 
 def _all_reduce_parts(module, inst, groups, slice_of_device, cpu) -> list[Collective]:
@@ -241,9 +244,11 @@ def _all_reduce_parts(module, inst, groups, slice_of_device, cpu) -> list[Collec
             for u, _ in module.users.get(inst.name, ()) if u.op == "get-tuple-element"}
     parts = [(gtes.get(i), size) for i, size in enumerate(sizes)]
   totals = {}
-  for name, size in parts:
+  for index, (name, size) in enumerate(parts):
     scattered = n > 1 and name is not None and module.kept_fraction(name) * n <= 1 + 1e-9
     kind = ("reduce-scatter" if cpu else SLICED) if scattered else "all-reduce"
+    if kind == "all-reduce" and n > 1 and _written_into_zeros(module, inst.operands[index]) * n == size:
+      kind = GATHER
     totals[kind] = totals.get(kind, 0) + size
   return [_sized(kind, size, groups, slice_of_device, _dtype(inst.shape), input_size=True)
           for kind, size in totals.items()]
@@ -254,6 +259,17 @@ def _dtype(shape: str) -> str:
   return found[0][0] if found else ""
 
 
+def _written_into_zeros(module, name) -> float:
+  """Bytes of the piece `name` writes with dynamic-update-slice into an otherwise untouched
+  buffer (this device's shard, before an all-reduce gathers it), else 0."""
+  producer = module.instructions.get(name)
+  if producer is not None and producer.op == "fusion":
+    producer = next((i for i in module.fused(producer) if i.root), None)
+  if producer is None or producer.op != "dynamic-update-slice":
+    return 0.0
+  return sum(array_bytes(module.shapes[producer.operands[1]]))
+
+
 def _sized(kind, size, groups, slice_of_device, dtype, input_size=False) -> Collective:
   n = groups.shape[1]
   if kind == "reduce-scatter" and not input_size:
@@ -261,7 +277,7 @@ def _sized(kind, size, groups, slice_of_device, dtype, input_size=False) -> Coll
   dcn = False
   if slice_of_device is not None and groups.max() < len(slice_of_device):
     dcn = bool((np.ptp(np.asarray(slice_of_device)[groups], axis=1) > 0).any())
-  wire = _wire("all-reduce" if kind == SLICED else kind, size, n)
+  wire = _wire("all-reduce" if kind in (SLICED, GATHER) else kind, size, n)
   return Collective(kind, 1, size, wire, dcn, dtype)
 
 

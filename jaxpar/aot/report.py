@@ -27,8 +27,8 @@ def format_report(r: dict) -> str:
   e, t = r["estimate"], r["traffic"]
   compiler = (f"; compiler's optimal_seconds {r['compiler_optimal_s']:.3f} s (one loop trip)"
               if r["compiler_optimal_s"] else "; compiler's optimal_seconds unusable (<= 0)")
-  sliced = (f" ({gib(t['wire_bytes_as_reduce_scatters'])} if the sliced all-reduces were the "
-            f"reduce-scatters they stand for)" if t["wire_bytes_as_reduce_scatters"] < t["wire_bytes"] else "")
+  sliced = (f" ({gib(t['wire_bytes_as_written'])} if the all-reduces standing for reduce-scatters "
+            f"and all-gathers were those)" if t["wire_bytes_as_written"] < t["wire_bytes"] else "")
   lines += [f"FLOPs/step: model {r['model_flops_per_step']:.3e}, compiled "
             f"{r['compiled_flops_per_step']:.3e} "
             f"({r['compiled_flops_per_step'] / r['model_flops_per_step']:.2f}x: remat recompute included)",
