@@ -1,13 +1,19 @@
-"""Compile every shipped pod config at full depth for the TPU slice named in its file (libtpu
-on this CPU host) and print estimated MFU, step time and per-device memory next to the MFU
-MaxText publishes for the same model and chip.
+"""Compile configs at full depth for the TPU slice named in each file (libtpu on this CPU
+host) and print, per config: HBM per chip (device, and host memory holding offloaded
+activations), collective bytes on the wire per device per step against the layout's
+minimum (jaxpar/aot/traffic.py), compiled FLOPs against model FLOPs, and the estimated step
+time and MFU, next to the MFU MaxText publishes for the same model, shape and chip.
+
+The default configs are the published JAX recipes' shapes (configs/llama3.1-8b-v6e-256.yaml,
+llama3.1-70b-v6e-256, llama2-70b-v5p-512); any shipped config can be named instead.
 
 The two MFU columns are different things: ours is a roofline *estimate* from the compiled
-program (jaxpar/aot/roofline.py: model FLOPs / chip peak, collectives / ICI bandwidth,
-optimizer traffic / HBM bandwidth; no kernel inefficiency, so an upper bound); MaxText's is a
-*measurement* on real chips. MoE rows (mixtral-8x7b): no MoE model exists in jaxpar yet.
+program (jaxpar/aot/roofline.py: every op at its own roofline, loop trips counted, Pallas
+kernels by their cost estimates, collectives over ICI bandwidth, nothing overlapped);
+MaxText's is a *measurement* on real chips.
 
-  JAX_PLATFORMS=cpu python benchmarks/aot_table.py [--configs llama3-8b ...] [--json out.json]
+  JAX_PLATFORMS=cpu python benchmarks/aot_table.py [--configs NAME ...] [--json out.json]
+  (about 10 CPU-minutes per 8B config and 15 per 70B one)
 
 `--plan-cpu CONFIG` instead runs `jaxpar plan --measure` on 8 simulated CPU devices: measured
 step times of the planner's candidates, the rank correlation with its predictions, and the
@@ -28,10 +34,14 @@ from jaxpar.aot.plan import run_plan  # noqa: E402
 from jaxpar.aot.report import format_report  # noqa: E402
 from jaxpar.config import load_config  # noqa: E402
 
-# Measured MFU, from MaxText's README performance table (github.com/AI-Hypercomputer/maxtext).
-MAXTEXT_MFU = {("llama3-8b", "v6e-256"): 0.4546, ("llama3-70b", "v6e-256"): 0.5033,
-               ("llama2-70b", "v5p-512"): 0.654}
-CONFIGS = ["llama3-8b", "llama3-70b", "llama2-70b", "llama2-7b", "mistral-7b", "qwen2.5-7b"]
+GIB = 2 ** 30
+RECIPES = ["llama3.1-8b-v6e-256", "llama3.1-70b-v6e-256", "llama2-70b-v5p-512"]
+# HBM per chip of the published recipes at the same shape (the targets), and the MFU
+# MaxText measured (its README performance tables, github.com/AI-Hypercomputer/maxtext).
+TARGET_HBM_GIB = {"llama3.1-8b-v6e-256": 11, "llama3.1-70b-v6e-256": 24, "llama2-70b-v5p-512": 76}
+MAXTEXT_MFU = {"llama3.1-8b-v6e-256": 0.4546, "llama3.1-70b-v6e-256": 0.5033,
+               "llama2-70b-v5p-512": 0.654, "llama3-8b": 0.4546, "llama3-70b": 0.5033,
+               "llama2-70b": 0.654}
 
 
 def row(name: str) -> dict:
@@ -41,9 +51,27 @@ def row(name: str) -> dict:
   return {"config": name, **report}
 
 
+def table_line(r: dict) -> str:
+  target = TARGET_HBM_GIB.get(r["config"])
+  published = MAXTEXT_MFU.get(r["config"])
+  cells = [r["config"], r["topology"]]
+  if r["oom"] is not None:
+    cells += ["DOES NOT FIT", "-", "-", "-", "-", "-"]
+  else:
+    m, e, t = r["memory"], r["estimate"], r["traffic"]
+    cells += [f"{m['total'] / GIB:.1f} GiB" + (f" (target <= {target})" if target else ""),
+              f"{m['host_total'] / GIB:.1f} GiB",
+              f"{t['wire_bytes'] / GIB:.1f} / {t['minimum']['total'] / GIB:.1f} GiB "
+              f"({t['ratio']:.2f}x)",
+              f"{r['compiled_flops_per_step'] / r['model_flops_per_step']:.2f}x",
+              f"{e['step_s']:.2f} s", f"{100 * e['mfu']:.1f}%"]
+  cells.append(f"{100 * published:.2f}%" if published else "-")
+  return "| " + " | ".join(cells) + " |"
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--configs", nargs="*", default=CONFIGS)
+  parser.add_argument("--configs", nargs="*", default=RECIPES)
   parser.add_argument("--json", help="also write the full reports here")
   parser.add_argument("--plan-cpu", metavar="CONFIG", help="measure the planner on 8 CPU devices")
   args = parser.parse_args()
@@ -51,28 +79,17 @@ def main():
     run_plan(load_config(args.plan_cpu), top=4, measure=True, output="/dev/null")
     return
   rows = [row(name) for name in args.configs]
-  print("\n| config | topology | fits | HBM/device | est. step | est. MFU | compiler optimal_s "
-        "| MaxText measured MFU |\n|---|---|---|---|---|---|---|---|")
+  print("\n| config | topology | HBM per chip | host per chip | collectives on wire / minimum "
+        "| compiled / model FLOPs | est. step | est. MFU | MaxText measured MFU |\n"
+        "|---|---|---|---|---|---|---|---|---|")
   for r in rows:
-    published = MAXTEXT_MFU.get((r["config"], r["topology"]))
-    if r["oom"] is not None:
-      print(f"| {r['config']} | {r['topology']} | no (OOM) | - | - | - | - | "
-            f"{f'{100 * published:.2f}%' if published else '-'} |")
-      continue
-    e, optimal = r["estimate"], r["compiler_optimal_s"]
-    # Sane: positive and within 2x of ours; otherwise shown in parentheses (one loop trip only).
-    compiler = ("unusable" if not optimal else f"{optimal:.2f} s" if
-                0.5 <= optimal / e["step_s"] <= 2 else f"({optimal:.2f} s, not sane)")
-    print(f"| {r['config']} | {r['topology']} | {'yes' if r['fits'] else 'no'} | "
-          f"{r['memory']['total'] / 2 ** 30:.1f} GiB | {e['step_s']:.2f} s | {100 * e['mfu']:.1f}% | "
-          f"{compiler} | "
-          f"{f'{100 * published:.2f}%' if published else '-'} |")
-  print("\nest. = our roofline estimate from the compiled program (matmuls at peak, collectives "
-        "not overlapped: see jaxpar/aot/roofline.py); MaxText = measured on hardware. "
-        "mixtral-8x7b: not run, jaxpar has no MoE model yet.")
+    print(table_line(r))
+  print("\nPer device per step. est. = our roofline estimate from the compiled program (every "
+        "op at its roofline, collectives not overlapped: jaxpar/aot/roofline.py), not a "
+        "measurement; MaxText = measured on hardware.")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump(rows, f, indent=2)
+      json.dump(rows, f, indent=2, default=str)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, SerializeAsAny, ValidationError, model_validator
+from pydantic import Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from jaxpar.mesh.build import AXES as MESH_AXES
 from jaxpar.models import get_block, get_family
@@ -33,6 +33,21 @@ class MeshConfig(_Frozen):
   # A preset name or explicit [logical, mesh axes] pairs; None: the model family's preset.
   rules: str | list[tuple[str, str | list[str] | None]] | None = None
   topology: str | None = None  # the TPU slice this config is sized for, e.g. v6e-256
+  # XLA/libtpu compiler options: `default` (the chip generation's preset, jaxpar/xla_flags.py),
+  # `none`, or a list of `xla_name=value` flags.
+  xla_flags: Literal["default", "none"] | tuple[str, ...] = "default"
+
+  @field_validator("xla_flags", mode="before")
+  @classmethod
+  def _flags(cls, value):
+    if isinstance(value, str):
+      if value not in ("default", "none"):
+        raise ValueError("use default, none, or a list of xla_name=value flags")
+      return value
+    bad = [f for f in value if not str(f).removeprefix("--").startswith("xla_") or "=" not in str(f)]
+    if bad:
+      raise ValueError(f"{bad[0]!r} is not a flag: write xla_name=value")
+    return value
 
   @model_validator(mode="after")
   def _sizes(self):

@@ -24,6 +24,7 @@ from jaxpar.run_lock import hold_run_dirs
 from jaxpar.runtime import Runtime, with_shardings
 from jaxpar.train_state import TrainState
 from jaxpar.train_step import make_train_step
+from jaxpar.xla_flags import compiler_options
 
 _log = logging.getLogger(__name__)
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -61,8 +62,10 @@ class Trainer:
                            z_loss=config.train.z_loss, microbatches=config.train.microbatches,
                            logits_chunk_len=config.train.logits_chunk_len)
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
+    self.xla_options, self.xla_notes = compiler_options(config.mesh.xla_flags, self.mesh.devices.flat)
     self.train_step = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),
-                              out_shardings=(self.state_shardings, None), donate_argnums=0)
+                              out_shardings=(self.state_shardings, None), donate_argnums=0,
+                              compiler_options=self.xla_options or None)
 
   mesh = property(lambda self: self.runtime.mesh)
   rules = property(lambda self: self.runtime.rules)

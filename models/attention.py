@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar import pallas_kernels
 from jaxpar.mesh import constrain
@@ -49,9 +50,7 @@ class Attention(nnx.Module):
   def __call__(self, x, context, cache=None):
     """x [B, L, embed] -> ([B, L, embed], cache)."""
     dt = self.dtype
-    q = dense(x, self.q, dtype=dt)
-    k = dense(x, self.k, dtype=dt)
-    v = dense(x, self.v, dtype=dt)
+    q, k, v = (checkpoint_name(dense(x, w, dtype=dt), "qkv_proj") for w in (self.q, self.k, self.v))
     if self.use_bias:
       q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
                  v + self.v_bias[...].astype(dt))
@@ -78,4 +77,5 @@ class Attention(nnx.Module):
       k_pages, v_pages = cache.keys_values()
       out = pallas_kernels.paged_attention(q, k_pages, v_pages, positions, context.page_table,
                                            implementation=self.implementation)
-    return dense(out, self.o, contract=2, dtype=dt), cache
+    out = checkpoint_name(out, "attention_out")
+    return checkpoint_name(dense(out, self.o, contract=2, dtype=dt), "out_proj"), cache

@@ -4,9 +4,9 @@ Plain pydantic (no jaxpar imports), so a model family can extend it with its own
 by subclassing `ModelConfig` and naming the subclass in its registry entry.
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, model_validator
 
 
 class Frozen(BaseModel):
@@ -45,6 +45,39 @@ class QuantizationConfig(Frozen):
     return self
 
 
+REMAT_PRESETS = ("none", "full", "save_dots", "save_dots_no_batch")
+# Activations the layers name with `checkpoint_name` (decoder.py, attention.py, mlp.py).
+REMAT_NAMES = ("decoder_layer_input", "qkv_proj", "attention_out", "out_proj", "mlp_in", "mlp_out")
+REMAT_ACTIONS = ("save", "offload", "recompute")
+
+
+class RematPolicy(dict):
+  """{activation name: save | offload | recompute}; hashable, as configs must be (the model
+  keeps its config as a static attribute)."""
+
+  def __hash__(self):
+    return hash(tuple(sorted(self.items())))
+
+
+def _check_remat(value):
+  """One line naming the bad key and what would be valid, before pydantic's union errors."""
+  if isinstance(value, dict):
+    for name, action in value.items():
+      if name not in REMAT_NAMES:
+        raise ValueError(f"model.remat.{name}={action!r}: {name!r} is not a named activation; "
+                         f"use {', '.join(REMAT_NAMES)}")
+      if action not in REMAT_ACTIONS:
+        raise ValueError(f"model.remat.{name}={action!r}: use one of {', '.join(REMAT_ACTIONS)}")
+    return RematPolicy(value)
+  if value not in REMAT_PRESETS:
+    raise ValueError(f"use a preset ({', '.join(REMAT_PRESETS)}) or a mapping of "
+                     f"{', '.join(REMAT_NAMES)} to {' | '.join(REMAT_ACTIONS)}")
+  return value
+
+
+Remat = Annotated[str | dict[str, str], BeforeValidator(_check_remat), AfterValidator(_check_remat)]
+
+
 class ModelConfig(Frozen):
   family: str = "llama"  # a registered model family (jaxpar.models.registry)
   mlp: str = "dense"  # the feed-forward block: a registered block name
@@ -69,7 +102,9 @@ class ModelConfig(Frozen):
   # Layers per scan iteration. On CPU, unrolling a small stack halves the backward time
   # (XLA CPU runs the while loop's per-layer gradient updates poorly); compile time grows.
   scan_unroll: int = 1
-  remat: Literal["none", "full", "save_dots", "save_dots_no_batch"] = "none"
+  # A preset, or per named activation: keep in HBM (save), move to host memory (offload), or
+  # recompute in the backward pass; names left out are recomputed.
+  remat: Remat = "none"
   attention: Literal["auto", "flash", "reference", "chunked"] = "auto"
   quantization: QuantizationConfig | None = None  # None: float projections
 

@@ -6,6 +6,7 @@ losses and metrics (empty for a dense MLP), `cache` this layer's KV cache (None 
 
 import jax.numpy as jnp
 from flax import nnx, struct
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.mesh import constrain
 from jaxpar.models.attention import Attention
@@ -46,6 +47,7 @@ class DecoderLayer(nnx.Module):
     self.mlp = get_block("feed_forward", feed_forward or cfg.mlp)(cfg, rngs=rngs, **dtypes)
 
   def __call__(self, x, context: LayerContext, cache=None):
+    x = checkpoint_name(x, "decoder_layer_input")
     attended, cache = self.attn(self.attn_norm(x), context, cache)
     x = constrain(x + attended, ACTIVATION)
     fed, aux = self.mlp(self.mlp_norm(x))

@@ -2,6 +2,7 @@
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.mesh import constrain
 from jaxpar.models.dense import dense, projection
@@ -25,10 +26,10 @@ class MLP(nnx.Module):
     self.dtype = compute_dtype
 
   def __call__(self, x):
-    gate = dense(x, self.gate, dtype=self.dtype)
-    up = dense(x, self.up, dtype=self.dtype)
+    gate = checkpoint_name(dense(x, self.gate, dtype=self.dtype), "mlp_in")
+    up = checkpoint_name(dense(x, self.up, dtype=self.dtype), "mlp_in")
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-    return dense(hidden, self.down, dtype=self.dtype), {}
+    return checkpoint_name(dense(hidden, self.down, dtype=self.dtype), "mlp_out"), {}
 
 
 register_block("feed_forward", "dense",

@@ -18,6 +18,18 @@ REMAT_POLICIES = {
 }
 
 
+def remat_policy(remat):
+  """A preset's policy, or for {name: save | offload | recompute} (the names the layers tag
+  with `checkpoint_name`): keep the saved ones in device memory, move the offloaded ones to
+  pinned host memory between the forward and backward pass, recompute everything else."""
+  if isinstance(remat, str):
+    return REMAT_POLICIES[remat]
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[n for n, a in remat.items() if a == "save"],
+      names_which_can_be_offloaded=[n for n, a in remat.items() if a == "offload"],
+      offload_src="device", offload_dst="pinned_host")
+
+
 def create_layers(make_layer, count: int, rngs: nnx.Rngs, *, scan: bool):
   """`count` layers from make_layer(rngs): one module whose arrays have a leading `layers`
   axis when `scan` (compile time stays flat in depth), else an nnx.List."""
@@ -31,11 +43,11 @@ def create_layers(make_layer, count: int, rngs: nnx.Rngs, *, scan: bool):
   return stacked(rngs)
 
 
-def with_remat(layer_fn, remat: str):
-  """The per-layer function rematerialised under a named policy (`none`: as is)."""
+def with_remat(layer_fn, remat):
+  """The per-layer function rematerialised under a preset or per-name policy (`none`: as is)."""
   if remat == "none":
     return layer_fn
-  return nnx.remat(layer_fn, policy=REMAT_POLICIES[remat])
+  return nnx.remat(layer_fn, policy=remat_policy(remat))
 
 
 def run_layers(layers, layer_fn, carry, inputs=None, *, scan: bool, unroll: int = 1):

@@ -11,6 +11,7 @@ from flax import nnx
 from jaxpar.mesh import constrain
 from jaxpar.models import kv_cache, kv_cache_quantized
 from jaxpar.models.decoder import ACTIVATION, DecoderLayer, LayerContext
+from jaxpar.models.embedding import embed_lookup
 from jaxpar.models.init import embedding_init, fan_in
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.rope import rope_frequencies
@@ -119,10 +120,8 @@ class Transformer(nnx.Module):
     return rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
   def _embed(self, tokens):
-    # Gather rows from a table split only by vocab: each device looks up the rows it holds
-    # and the partial results are summed, instead of resharding the whole table.
-    table = constrain(self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype)), ("vocab", "act_embed"))
-    return constrain(table[tokens], ACTIVATION)
+    table = self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype))
+    return constrain(embed_lookup(table, tokens), ACTIVATION)
 
   def _run_stack(self, x, context, cache):
     """Every layer group in order -> (x, reduced aux, updated cache or None).

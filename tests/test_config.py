@@ -23,7 +23,8 @@ def test_config_is_frozen():
 
 
 @pytest.mark.parametrize("name", ["tiny", "bench-20m", "bench-50m", "llama3-8b", "llama3-70b",
-                                  "llama2-7b", "mistral-7b", "qwen2.5-7b"])
+                                  "llama2-7b", "mistral-7b", "qwen2.5-7b", "llama3.1-8b-v6e-256",
+                                  "llama3.1-70b-v6e-256", "llama2-70b-v5p-512"])
 def test_shipped_configs_load(name):
   assert name in shipped_configs()
   config = load_config(name)
@@ -40,6 +41,10 @@ def test_shipped_configs_load(name):
   (["mesh.fsdp=-1", "mesh.data=-1"], "only one mesh axis may be -1"),
   (["train.microbatches=5"], "train.microbatches=5 must divide data.global_batch_size=32"),
   (["model.remat=sometimes"], "model.remat='sometimes'"),
+  (["model.remat={layer_input: offload}"], "model.remat.layer_input='offload': 'layer_input' is not a named activation"),
+  (["model.remat={qkv_proj: keep}"], "model.remat.qkv_proj='keep': use one of save, offload, recompute"),
+  (["mesh.xla_flags=sometimes"], "mesh.xla_flags='sometimes': use default, none"),
+  (["mesh.xla_flags=[tpu_vmem=1]"], "'tpu_vmem=1' is not a flag: write xla_name=value"),
   (["num_layers"], "is not KEY=VALUE"),
   (["data.source=/no/such/corpus.txt"], "data.source='/no/such/corpus.txt' does not exist"),
   (["data.tokenizer=/no/tokenizer.json"], "data.tokenizer='/no/tokenizer.json' does not exist"),
@@ -57,7 +62,8 @@ def test_missing_config_file_lists_shipped_names():
 
 
 def test_yaml_round_trip(tmp_path):
-  config = load_config("llama3-8b", ["mesh.fsdp=16"])
+  config = load_config("llama3.1-8b-v6e-256",
+                       ["mesh.fsdp=16", "mesh.xla_flags=[xla_tpu_scoped_vmem_limit_kib=98304]"])
   path = tmp_path / "c.yaml"
   path.write_text(to_yaml(config))
   assert load_config(str(path)) == config

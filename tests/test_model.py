@@ -1,12 +1,14 @@
 """The decoder model (llama family): layer stacking, remat, masking, RoPE, dtypes."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from jaxpar.config import ModelConfig, RopeScaling
+from jaxpar.models.config import REMAT_NAMES
 from jaxpar.models import build_model
 from jaxpar.models.rope import rope_frequencies
 from tests.helpers import SMALL_MODEL
@@ -39,13 +41,29 @@ def test_scan_and_unrolled_layers_agree(scanned):
   np.testing.assert_allclose(_logits(unrolled), _logits(scanned), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots", "save_dots_no_batch"])
+MIXED_REMAT = {"decoder_layer_input": "offload", "qkv_proj": "save", "mlp_in": "offload",
+               "attention_out": "recompute"}
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots", "save_dots_no_batch", MIXED_REMAT])
 def test_remat_policies_keep_gradients(scanned, remat):
   def grads(model):
     return nnx.jit(nnx.grad(lambda m: jnp.mean(m(TOKENS)[0] ** 2)))(model)
   rematted = _model(remat=remat)
   for a, b in zip(jax.tree.leaves(grads(rematted)), jax.tree.leaves(grads(scanned))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_every_configurable_remat_name_is_tagged_in_the_layers(scanned):
+  jaxpr = jax.make_jaxpr(lambda m: m(TOKENS)[0])(scanned)
+  tagged = set()
+
+  def visit(jaxpr):
+    tagged.update(e.params["name"] for e in jaxpr.eqns if e.primitive.name == "name")
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+      visit(sub)
+  visit(jaxpr.jaxpr)
+  assert tagged == set(REMAT_NAMES)
 
 
 def test_causal_future_tokens_do_not_change_the_past(scanned):

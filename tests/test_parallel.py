@@ -94,9 +94,10 @@ def _collectives(trainer, batch):
 def test_collectives_match_strategy(strategy):
   name, trainer, _, _ = strategy
   found = _collectives(trainer, synthetic_batch(trainer.config))
-  # Point-to-point permutes appear when XLA must reshard an array it could not partition
-  # in place (it did for the embedding lookup before the table was pinned to vocab only).
-  assert "collective-permute" not in found, found
+  # Point-to-point permutes of activations or weights appear when XLA must reshard an array
+  # it could not partition in place (it did for the embedding lookup before the table was
+  # pinned to vocab only). Token ids may move: the embedding gradient's scatter needs them.
+  assert all(shape.startswith(("s32", "(s32")) for shape in found.get("collective-permute", [])), found
   if name == "dp8":
     assert "all-reduce" in found and "all-gather" not in found and "reduce-scatter" not in found
   if name == "fsdp8":

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxpar.aot import hlo, roofline
+from jaxpar.aot import hlo, roofline, traffic
 from jaxpar.aot.chips import parse_slice, topology_devices
 from jaxpar.config import replace
 from jaxpar.flops import train_flops_per_token
@@ -77,32 +77,51 @@ def build_report(trainer, compiled, oom, chip, topology, num_slices) -> dict:
     "hbm_bytes": chip.hbm_bytes,
     "state_bytes": {"params": per_device_bytes(state.params),
                     "opt_state": per_device_bytes(state.opt_state)},
+    "xla_flags": {"options": trainer.xla_options, "notes": trainer.xla_notes},
     "fits": compiled is not None, "oom": oom,
   }
   if compiled is None:
     return report
-  memory = compiled.memory_analysis()
-  sizes = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
-           "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
-           "code": memory.generated_code_size_in_bytes}
-  sizes["total"] = (sizes["arguments"] + sizes["outputs"] - sizes["aliased"]
-                    + sizes["temporaries"] + sizes["code"])
+  sizes = memory_sizes(compiled.memory_analysis())
   slices = [getattr(d, "slice_index", 0) or 0 for d in mesh.devices.flat]
-  rows = hlo.summarize(hlo.collectives(compiled.as_text(), slices))
-  est = roofline.estimate(chip, mesh.size, model_flops, cfg.model.remat, rows, sizes["arguments"])
+  module = hlo.Module(compiled.as_text())
+  rows = hlo.summarize(hlo.collectives(module, slices))
+  est = roofline.estimate(chip, module, rows)
+  minimum = traffic.minimum_wire_bytes(cfg, mesh, trainer.rules)
+  measured = sum(r["wire_bytes"] for r in rows)
+  # What libtpu's stand-in all-reduces would send as the reduce-scatters and all-gathers
+  # the partitioner wrote (half).
+  as_written = measured - sum(r["wire_bytes"] for r in rows if r["kind"] in (hlo.SLICED, hlo.GATHER)) / 2
   cost = compiled.cost_analysis() or {}
   cost = cost[0] if isinstance(cost, list) else cost
   optimal = cost.get("optimal_seconds", -1.0)
   report.update({
     "memory": sizes, "fits": sizes["total"] <= chip.hbm_bytes, "collectives": rows,
-    "estimate": {"step_s": est.step_s, "overlapped_s": est.overlapped_s,
-                 "compute_s": est.compute_s, "ici_s": est.ici_s, "dcn_s": est.dcn_s,
-                 "memory_s": est.memory_s,
+    "traffic": {"wire_bytes": measured, "wire_bytes_as_written": as_written,
+                "minimum": minimum,
+                "ratio": measured / minimum["total"] if minimum["total"] else None},
+    "compiled_flops_per_step": est.flops * mesh.size,
+    "estimate": {"step_s": est.step_s, "overlapped_s": est.overlapped_s, "ops_s": est.ops_s,
+                 "ici_s": est.ici_s, "dcn_s": est.dcn_s, "hbm_traffic_bytes": est.bytes,
+                 "host_transfer_bytes": est.host_bytes,
                  "mfu": model_flops / (est.step_s * mesh.size * chip.peak_flops)},
     # One trip of each loop and sometimes negative (DESIGN.md): shown only when positive.
     "compiler_optimal_s": optimal if optimal > 0 else None,
   })
   return report
+
+
+def memory_sizes(memory) -> dict:
+  """Per-device bytes from the compiler's memory analysis: HBM (total) and host memory
+  (host_total: what remat offload keeps in pinned host memory)."""
+  sizes = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+           "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
+           "code": memory.generated_code_size_in_bytes}
+  sizes["total"] = (sizes["arguments"] + sizes["outputs"] - sizes["aliased"]
+                    + sizes["temporaries"] + sizes["code"])
+  sizes["host_total"] = (memory.host_argument_size_in_bytes + memory.host_output_size_in_bytes
+                         - memory.host_alias_size_in_bytes + memory.host_temp_size_in_bytes)
+  return sizes
 
 
 def save(directory, report: dict, compiled) -> Path:

@@ -8,7 +8,8 @@ T = tokens per device per microbatch, c = compute-dtype bytes, p = param-dtype b
   grads      = P x p / (f t)                  accumulated gradients
   gathered   = 2 x P/L x c / t (if f > 1)     one layer's weights all-gathered, double-buffered
   saved      = L x T x c x k_remat            residuals kept for the backward pass:
-               full: E; save_dots: (H+2K)D/t + 2F/t + 2E; none: twice save_dots
+               full: E; save_dots: (H+2K)D/t + 2F/t + 2E; none: twice save_dots;
+               per-name policies: the names saved in HBM (offloaded ones live on the host)
   working    = T x c x (4E + 3F/t + 2(H+2K)D/t) + 2 T x V/t x c   one layer; logits and their
                gradient (too much when the loss is fused and chunked: kept as a margin)
 
@@ -16,21 +17,39 @@ T = tokens per device per microbatch, c = compute-dtype bytes, p = param-dtype b
   15.4 compiled; llama2-70b on v5p-512 33.4 vs 39.9. Rough (+-40%): it only prunes; the
   compile of the survivors decides.
 
-  compute    = model FLOPs x remat factor / (devices x peak)
+  compute    = model FLOPs x remat factor / (devices x peak); the factor is 4/3 when the
+               forward runs again in the backward pass (full, per-name policies), else 1
   comm bytes = FSDP: 3 m x P c/t x (f-1)/f (gather fwd + bwd, reduce-scatter grads)
              + DP:   2 x P p/(f t) x (d-1)/d (all-reduce of grads)
              + TP:   (4 or 6 with full remat) x L x m x 2 T E c x (t-1)/t (activation all-reduces)
-  TPU step   = compute + comm / ICI bandwidth + 2 state / HBM bandwidth (as roofline.py)
+  TPU step   = compute + comm / ICI bandwidth + 2 state / HBM bandwidth
   CPU step   = compute / host peak + devices x (comm + 2 state) / copy bandwidth: simulated
                devices share the host's cores and memory, so nothing overlaps.
 """
 
 from dataclasses import dataclass
 
-from jaxpar.aot.roofline import REMAT_FACTOR
 from jaxpar.flops import train_flops_per_token
 
 _BYTES = {"float32": 4, "bfloat16": 2}
+REMAT_FACTOR = {"none": 1.0, "save_dots": 1.0, "save_dots_no_batch": 1.0, "full": 4 / 3}
+
+
+def remat_factor(remat) -> float:
+  return REMAT_FACTOR[remat] if isinstance(remat, str) else 4 / 3
+
+
+def saved_per_token(m, remat, t: int) -> float:
+  """Elements per token and layer kept in HBM for the backward pass."""
+  qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim / t
+  if not isinstance(remat, str):
+    sizes = {"decoder_layer_input": m.embed_dim, "qkv_proj": qkv,
+             "attention_out": m.num_heads * m.head_dim / t, "out_proj": m.embed_dim,
+             "mlp_in": 2 * m.mlp_dim / t, "mlp_out": m.embed_dim}
+    return sum(sizes[n] for n, action in remat.items() if action == "save")
+  save_dots = qkv + 2 * m.mlp_dim / t + 2 * m.embed_dim
+  return {"full": m.embed_dim, "save_dots": save_dots, "save_dots_no_batch": save_dots,
+          "none": 2 * save_dots}[remat]
 
 
 @dataclass(frozen=True)
@@ -49,7 +68,7 @@ class Layout:
   data: int
   fsdp: int
   tensor: int
-  remat: str
+  remat: str | dict
   microbatches: int
 
   def overrides(self) -> dict:
@@ -68,13 +87,10 @@ def memory_bytes(config, layout: Layout, num_params: int) -> float:
   p, c = _BYTES[m.param_dtype], _BYTES[m.compute_dtype]
   tokens = d.global_batch_size // layout.microbatches // (layout.data * f) * d.seq_len
   qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim / t
-  per_layer = {"full": m.embed_dim, "save_dots": qkv + 2 * m.mlp_dim / t + 2 * m.embed_dim}
-  per_layer["save_dots_no_batch"] = per_layer["save_dots"]
-  per_layer["none"] = 2 * per_layer["save_dots"]
   state = num_params * p * 3 / (f * t)
   grads = num_params * p / (f * t)
   gathered = 2 * num_params / m.num_layers * c / t if f > 1 else 0.0
-  saved = m.num_layers * tokens * c * per_layer[layout.remat]
+  saved = m.num_layers * tokens * c * saved_per_token(m, layout.remat, t)
   working = (tokens * c * (4 * m.embed_dim + 3 * m.mlp_dim / t + 2 * qkv)
              + 2 * tokens * m.vocab_size / t * c)
   return state + grads + gathered + saved + working
@@ -86,7 +102,7 @@ def step_seconds(config, layout: Layout, num_params: int, hw: Hardware) -> float
   devices = t * f * dp
   p, c = _BYTES[m.param_dtype], _BYTES[m.compute_dtype]
   flops = train_flops_per_token(m, d.seq_len) * d.global_batch_size * d.seq_len
-  flops *= REMAT_FACTOR[layout.remat]
+  flops *= remat_factor(layout.remat)
   tokens = d.global_batch_size // mb // (dp * f) * d.seq_len
   comm = 3 * mb * num_params * c / t * (f - 1) / f
   comm += 2 * num_params * p / (f * t) * (dp - 1) / dp

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.aot.chips import topology_devices
-from jaxpar.aot.compile import per_device_bytes
+from jaxpar.aot.compile import memory_sizes, per_device_bytes
 from jaxpar.inference.programs import Programs
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import kv_cache
@@ -53,12 +53,11 @@ def compile_inference(config, topology: str, *, slots: int, context: int, page_s
     started = time.perf_counter()
     programs.compile(kind, batch, length, pages_per_seq)
     compiled = programs.compiled[kind, batch, length]
-    memory = compiled.memory_analysis()
-    total = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-             + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
+    memory = memory_sizes(compiled.memory_analysis())
     report["programs"]["decode" if kind == "step" else "prefill"] = {
-        "shape": [batch, length], "arguments": memory.argument_size_in_bytes,
-        "temporaries": memory.temp_size_in_bytes, "total": total, "fits": total <= chip.hbm_bytes,
+        "shape": [batch, length], "arguments": memory["arguments"],
+        "temporaries": memory["temporaries"], "total": memory["total"],
+        "fits": memory["total"] <= chip.hbm_bytes,
         "pallas_calls": compiled.as_text().count("tpu_custom_call"), "compile_s": time.perf_counter() - started}
   return report
 

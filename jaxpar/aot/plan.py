@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxpar.aot import cost_model
 from jaxpar.aot.chips import topology_devices
-from jaxpar.aot.compile import build_report, compile_step
+from jaxpar.aot.compile import build_report, compile_step, memory_sizes
 from jaxpar.aot.cost_model import Hardware, Layout
 from jaxpar.config import replace, to_yaml
 from jaxpar.flops import measure_matmul_flops
@@ -170,10 +170,8 @@ def _compile_one(config, candidate, devices, chip, topology, measure):
                           "mfu": report.get("estimate", {}).get("mfu"),
                           "collectives": report.get("collectives", [])}
     return
-  memory = compiled.memory_analysis()
-  candidate.compiled = {"fits": True, "bytes": memory.argument_size_in_bytes
-                        + memory.temp_size_in_bytes + memory.output_size_in_bytes
-                        - memory.alias_size_in_bytes}
+  memory = memory_sizes(compiled.memory_analysis())
+  candidate.compiled = {"fits": True, "bytes": memory["total"] - memory["code"]}
   if measure:
     candidate.measured_s = _measure(trainer)
 

@@ -65,6 +65,18 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, ac
     o_ref[...] = (acc_scr[...] / jnp.where(l == 0.0, 1.0, l)[:, :1]).astype(o_ref.dtype)
 
 
+def _cost(q, k_pages, pages_per_seq):
+  """At full context (every page of the table live; shorter sequences skip pages): two
+  matmuls over all cached keys, one exp per score, each K/V page read once per sequence."""
+  batch, num_heads, head_dim = q.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  keys = pages_per_seq * page_size
+  scores = batch * num_heads * keys
+  cache_bytes = 2 * batch * num_kv_heads * keys * head_dim * k_pages.dtype.itemsize
+  return pl.CostEstimate(flops=2 * 2 * scores * head_dim, transcendentals=scores,
+                         bytes_accessed=cache_bytes + 2 * q.size * q.dtype.itemsize)
+
+
 def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, sliding_window=None,
                                logit_soft_cap=None, scale=None, interpret=False):
   """q: [B, Hq, D]; k/v_pages: [Hkv, num_pages, page_size, D]; lengths: [B]; page_table: [B, n]."""
@@ -100,6 +112,7 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, slid
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype, manual_axis_type=jax.typeof(q).mat),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
+      cost_estimate=_cost(q, k_pages, pages_per_seq),
       interpret=interpret,
       name="paged_decode_attention",
   )(lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages)
