@@ -1,7 +1,9 @@
 """Greedy sampling for a quick look at a trained model (the inference engine is separate).
 
 No KV cache: each new token reruns the model on a fixed-size buffer, so one compiled
-program serves every step. Fine for a short sample from a small model.
+program serves every step. Fine for a short sample from a small model. On a mesh that
+splits the sequence (context or sequence parallelism) the buffer is padded to a length
+that splits evenly; causal attention keeps the padding out of the tokens before it.
 """
 
 import jax
@@ -9,11 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.mesh import num_shards
+
 
 def greedy_sample(graphdef, params, tokenizer, prompt: str, num_tokens: int, max_len: int) -> str:
   prompt_ids = tokenizer.encode(prompt)[-max_len + num_tokens:] if num_tokens < max_len else []
   length = min(len(prompt_ids) + num_tokens, max_len)
-  buffer = np.zeros((1, length), np.int32)
+  shards = num_shards("residual_length")
+  buffer = np.zeros((1, -(-length // shards) * shards), np.int32)
   buffer[0, :len(prompt_ids)] = prompt_ids
 
   @jax.jit
@@ -25,4 +30,4 @@ def greedy_sample(graphdef, params, tokenizer, prompt: str, num_tokens: int, max
   for position in range(len(prompt_ids), length):
     token = next_token(params, tokens, position)
     tokens = tokens.at[0, position].set(token)
-  return tokenizer.decode(np.asarray(tokens[0, len(prompt_ids):]).tolist())
+  return tokenizer.decode(np.asarray(tokens[0, len(prompt_ids):length]).tolist())

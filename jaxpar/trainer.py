@@ -52,7 +52,8 @@ class Trainer:
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
     step = make_train_step(self.graphdef, self.optimizer, self.schedule,
                            z_loss=config.train.z_loss, microbatches=config.train.microbatches,
-                           logits_chunk_len=config.train.logits_chunk_len)
+                           logits_chunk_len=config.train.logits_chunk_len,
+                           load_balance=config.model.context_load_balance)
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
     self.train_step = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),
                               out_shardings=(self.state_shardings, None), donate_argnums=0)

@@ -3,6 +3,14 @@
 Parameters use `embed, heads, kv_heads, head_dim, mlp, vocab, layers`; activations use
 `batch, length` and `act_*` names, so that a parameter's `embed` can live on `fsdp`
 while an activation's batch uses the same mesh axis; the KV cache uses `cache_*` names.
+
+`length` is split over `context` (context parallelism). `residual_length` is the length
+of the residual stream between blocks: split like `length`, and with Megatron sequence
+parallelism (`model.sequence_parallel`, `sequence_parallel_rules`) over `tensor` too, so
+norms and residual adds are not repeated on every tensor device; XLA all-gathers it
+before the column-parallel matmuls and reduce-scatters after the row-parallel ones.
+FSDP presets also split parameters over `context`: those devices hold the same weights,
+so they share the storage like any other data-parallel replica.
 """
 
 # Batch is split over every axis that holds different data.
@@ -11,6 +19,7 @@ _BATCH = ("data", "fsdp")
 _COMMON = (
   ("batch", _BATCH),
   ("length", "context"),
+  ("residual_length", "context"),
   ("act_embed", None),
   ("head_dim", None),
   ("norm", None),
@@ -31,16 +40,17 @@ _TENSOR = (
 )
 
 _NO_TENSOR = tuple((name, None) for name, _ in _TENSOR)
+_FSDP = (("embed", ("fsdp", "context")),)
 
 PRESETS = {
   # Plain data parallelism: every device holds all parameters (ZeRO-0).
   "dp": _COMMON + (("embed", None),) + _NO_TENSOR,
   # ZeRO-3 / FSDP: parameters and optimizer state split over fsdp, gathered per layer.
-  "fsdp": _COMMON + (("embed", "fsdp"),) + _NO_TENSOR,
+  "fsdp": _COMMON + _FSDP + _NO_TENSOR,
   # Megatron tensor parallelism: column/row-split heads and MLP, vocab-split embedding.
   "tp": _COMMON + (("embed", None),) + _TENSOR,
   # Both; the default, since size-1 axes make either part a no-op.
-  "fsdp_tp": _COMMON + (("embed", "fsdp"),) + _TENSOR,
+  "fsdp_tp": _COMMON + _FSDP + _TENSOR,
 }
 
 
@@ -58,7 +68,18 @@ def resolve_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
     elif isinstance(axes, str):
       axes = (axes,)
     normalized.append((name, tuple(axes)))
+  table = dict(normalized)
+  if "residual_length" not in table and "length" in table:  # lists written before it existed
+    normalized.append(("residual_length", table["length"]))
   return tuple(normalized)
+
+
+def sequence_parallel_rules(rules):
+  """Megatron sequence parallelism: the residual stream's length is split over `tensor`
+  as well as wherever `length` is split."""
+  table = dict(rules)
+  split = table.get("length", ()) + ("tensor",)
+  return tuple((name, split if name == "residual_length" else axes) for name, axes in rules)
 
 
 def unused_mesh_axes(rules, axis_sizes: dict[str, int]) -> list[str]:

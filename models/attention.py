@@ -45,6 +45,7 @@ class Attention(nnx.Module):
     else:
       self.q_norm = self.k_norm = None
     self.implementation = cfg.attention
+    self.context_parallel = cfg.context_parallel
     self.dtype = compute_dtype
 
   def __call__(self, x, context, cache=None):
@@ -64,7 +65,8 @@ class Attention(nnx.Module):
     v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
     if cache is None:
       out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=context.segment_ids,
-                                     implementation=self.implementation)
+                                     implementation=self.implementation,
+                                     context_parallel=self.context_parallel, zigzag=context.zigzag)
     else:
       cache = kv_cache.write(cache, k, v, positions, context.page_table)
       out = pallas_kernels.paged_attention(q, cache["k"], cache["v"], positions, context.page_table,

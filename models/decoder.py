@@ -12,7 +12,12 @@ from jaxpar.models.attention import Attention
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.registry import get_block
 
-ACTIVATION = ("batch", "length", "act_embed")
+# The residual stream [B, L, embed] between blocks. Its length has its own name so the
+# rules can split it further than attention's (Megatron sequence parallelism): then the
+# normed input of each block is gathered to the blocks' layout once (BLOCK_INPUT), and
+# each block's output is reduce-scattered back.
+RESIDUAL = ("batch", "residual_length", "act_embed")
+BLOCK_INPUT = ("batch", "length", "act_embed")
 
 
 @struct.dataclass
@@ -20,12 +25,14 @@ class LayerContext:
   """What every layer of one forward pass shares (closed over by the layer scan).
 
   positions, segment_ids: int [B, L]; inv_freq: RoPE frequencies [head_dim / 2];
-  page_table: int [B, pages] when attending through a paged KV cache, else None.
+  page_table: int [B, pages] when attending through a paged KV cache, else None;
+  zigzag: the length axis is in zig-zag order over the context devices (load balancing).
   """
   positions: jnp.ndarray
   segment_ids: jnp.ndarray | None
   inv_freq: jnp.ndarray
   page_table: jnp.ndarray | None = None
+  zigzag: bool = struct.field(pytree_node=False, default=False)
 
 
 class DecoderLayer(nnx.Module):
@@ -39,7 +46,7 @@ class DecoderLayer(nnx.Module):
     self.mlp = get_block("feed_forward", feed_forward or cfg.mlp)(cfg, rngs=rngs, **dtypes)
 
   def __call__(self, x, context: LayerContext, cache=None):
-    attended, cache = self.attn(self.attn_norm(x), context, cache)
-    x = constrain(x + attended, ACTIVATION)
-    fed, aux = self.mlp(self.mlp_norm(x))
-    return constrain(x + fed, ACTIVATION), aux, cache
+    attended, cache = self.attn(constrain(self.attn_norm(x), BLOCK_INPUT), context, cache)
+    x = x + constrain(attended, RESIDUAL)
+    fed, aux = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT))
+    return x + constrain(fed, RESIDUAL), aux, cache

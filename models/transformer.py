@@ -8,9 +8,10 @@ first layers use the dense block instead, as their own scanned group.
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.mesh import constrain
+from jaxpar import pallas_kernels
+from jaxpar.mesh import constrain, num_shards
 from jaxpar.models import kv_cache
-from jaxpar.models.decoder import ACTIVATION, DecoderLayer, LayerContext
+from jaxpar.models.decoder import RESIDUAL, DecoderLayer, LayerContext
 from jaxpar.models.init import embedding_init, fan_in
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.rope import rope_frequencies
@@ -58,9 +59,9 @@ class Transformer(nnx.Module):
       self.unembed = nnx.Param(fan_in()(rngs.params(), (cfg.embed_dim, cfg.vocab_size), param_dtype),
                                out_sharding=("embed", "vocab"))
 
-  def __call__(self, tokens, positions=None, segment_ids=None):
+  def __call__(self, tokens, positions=None, segment_ids=None, *, zigzag=False):
     """-> (logits [B, L, vocab] in the compute dtype, aux {"losses", "metrics"})."""
-    x, aux = self.hidden_states(tokens, positions, segment_ids)
+    x, aux = self.hidden_states(tokens, positions, segment_ids, zigzag=zigzag)
     logits = jnp.einsum("ble,ev->blv", x, self.output_projection())
     return constrain(logits, ("batch", "length", "act_vocab")), aux
 
@@ -69,12 +70,18 @@ class Transformer(nnx.Module):
     unembed = self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
     return unembed.astype(jnp.dtype(self.cfg.compute_dtype))
 
-  def hidden_states(self, tokens, positions=None, segment_ids=None):
+  def hidden_states(self, tokens, positions=None, segment_ids=None, *, zigzag=False):
     """Final-normed hidden states [B, L, embed] and aux: the logits before the output
-    projection, for losses that never materialise the full [B, L, vocab] logits."""
+    projection, for losses that never materialise the full [B, L, vocab] logits.
+
+    zigzag: the length axis (tokens, positions, segment ids) is in zig-zag order over the
+    devices that split it (`pallas_kernels.zigzag`), as the train step lays it out to
+    balance causal attention; the outputs are in that order too."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    context = LayerContext(positions, segment_ids, self._inv_freq())
+      if zigzag:
+        positions = pallas_kernels.zigzag(positions, num_shards("length"))
+    context = LayerContext(positions, segment_ids, self._inv_freq(), zigzag=zigzag)
     x, aux, _ = self._run_stack(self._embed(tokens), context, None)
     return self.final_norm(x), aux
 
@@ -104,7 +111,7 @@ class Transformer(nnx.Module):
     # Gather rows from a table split only by vocab: each device looks up the rows it holds
     # and the partial results are summed, instead of resharding the whole table.
     table = constrain(self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype)), ("vocab", "act_embed"))
-    return constrain(table[tokens], ACTIVATION)
+    return constrain(table[tokens], RESIDUAL)
 
   def _run_stack(self, x, context, cache):
     """Every layer group in order -> (x, reduced aux, updated cache or None)."""
