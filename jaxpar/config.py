@@ -80,7 +80,8 @@ class TrainConfig(_Frozen):
   grad_clip: float | None = 1.0
   z_loss: float = 0.0
   microbatches: int = 1
-  # Sequence positions per chunk of the fused output-projection + loss (0: plain logits).
+  # Sequence positions per device in each chunk of the fused output-projection + loss
+  # (0: plain logits); under context parallelism a chunk spans the context devices.
   logits_chunk_len: int = 128
   seed: int = 0
   log_every: int = 10

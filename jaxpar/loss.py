@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.mesh import constrain
+from jaxpar.mesh import constrain, num_shards
 
 
 def causal_lm_loss(logits, targets, loss_mask, z_loss: float = 0.0):
@@ -47,16 +47,21 @@ def fused_lm_loss(hidden, projection, targets, loss_mask, z_loss: float = 0.0, c
 
 def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
   batch, length, embed = hidden.shape
-  chunk = _chunk_len(length, chunk_len)
-  count = length // chunk
+  # When the mesh splits the length (context parallelism), each chunk takes chunk_len
+  # positions from every device's own span of the sequence: no hidden state moves, and
+  # the chunk count (one projection-gradient reduction each) is what it is unsplit.
+  spans = num_shards("length") if length % num_shards("length") == 0 else 1
+  chunk = _chunk_len(length // spans, chunk_len)
+  count = length // spans // chunk
   # Gather the (FSDP-split) projection once, not once per chunk inside the loop.
   projection = constrain(projection, _PROJECTION)
 
-  def split(x):  # [B, L, ...] -> [count, B, chunk, ...]: each chunk keeps the batch sharding
-    return jnp.swapaxes(x.reshape(batch, count, chunk, *x.shape[2:]), 0, 1)
+  def split(x):  # [B, L, ...] -> [count, B, spans, chunk, ...]: chunks keep batch and span splits
+    return jnp.moveaxis(x.reshape(batch, spans, count, chunk, *x.shape[2:]), 2, 0)
 
   def body(d_projection, inputs):
     h, t, m = inputs
+    h, t, m = (x.reshape(batch, spans * chunk, *x.shape[3:]) for x in (h, t, m))
     logits = constrain(jnp.einsum("ble,ev->blv", h, projection, preferred_element_type=jnp.float32),
                        ("batch", "length", "act_vocab"))
     log_z = jax.nn.logsumexp(logits, axis=-1)
@@ -75,7 +80,8 @@ def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
   d_projection, (ce, z, tokens, d_hidden) = jax.lax.scan(
       body, constrain(jnp.zeros(projection.shape, jnp.float32), _PROJECTION),
       (split(hidden), split(targets), split(loss_mask)))
-  d_hidden = jnp.swapaxes(d_hidden, 0, 1).reshape(hidden.shape)
+  d_hidden = d_hidden.reshape(count, batch, spans, chunk, embed)
+  d_hidden = jnp.moveaxis(d_hidden, 0, 2).reshape(hidden.shape)
   ce_sum, z_sum = jnp.sum(ce), jnp.sum(z)
   aux = {"ce_sum": ce_sum, "z_sum": z_sum, "tokens": jnp.sum(tokens)}
   return (ce_sum + z_sum, aux), (d_hidden, d_projection.astype(projection.dtype), targets, loss_mask)

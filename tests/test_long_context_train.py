@@ -1,8 +1,10 @@
 """Long context in training, on 8 simulated devices: context parallelism (ring and
 all-gather, zig-zag order) and Megatron sequence parallelism give the loss and gradients
 of one device; the compiled step moves K/V the way its strategy says; per-device
-activation memory falls with the context size; tiny-long trains."""
+activation memory falls with the context size; tiny-long trains; Llama 3.1 8B at 131k
+tokens compiles for and fits a v5p slice (libtpu)."""
 
+import importlib.util
 import re
 
 import jax
@@ -105,3 +107,23 @@ def test_tiny_long_trains_a_few_steps(tmp_path):
                                             f"train.run_dir={tmp_path}", "checkpoint.enabled=false"])
   summary = jaxpar.Trainer(config).fit(show_progress=False).summary
   assert summary["final_loss"] < summary["first_loss"] - 0.1, summary
+
+
+@pytest.mark.tpu
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
+def test_llama3_8b_at_131k_tokens_fits_v5p_with_ring_attention():
+  """The real TPU compiler (libtpu), one layer of Llama 3.1 8B: 4 x 131,072 tokens on a
+  v5p-64 slice, context 8 x fsdp 4, flash kernels passed around the ring."""
+  from jaxpar.aot.compile import compile_for_topology
+  from jaxpar.config import load_config
+  config = load_config("llama3-8b", ["model.num_layers=1", "mesh.context=8", "data.seq_len=131072",
+                                     "data.global_batch_size=4", "model.context_parallel=ring"])
+  report, compiled = compile_for_topology(config, "v5p-64")
+  assert report["fits"] and report["mesh"] == {"fsdp": 4, "context": 8}, report
+  assert {"collective-permute", "all-gather"} <= {row["kind"] for row in report["collectives"]}
+  hlo = compiled.as_text()
+  # One device's K block (16,384 tokens x 8 kv heads x 128) travels; the whole is never gathered.
+  assert re.search(r"collective-permute(-start)?\(.*ppermute", hlo) and "bf16[1,16384,8,128]" in hlo
+  assert not re.search(r"bf16\[1,131072,8,128\][^=]*all-gather", hlo)
+  assert hlo.count("tpu_custom_call") >= 3  # flash forward, dK/dV and dQ kernels

@@ -2,7 +2,10 @@
 
 A scanned layer stack compiles to one `while` whose body holds one layer's collectives;
 counting them once (as `cost_analysis()` does for FLOPs) would miss all other layers, so
-each computation is weighted by the trip counts of the loops that reach it.
+each computation is weighted by the trip counts of the loops that reach it. The TPU
+compiler fuses collectives with their neighbours: fusions are searched too, and its
+`all-reduce-scatter` fusion (an all-reduce whose result each device slices) counts as
+the reduce-scatter it runs as.
 """
 
 import math
@@ -104,14 +107,26 @@ def collectives(hlo: str, slice_of_device=None) -> list[Collective]:
       if "body" in callees:
         trips = _trip_count(computations.get(callees["condition"], ()))
         visit(callees["body"], weight * trips)
-      elif "calls" in callees and " fusion(" not in line:
+      elif "calls" in callees and callees["calls"].startswith("all-reduce-scatter"):
+        found.extend(_as_reduce_scatter(c) for c in _inner(callees["calls"], weight))
+      elif "calls" in callees:
         visit(callees["calls"], weight)
       elif "branch_computations" in callees:
         for branch in re.findall(r"%([\w.\-]+)", line.split("branch_computations=")[1]):
           visit(branch, weight)
 
+  def _inner(name: str, weight: int) -> list[Collective]:
+    return [_one(m, line, weight, num_devices, slice_of_device)
+            for line in computations.get(name, ()) if (m := _COLLECTIVE.search(line))]
+
   visit(entry, 1)
   return found
+
+
+def _as_reduce_scatter(c: Collective) -> Collective:
+  """An all-reduce that each device slices: bytes are its input, as for a reduce-scatter;
+  on the wire it is half an all-reduce."""
+  return Collective("reduce-scatter", c.count, c.bytes, c.wire_bytes / 2, c.dcn)
 
 
 def _wire(kind: str, size: float, n: int) -> float:
