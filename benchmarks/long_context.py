@@ -6,7 +6,8 @@ sequence, what it communicates and how fast it runs. Model: configs/tiny-long.ya
 fit    For context = 1, 2, 4, 8 (that many devices, batch 1) and each strategy: the
        longest sequence whose compiled train step fits a per-device budget, from
        compiled.memory_analysis() (arguments + outputs - aliased + temporaries): doubling
-       from 1024 tokens, then bisection down to 1/8 of the last step. Compile-only.
+       from 1024 tokens (from the previous context's answer after the first), then
+       bisection until the gap is at most 1/8 of the answer. Compile-only.
 comm   Collective bytes per layer and device from the compiled HLO (loop trips counted):
        the step with 2 layers minus the step with 1, at --comm-len tokens, context 8.
 speed  Tokens/s of the train step at --speed-len tokens: context 8 (8 devices) for both
@@ -15,9 +16,16 @@ speed  Tokens/s of the train step at --speed-len tokens: context 8 (8 devices) f
        the cost of splitting, not a speed-up.
 work   Per-device causal attention tiles (what the kernels compute and do not skip) at
        --speed-len, zig-zag vs contiguous order.
+sp     Megatron sequence parallelism off vs on: compiled temporaries per device (the
+       activations kept for the backward) of a 2-layer, 4096-token bf16 model on fsdp 4 x
+       tensor 2, on 8 simulated CPU devices and, with libtpu, on a TPU v5e-8 (compile-only).
+tpu    With libtpu: `jaxpar compile` of Llama 3.1 8B, full depth, 4 x 131,072 tokens on a
+       v5p-64 slice (context 8 x fsdp 4) for both strategies: fit verdict, HBM per chip,
+       collective bytes (compile-only; the step time is the roofline's estimate).
 """
 
 import argparse
+import importlib.util
 import os
 import time
 
@@ -27,7 +35,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from jaxpar.aot import hlo  # noqa: E402
-from jaxpar.aot.compile import compile_step  # noqa: E402
+from jaxpar.aot.chips import topology_devices  # noqa: E402
+from jaxpar.aot.compile import compile_for_topology, compile_step  # noqa: E402
+from jaxpar.aot.report import format_report  # noqa: E402
 from jaxpar.config import load_config  # noqa: E402
 from jaxpar.pallas_kernels.attention.layout import SequenceSplit  # noqa: E402
 from jaxpar.trainer import Trainer  # noqa: E402
@@ -50,9 +60,10 @@ def _bytes(context, strategy, length):
           + m.temp_size_in_bytes)
 
 
-def longest_fit(context, strategy, budget):
-  """(longest length that fits, its bytes): doubling, then bisection."""
-  unit, length, best = 2 * context, 1024, (0, 0)
+def longest_fit(context, strategy, budget, start=1024):
+  """(longest length that fits, its bytes): doubling from `start`, then bisection."""
+  unit, best = 2 * context, (0, 0)
+  length = max(start // unit * unit, unit)
   while (used := _bytes(context, strategy, length)) <= budget:
     best, length = (length, used), length * 2
   low, high = best[0], length
@@ -68,8 +79,9 @@ def fit_table(budget_mib):
   print(f"{'context':>7} {'strategy':<10} {'tokens':>8} {'MiB':>7} {'x context=1':>11}")
   first = {}
   for strategy in STRATEGIES:
+    length = 1024
     for context in (1, 2, 4, 8):
-      length, used = longest_fit(context, strategy, budget_mib * _MiB)
+      length, used = longest_fit(context, strategy, budget_mib * _MiB, start=length)
       first.setdefault(strategy, length)
       print(f"{context:>7} {strategy:<10} {length:>8} {used / _MiB:>7.1f} "
             f"{length / first[strategy]:>10.2f}x", flush=True)
@@ -126,12 +138,48 @@ def work_table(length):
   print()
 
 
+def _sp_temp(sequence_parallel, devices):
+  model = ["model.embed_dim=512", "model.mlp_dim=2048", "model.num_heads=8", "model.num_kv_heads=2",
+           "model.head_dim=64", "model.compute_dtype=bfloat16", "model.num_layers=2",
+           "model.max_seq_len=4096", "model.attention=auto", f"model.sequence_parallel={sequence_parallel}"]
+  config = load_config("tiny-long", model + ["mesh.context=1", "mesh.fsdp=4", "mesh.tensor=2",
+                                             "data.seq_len=4096", "data.global_batch_size=8"])
+  compiled, _ = compile_step(Trainer(config, devices=devices))
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def sp_table():
+  print("sequence parallelism: compiled temporaries per device, fsdp 4 x tensor 2, 8 x 4096 tokens")
+  targets = [("8 CPU devices", jax.devices()[:8])]
+  if importlib.util.find_spec("libtpu"):
+    targets.append(("TPU v5e-8", topology_devices("v5e-8")[1]))
+  for name, devices in targets:
+    off, on = (_sp_temp(sp, devices) for sp in (False, True))
+    print(f"  {name:<14} off {off / _MiB:8.1f} MiB   on {on / _MiB:8.1f} MiB   ({on / off:.2f}x)",
+          flush=True)
+  print()
+
+
+def tpu_table():
+  if not importlib.util.find_spec("libtpu"):
+    print("tpu: libtpu not installed (pip install -e '.[tpu]'), skipped\n")
+    return
+  for strategy in STRATEGIES:
+    config = load_config("llama3-8b", ["mesh.context=8", "data.seq_len=131072",
+                                       "data.global_batch_size=4",
+                                       f"model.context_parallel={strategy}"])
+    print(f"llama3-8b, {strategy}:")
+    print(format_report(compile_for_topology(config, "v5p-64")[0]), flush=True)
+    print()
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--budget-mib", type=float, default=256)
   parser.add_argument("--comm-len", type=int, default=8192)
   parser.add_argument("--speed-len", type=int, default=32768)
-  parser.add_argument("--skip", nargs="*", default=[], choices=["fit", "comm", "speed", "work"])
+  parser.add_argument("--skip", nargs="*", default=[],
+                      choices=["fit", "comm", "speed", "work", "sp", "tpu"])
   args = parser.parse_args()
   if "work" not in args.skip:
     work_table(args.speed_len)
@@ -139,6 +187,10 @@ def main():
     fit_table(args.budget_mib)
   if "comm" not in args.skip:
     comm_table(args.comm_len)
+  if "sp" not in args.skip:
+    sp_table()
+  if "tpu" not in args.skip:
+    tpu_table()
   if "speed" not in args.skip:
     speed_table(args.speed_len)
 

@@ -20,15 +20,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxpar.pallas_kernels import tiling
-from jaxpar.pallas_kernels.attention import masking, validation
+from jaxpar.pallas_kernels.attention import masking, tpu_segments, validation
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
 from jaxpar.pallas_kernels.attention.blockwise import (AttentionOptions, Blockwise, default_offset,
                                                        out_struct, split_segments)
 from jaxpar.pallas_kernels.attention.lse_vjp import with_lse_vjp
 from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
-_LANES = 128
-_SUBLANES = 8
+_LANES = tpu_segments.LANES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +73,6 @@ def _live(index, first, last, count):
   return jnp.clip(jnp.clip(index, first, last), 0, count - 1)
 
 
-def _segments(qseg_ref, kseg_ref):
-  """Column of query ids and row of key ids (or None): they broadcast to a tile."""
-  if qseg_ref is None:
-    return None, None
-  return qseg_ref[:, :1], kseg_ref[:1, :]
-
-
 def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_scr, l_scr,
                 acc_scr, *, st, group):
   bq, bk = st.block_q, st.block_k
@@ -98,7 +90,7 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref
   @pl.when((j >= first) & (j <= last))
   def _step():
     k, v = k_ref[...], v_ref[...]
-    qseg, kseg = _segments(qseg_ref, kseg_ref)
+    qseg, kseg = tpu_segments.tile_ids(qseg_ref, kseg_ref)
     mask = _tile_mask(st, offset + i * bq, j * bk, bq, bk, qseg, kseg, transposed=False)
     for g in range(group):
       s = mxu_dot(q_ref[g], k, trans_b=True) * st.scale
@@ -148,7 +140,7 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_r
   @pl.when((i >= first) & (i <= last))
   def _step():
     k, v = k_ref[...], v_ref[...]
-    kseg, qseg = _segments(kseg_ref, qseg_ref)
+    kseg, qseg = tpu_segments.tile_ids(kseg_ref, qseg_ref)
     mask = _tile_mask(st, offset + i * bq, j * bk, bq, bk, qseg, kseg, transposed=True)
     for g in range(group):
       q, do = q_ref[g], do_ref[g]
@@ -177,7 +169,7 @@ def _dq_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_re
   @pl.when((j >= first) & (j <= last))
   def _step():
     k, v = k_ref[...], v_ref[...]
-    kseg, qseg = _segments(kseg_ref, qseg_ref)
+    kseg, qseg = tpu_segments.tile_ids(kseg_ref, qseg_ref)
     mask = _tile_mask(st, offset + i * bq, j * bk, bq, bk, qseg, kseg, transposed=True)
     for g in range(group):
       _, dst = _bwd_tile(st, q_ref[g], k, v, do_ref[g], lse_ref[g], delta_ref[g], mask)
@@ -186,11 +178,6 @@ def _dq_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_re
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
     dq_ref[...] = (dq_scr[...] * st.scale).astype(dq_ref.dtype)
-
-
-def _params(st):
-  return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-                              vmem_limit_bytes=st.vmem_limit_bytes)
 
 
 def _cost(q, k, v, st, passes):
@@ -203,32 +190,15 @@ def _cost(q, k, v, st, passes):
                          bytes_accessed=nbytes)
 
 
-def _col_spec(block, index):
-  """Segment ids as a column ([block, 128] tile, ids on sublanes)."""
-  return pl.BlockSpec((None, block, _LANES), lambda *g: (g[0], index(*g), 0))
-
-
-def _row_spec(block, index):
-  """Segment ids as a row ([8, block] tile, ids on lanes)."""
-  return pl.BlockSpec((None, _SUBLANES, block), lambda *g: (g[0], 0, index(*g)))
-
-
-def _seg_layouts(seg, column):
-  """[B, L] ids -> [B, L, 128] (column tiles) or [B, 8, L] (row tiles)."""
-  if seg is None:
-    return None
-  if column:
-    return jnp.broadcast_to(seg[:, :, None], seg.shape + (_LANES,))
-  return jnp.broadcast_to(seg[:, None, :], (seg.shape[0], _SUBLANES, seg.shape[1]))
-
-
 def _call(kernel, st, group, grid, in_specs, out_specs, out_shape, scratch, cost, name):
   """pallas_call with the query offset as a prefetched scalar: index maps get it last,
   kernels first."""
   spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=in_specs,
                                       out_specs=out_specs, scratch_shapes=scratch)
+  params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",),
+                                vmem_limit_bytes=st.vmem_limit_bytes)
   return pl.pallas_call(functools.partial(kernel, st=st, group=group), grid_spec=spec,
-                        out_shape=out_shape, compiler_params=_params(st), cost_estimate=cost,
+                        out_shape=out_shape, compiler_params=params, cost_estimate=cost,
                         interpret=st.interpret, name=name)
 
 
@@ -247,8 +217,8 @@ def _forward(q, k, v, q_seg, kv_seg, offset, st):
                          lambda b, h, i, j, off: (b, h, kv_block(i, j, off), 0))
   seg_specs = [None, None]
   if q_seg is not None:
-    seg_specs = [_col_spec(bq, lambda b, h, i, j, off: i),
-                 _row_spec(bk, lambda b, h, i, j, off: kv_block(i, j, off))]
+    seg_specs = [tpu_segments.column_spec(bq, lambda b, h, i, j, off: i),
+                 tpu_segments.row_spec(bk, lambda b, h, i, j, off: kv_block(i, j, off))]
   lse_spec = pl.BlockSpec((None, group, bq, _LANES), lambda b, h, i, j, off: (b, h, i, 0))
   o, lse = _call(
       _fwd_kernel, st, group, (batch, num_kv_heads, q_len // bq, kv_len // bk),
@@ -257,7 +227,7 @@ def _forward(q, k, v, q_seg, kv_seg, offset, st):
       [pltpu.VMEM((group, bq, _LANES), jnp.float32), pltpu.VMEM((group, bq, _LANES), jnp.float32),
        pltpu.VMEM((group, bq, head_dim), jnp.float32)],
       _cost(q, k, v, st, passes=2), "flash_attention_fwd",
-  )(offset, q, k, v, _seg_layouts(q_seg, True), _seg_layouts(kv_seg, False))
+  )(offset, q, k, v, tpu_segments.layout(q_seg, True), tpu_segments.layout(kv_seg, False))
   return o, lse[..., 0]
 
 
@@ -270,8 +240,8 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
   # Per-row statistics as lane-major rows: they broadcast over a transposed tile.
   lse, delta = lse[:, :, None, :], delta[:, :, None, :]
-  q_segs = _seg_layouts(q_seg, False)
-  kv_segs = _seg_layouts(kv_seg, True)
+  q_segs = tpu_segments.layout(q_seg, False)
+  kv_segs = tpu_segments.layout(kv_seg, True)
 
   # dK, dV: kv tile fixed, sweep the query tiles that can see it.
   def q_block(j, i, off):
@@ -283,8 +253,8 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   kv_spec = pl.BlockSpec((None, None, bk, head_dim), lambda b, h, j, i, off: (b, h, j, 0))
   seg_specs = [None, None]
   if q_seg is not None:
-    seg_specs = [_row_spec(bq, lambda b, h, j, i, off: q_block(j, i, off)),
-                 _col_spec(bk, lambda b, h, j, i, off: j)]
+    seg_specs = [tpu_segments.row_spec(bq, lambda b, h, j, i, off: q_block(j, i, off)),
+                 tpu_segments.column_spec(bk, lambda b, h, j, i, off: j)]
   dk, dv = _call(
       _dkv_kernel, st, group, (batch, num_kv_heads, num_k_blocks, num_q_blocks),
       [qo_spec, kv_spec, kv_spec, qo_spec, row_spec, row_spec, *seg_specs], [kv_spec, kv_spec],
@@ -303,8 +273,8 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
                          lambda b, h, i, j, off: (b, h, kv_block(i, j, off), 0))
   seg_specs = [None, None]
   if q_seg is not None:
-    seg_specs = [_row_spec(bq, lambda b, h, i, j, off: i),
-                 _col_spec(bk, lambda b, h, i, j, off: kv_block(i, j, off))]
+    seg_specs = [tpu_segments.row_spec(bq, lambda b, h, i, j, off: i),
+                 tpu_segments.column_spec(bk, lambda b, h, i, j, off: kv_block(i, j, off))]
   dq = _call(
       _dq_kernel, st, group, (batch, num_kv_heads, num_q_blocks, num_k_blocks),
       [qo_spec, kv_spec, kv_spec, qo_spec, row_spec, row_spec, *seg_specs], qo_spec,
@@ -314,44 +284,41 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   return dq, dk, dv
 
 
-def _static(opts, q_len, kv_len, head_dim):
-  """(kernel statics, padded q length, padded kv length) for these shapes."""
+def _prepare(opts, q, k, q_seg, kv_seg, q_offset):
+  """Kernel statics, a padder to the kernel layout for queries / keys ([B, L, H, D] ->
+  [B, H, L_pad, D]), the padded segment ids and the offset as a prefetchable [1]."""
+  q_len, kv_len = q.shape[1], k.shape[1]
   blocks = opts.block_sizes or default_block_sizes("tpu", _device_kind())
   tiles = tiling.fit_tiles(blocks, q_len, kv_len, _LANES)
   q_pad = tiling.round_up(q_len, math.lcm(tiles["block_q"], tiles["block_q_bwd"]))
   kv_pad = tiling.round_up(kv_len, math.lcm(tiles["block_k"], tiles["block_k_bwd"]))
   st = _Static(causal=opts.causal, sliding_window=opts.sliding_window,
-               logit_soft_cap=opts.logit_soft_cap, scale=opts.scale_for(head_dim), kv_len=kv_len,
-               vmem_limit_bytes=blocks.vmem_limit_bytes, interpret=opts.interpret, **tiles)
-  return st, q_pad, kv_pad
+               logit_soft_cap=opts.logit_soft_cap, scale=opts.scale_for(q.shape[-1]),
+               kv_len=kv_len, vmem_limit_bytes=blocks.vmem_limit_bytes,
+               interpret=opts.interpret, **tiles)
+  pad = lambda x, n: tiling.pad_axis(x, 1, n).transpose(0, 2, 1, 3)
+  segs = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
+  return (st, lambda x: pad(x, q_pad), lambda x: pad(x, kv_pad), segs,
+          jnp.reshape(q_offset, (1,)).astype(jnp.int32))
 
 
-def _to_kernel(x, length):
-  """[B, L, H, D] -> [B, H, length, D], zero-padded."""
-  return tiling.pad_axis(x, 1, length).transpose(0, 2, 1, 3)
+def _from_kernel(x, length):
+  return x.transpose(0, 2, 1, 3)[:, :length]
 
 
 def forward(opts, q, k, v, q_seg, kv_seg, q_offset):
   """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, D], lse [B, Hq, Lq])."""
-  q_len, kv_len = q.shape[1], k.shape[1]
-  st, q_pad, kv_pad = _static(opts, q_len, kv_len, q.shape[-1])
-  q_seg, kv_seg = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
-  o, lse = _forward(_to_kernel(q, q_pad), _to_kernel(k, kv_pad), _to_kernel(v, kv_pad), q_seg,
-                    kv_seg, jnp.reshape(q_offset, (1,)).astype(jnp.int32), st)
-  return o.transpose(0, 2, 1, 3)[:, :q_len], lse[:, :, :q_len]
+  st, pad_q, pad_kv, segs, offset = _prepare(opts, q, k, q_seg, kv_seg, q_offset)
+  o, lse = _forward(pad_q(q), pad_kv(k), pad_kv(v), *segs, offset, st)
+  return _from_kernel(o, q.shape[1]), lse[:, :, :q.shape[1]]
 
 
 def backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
   """The blockwise backward from a given log-sum-exp (see blockwise.py): (dq, dk, dv)."""
-  q_len, kv_len = q.shape[1], k.shape[1]
-  st, q_pad, kv_pad = _static(opts, q_len, kv_len, q.shape[-1])
-  q_seg, kv_seg = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
-  dq, dk, dv = _backward(_to_kernel(q, q_pad), _to_kernel(k, kv_pad), _to_kernel(v, kv_pad), q_seg,
-                         kv_seg, jnp.reshape(q_offset, (1,)).astype(jnp.int32),
-                         _to_kernel(o, q_pad), tiling.pad_axis(lse, 2, q_pad),
-                         _to_kernel(do, q_pad), st)
-  back = lambda x, n: x.transpose(0, 2, 1, 3)[:, :n]
-  return back(dq, q_len), back(dk, kv_len), back(dv, kv_len)
+  st, pad_q, pad_kv, segs, offset = _prepare(opts, q, k, q_seg, kv_seg, q_offset)
+  lse = tiling.pad_axis(lse, 2, pad_q(q).shape[2])
+  dq, dk, dv = _backward(pad_q(q), pad_kv(k), pad_kv(v), *segs, offset, pad_q(o), lse, pad_q(do), st)
+  return _from_kernel(dq, q.shape[1]), _from_kernel(dk, k.shape[1]), _from_kernel(dv, k.shape[1])
 
 
 BLOCKWISE = Blockwise(forward, backward)
