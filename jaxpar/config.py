@@ -95,7 +95,8 @@ class TrainConfig(_Frozen):
   grad_clip: float | None = 1.0
   z_loss: float = 0.0
   microbatches: int = 1
-  # Sequence positions per chunk of the fused output-projection + loss (0: plain logits).
+  # Sequence positions per device in each chunk of the fused output-projection + loss
+  # (0: plain logits); under context parallelism a chunk spans the context devices.
   logits_chunk_len: int = 128
   seed: int = 0
   log_every: int = 10
@@ -137,10 +138,7 @@ class Config(_Frozen):
                        f"data.global_batch_size={d.global_batch_size}")
     if self.mesh.tensor > 0 and m.num_heads % self.mesh.tensor:
       raise ValueError(f"mesh.tensor={self.mesh.tensor} does not divide model.num_heads={m.num_heads}")
-    if self.mesh.context > 1:
-      raise ValueError(f"mesh.context={self.mesh.context}: attention has no context-parallel "
-                       "implementation yet, so every device would repeat the whole sequence; "
-                       "set mesh.context=1")
+    _check_sequence_split(m, d, self.mesh)
     get_block("feed_forward", m.mlp)
     moe = getattr(m, "moe", None)
     if m.mlp == "moe" and moe is None:
@@ -150,6 +148,25 @@ class Config(_Frozen):
       raise ValueError(f"mesh.expert={self.mesh.expert} does not divide model.moe.num_experts="
                        f"{moe.num_experts}: each device must hold a whole number of experts")
     return self
+
+
+def _check_sequence_split(m, d, mesh):
+  """data.seq_len must split evenly where the mesh splits it (context parallelism, sequence
+  parallelism), and attention must have a form that runs split."""
+  context, tensor = mesh.context, mesh.tensor
+  if context > 1 and m.attention == "reference":
+    raise ValueError(f"model.attention='reference' with mesh.context={context}: the reference "
+                     "materialises whole score matrices and has no context-parallel form; use "
+                     "auto, chunked or flash")
+  if context > 1:
+    multiple = 2 * context if m.context_load_balance else context
+    if d.seq_len % multiple:
+      why = " (zig-zag load balancing: 2 chunks per device)" if m.context_load_balance else ""
+      raise ValueError(f"data.seq_len={d.seq_len} must be a multiple of {multiple} to split over "
+                       f"mesh.context={context}{why}")
+  if m.sequence_parallel and tensor > 1 and d.seq_len % (max(context, 1) * tensor):
+    raise ValueError(f"data.seq_len={d.seq_len} must be a multiple of mesh.context x mesh.tensor "
+                     f"= {max(context, 1) * tensor} for model.sequence_parallel")
 
 
 def _set_dotted(tree: dict, key: str, value):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.mesh import constrain, mesh_axes
+from jaxpar.mesh import constrain, mesh_axes, num_shards
 
 
 def causal_lm_loss(logits, targets, loss_mask, z_loss: float = 0.0):
@@ -27,8 +27,9 @@ def causal_lm_loss(logits, targets, loss_mask, z_loss: float = 0.0):
 
 
 _PROJECTION = ("act_embed", "act_vocab")  # embed gathered, vocab split as the logits are
-# One partial gradient per batch shard, each on its own devices: [shards, embed, vocab].
-_PARTIALS = ("batch", "act_embed", "act_vocab")
+# One partial gradient per batch shard and sequence span, each on its own devices:
+# [shards, spans, embed, vocab].
+_PARTIALS = ("batch", "length", "act_embed", "act_vocab")
 _PARAMETER = ("embed", "vocab")  # the output projection's own layout (either orientation)
 
 
@@ -62,22 +63,28 @@ def fused_lm_loss(hidden, projection, targets, loss_mask, z_loss: float = 0.0, c
 
 def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
   batch, length, embed = hidden.shape
-  chunk = _chunk_len(length, chunk_len)
-  count = length // chunk
+  # When the mesh splits the length (context parallelism), each chunk takes chunk_len
+  # positions from every device's own span of the sequence: no hidden state moves, and
+  # the chunk count (one projection-gradient reduction each) is what it is unsplit.
+  spans = num_shards("length") if length % num_shards("length") == 0 else 1
+  chunk = _chunk_len(length // spans, chunk_len)
+  count = length // spans // chunk
   shards = _batch_shards(batch)
   # Gather the (FSDP-split) projection once, not once per chunk inside the loop.
   projection = constrain(projection, _PROJECTION)
 
-  def split(x):  # [B, L, ...] -> [count, B, chunk, ...]: each chunk keeps the batch sharding
-    return jnp.swapaxes(x.reshape(batch, count, chunk, *x.shape[2:]), 0, 1)
+  def split(x):  # [B, L, ...] -> [count, B, spans, chunk, ...]: chunks keep batch and span splits
+    return jnp.moveaxis(x.reshape(batch, spans, count, chunk, *x.shape[2:]), 2, 0)
 
-  def per_shard(x):  # [B, chunk, ...] -> [shards, B / shards, chunk, ...]
+  def per_shard(x):  # [B, spans, chunk, ...] -> [shards, B / shards, spans, chunk, ...]
     return x.reshape(shards, batch // shards, *x.shape[1:])
 
   def body(partials, inputs):
     h, t, m = inputs
-    logits = constrain(jnp.einsum("ble,ev->blv", h, projection, preferred_element_type=jnp.float32),
+    flat = lambda x: x.reshape(batch, spans * chunk, *x.shape[3:])  # noqa: E731
+    logits = constrain(jnp.einsum("ble,ev->blv", flat(h), projection, preferred_element_type=jnp.float32),
                        ("batch", "length", "act_vocab"))
+    t, m = flat(t), flat(m)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     one_hot = jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
     m = m.astype(jnp.float32)
@@ -87,16 +94,18 @@ def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
     probs = jnp.exp(logits - log_z[..., None])
     d_logits = ((probs * (1 + 2 * z_loss * log_z)[..., None] - one_hot) * m[..., None]).astype(h.dtype)
     d_hidden = jnp.einsum("blv,ev->ble", d_logits, projection)
-    partials = partials + jnp.einsum("sble,sblv->sev", per_shard(h), per_shard(d_logits),
+    per_span = d_logits.reshape(*h.shape[:3], -1)  # [B, spans, chunk, vocab]
+    partials = partials + jnp.einsum("sbple,sbplv->spev", per_shard(h), per_shard(per_span),
                                      preferred_element_type=jnp.float32)
     return constrain(partials, _PARTIALS), (ce, z, jnp.sum(m), d_hidden)
 
-  zeros = constrain(jnp.zeros((shards, *projection.shape), jnp.float32), _PARTIALS)
+  zeros = constrain(jnp.zeros((shards, spans, *projection.shape), jnp.float32), _PARTIALS)
   partials, (ce, z, tokens, d_hidden) = jax.lax.scan(
       body, zeros, (split(hidden), split(targets), split(loss_mask)))
   # The one cross-device reduction, in the compute dtype like every other weight gradient.
-  d_projection = constrain(jnp.sum(partials.astype(projection.dtype), axis=0), _PARAMETER)
-  d_hidden = jnp.swapaxes(d_hidden, 0, 1).reshape(hidden.shape)
+  d_projection = constrain(jnp.sum(partials.astype(projection.dtype), axis=(0, 1)), _PARAMETER)
+  d_hidden = d_hidden.reshape(count, batch, spans, chunk, embed)
+  d_hidden = jnp.moveaxis(d_hidden, 0, 2).reshape(hidden.shape)
   ce_sum, z_sum = jnp.sum(ce), jnp.sum(z)
   aux = {"ce_sum": ce_sum, "z_sum": z_sum, "tokens": jnp.sum(tokens)}
   return (ce_sum + z_sum, aux), (d_hidden, d_projection, targets, loss_mask)

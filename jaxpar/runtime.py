@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxpar.checkpoint import Checkpointer, resolve
 from jaxpar.mesh import build_mesh, resolve_rules, state_shardings
-from jaxpar.mesh.rules import unused_mesh_axes
+from jaxpar.mesh.rules import sequence_parallel_rules, unused_mesh_axes
 from jaxpar.models import build_model, get_family
 
 
@@ -56,6 +56,8 @@ class Runtime:
     self.family = get_family(model_cfg.family)
     self.mesh = build_mesh(mesh_cfg, devices)
     self.rules = resolve_rules(mesh_cfg.rules or self.family.rules)
+    if model_cfg.sequence_parallel:
+      self.rules = sequence_parallel_rules(self.rules)
     unused = unused_mesh_axes(self.rules, dict(self.mesh.shape))
     if unused:
       raise ValueError(f"mesh.{unused[0]}={self.mesh.shape[unused[0]]} but mesh.rules="

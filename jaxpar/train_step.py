@@ -2,7 +2,10 @@
 
 The objective is cross-entropy + z-loss + the model's auxiliary losses. Everything a
 microbatch reports is a token-weighted sum (`sums`), so accumulation is a plain tree sum
-and the step divides by the token count once, whatever keys the model adds.
+and the step divides by the token count once, whatever keys the model adds. When the mesh
+splits the sequence (context parallelism), the step puts each batch in zig-zag order once,
+before the model: every array of the batch moves together, and the sums do not depend
+on the order.
 """
 
 import jax
@@ -11,6 +14,8 @@ import optax
 from flax import nnx
 
 from jaxpar.loss import causal_lm_loss, fused_lm_loss
+from jaxpar.mesh import num_shards
+from jaxpar.pallas_kernels import zigzag
 from jaxpar.train_state import TrainState
 
 
@@ -22,22 +27,28 @@ def _split_microbatches(batch, count: int):
   return jax.tree.map(split, batch)
 
 
-def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_len: int = 0):
+def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_len: int = 0,
+                   load_balance: bool = True):
   """(params, batch, model_state) -> (summed grads, sums, new model_state).
 
   sums: {"ce_sum", "z_sum", "tokens"} plus, for each auxiliary loss or metric the model
   returns, its value x tokens under "loss/NAME" or "metric/NAME".
   logits_chunk_len > 0: the fused chunked loss (never holds all logits); 0: plain logits.
+  load_balance: zig-zag order over the devices that split the length (if any).
   """
   def objective(params, model_state, batch):
     model = nnx.merge(graphdef, params, model_state)
+    shards = num_shards("length")
+    balanced = load_balance and shards > 1
+    if balanced:
+      batch = jax.tree.map(lambda x: zigzag(x, shards), batch)
     inputs = (batch["inputs"], batch["positions"], batch["segment_ids"])
     if logits_chunk_len:
-      hidden, aux = model.hidden_states(*inputs)
+      hidden, aux = model.hidden_states(*inputs, zigzag=balanced)
       total, sums = fused_lm_loss(hidden, model.output_projection(), batch["targets"],
                                   batch["loss_mask"], z_loss, logits_chunk_len)
     else:
-      logits, aux = model(*inputs)
+      logits, aux = model(*inputs, zigzag=balanced)
       total, sums = causal_lm_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
     tokens = sums["tokens"]
     for name, value in aux["losses"].items():
@@ -71,9 +82,9 @@ def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_l
 
 
 def make_train_step(graphdef, optimizer, schedule, *, z_loss: float, microbatches: int,
-                    logits_chunk_len: int):
+                    logits_chunk_len: int, load_balance: bool = True):
   gradients = make_gradients(graphdef, z_loss=z_loss, microbatches=microbatches,
-                             logits_chunk_len=logits_chunk_len)
+                             logits_chunk_len=logits_chunk_len, load_balance=load_balance)
 
   def train_step(state: TrainState, batch):
     grads, sums, model_state = gradients(state.params, batch, state.model_state)

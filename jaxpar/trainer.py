@@ -60,7 +60,8 @@ class Trainer:
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
     step = make_train_step(self.graphdef, self.optimizer, self.schedule,
                            z_loss=config.train.z_loss, microbatches=config.train.microbatches,
-                           logits_chunk_len=config.train.logits_chunk_len)
+                           logits_chunk_len=config.train.logits_chunk_len,
+                           load_balance=config.model.context_load_balance)
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
     self.xla_options, self.xla_notes = compiler_options(config.mesh.xla_flags, self.mesh.devices.flat)
     self.train_step = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),

@@ -2,9 +2,9 @@
 
 from jaxpar.mesh.build import AXES, build_mesh, resolve_axis_sizes
 from jaxpar.mesh.rules import PRESETS, resolve_rules
-from jaxpar.mesh.shard_map import current_rules, logical_shard_map, mesh_axes
+from jaxpar.mesh.shard_map import current_rules, logical_shard_map, mesh_axes, num_shards
 from jaxpar.mesh.sharding import constrain, logical_to_sharding, logical_to_spec, state_shardings
 
 __all__ = ["AXES", "build_mesh", "resolve_axis_sizes", "PRESETS", "resolve_rules",
            "logical_to_spec", "logical_to_sharding", "state_shardings", "constrain",
-           "current_rules", "logical_shard_map", "mesh_axes"]
+           "current_rules", "logical_shard_map", "mesh_axes", "num_shards"]

@@ -7,6 +7,14 @@ while an activation's batch uses the same mesh axis; the KV cache uses `cache_*`
 The `expert` mesh axis holds different tokens (it splits the batch) and, in every preset,
 different experts (`experts`, expert parallelism): MoE layers send each token to the
 devices holding its experts. Outside the experts it acts as more FSDP where FSDP is on.
+
+`length` is split over `context` (context parallelism). `residual_length` is the length
+of the residual stream between blocks: split like `length`, and with Megatron sequence
+parallelism (`model.sequence_parallel`, `sequence_parallel_rules`) over `tensor` too, so
+norms and residual adds are not repeated on every tensor device; XLA all-gathers it
+before the column-parallel matmuls and reduce-scatters after the row-parallel ones.
+FSDP presets also split parameters over `context` (after `fsdp` and `expert`): those devices hold the same weights,
+so they share the storage like any other data-parallel replica.
 """
 
 # Batch is split over every axis that holds different data.
@@ -15,6 +23,7 @@ _BATCH = ("data", "fsdp", "expert")
 _COMMON = (
   ("batch", _BATCH),
   ("length", "context"),
+  ("residual_length", "context"),
   ("act_embed", None),
   ("head_dim", None),
   ("norm", None),
@@ -36,16 +45,17 @@ _TENSOR = (
 )
 
 _NO_TENSOR = tuple((name, None) for name, _ in _TENSOR)
+_FSDP = (("embed", ("fsdp", "expert", "context")),)
 
 PRESETS = {
   # Plain data parallelism: every device holds all parameters (ZeRO-0).
   "dp": _COMMON + (("embed", None),) + _NO_TENSOR,
   # ZeRO-3 / FSDP: parameters and optimizer state split over fsdp, gathered per layer.
-  "fsdp": _COMMON + (("embed", ("fsdp", "expert")),) + _NO_TENSOR,
+  "fsdp": _COMMON + _FSDP + _NO_TENSOR,
   # Megatron tensor parallelism: column/row-split heads and MLP, vocab-split embedding.
   "tp": _COMMON + (("embed", None),) + _TENSOR,
   # Both; the default, since size-1 axes make either part a no-op.
-  "fsdp_tp": _COMMON + (("embed", ("fsdp", "expert")),) + _TENSOR,
+  "fsdp_tp": _COMMON + _FSDP + _TENSOR,
 }
 
 
@@ -63,7 +73,18 @@ def resolve_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
     elif isinstance(axes, str):
       axes = (axes,)
     normalized.append((name, tuple(axes)))
+  table = dict(normalized)
+  if "residual_length" not in table and "length" in table:  # lists written before it existed
+    normalized.append(("residual_length", table["length"]))
   return tuple(normalized)
+
+
+def sequence_parallel_rules(rules):
+  """Megatron sequence parallelism: the residual stream's length is split over `tensor`
+  as well as wherever `length` is split."""
+  table = dict(rules)
+  split = table.get("length", ()) + ("tensor",)
+  return tuple((name, split if name == "residual_length" else axes) for name, axes in rules)
 
 
 def unused_mesh_axes(rules, axis_sizes: dict[str, int]) -> list[str]:

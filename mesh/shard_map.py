@@ -46,6 +46,12 @@ def mesh_axes(name, size: int | None = None, mesh=None, rules=None) -> tuple[str
   return _axes_per_name(mesh, rules, [((name,), (size,))])[name]
 
 
+def num_shards(name, mesh=None, rules=None) -> int:
+  """How many pieces the logical axis `name` is split into in the current context."""
+  mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+  return math.prod(mesh.shape[a] for a in mesh_axes(name, mesh, rules))
+
+
 def _axes_per_name(mesh, rules, named_shapes):
   """For each logical name: the longest prefix of its mesh axes whose product divides every
   dimension carrying that name, so all arguments agree on how the name is split."""

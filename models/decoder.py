@@ -14,7 +14,12 @@ from jaxpar.models.kv_quant import KVQuantization
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.registry import get_block
 
-ACTIVATION = ("batch", "length", "act_embed")
+# The residual stream [B, L, embed] between blocks. Its length has its own name so the
+# rules can split it further than attention's (Megatron sequence parallelism): then the
+# normed input of each block is gathered to the blocks' layout once (BLOCK_INPUT), and
+# each block's output is reduce-scattered back.
+RESIDUAL = ("batch", "residual_length", "act_embed")
+BLOCK_INPUT = ("batch", "length", "act_embed")
 
 
 @struct.dataclass
@@ -27,6 +32,7 @@ class LayerContext:
   it is stored so (models/kv_cache_quantized.py); in a full forward, attention reads as a
   decode step would (`kv_quant.cached_attention`: how quality is measured); else None.
   tail_index: int [B], each row's slot (its float tail page) in a quantized cache.
+  zigzag: the length axis is in zig-zag order over the context devices (load balancing).
   """
   positions: jnp.ndarray
   segment_ids: jnp.ndarray | None
@@ -34,6 +40,7 @@ class LayerContext:
   page_table: jnp.ndarray | None = None
   kv_quantization: KVQuantization | None = struct.field(pytree_node=False, default=None)
   tail_index: jnp.ndarray | None = None
+  zigzag: bool = struct.field(pytree_node=False, default=False)
 
 
 class DecoderLayer(nnx.Module):
@@ -48,7 +55,7 @@ class DecoderLayer(nnx.Module):
 
   def __call__(self, x, context: LayerContext, cache=None):
     x = checkpoint_name(x, "decoder_layer_input")
-    attended, cache = self.attn(self.attn_norm(x), context, cache)
-    x = constrain(x + attended, ACTIVATION)
-    fed, aux = self.mlp(self.mlp_norm(x))
-    return constrain(x + fed, ACTIVATION), aux, cache
+    attended, cache = self.attn(constrain(self.attn_norm(x), BLOCK_INPUT), context, cache)
+    x = x + constrain(attended, RESIDUAL)
+    fed, aux = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT))
+    return x + constrain(fed, RESIDUAL), aux, cache

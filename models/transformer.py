@@ -8,9 +8,10 @@ first layers use the dense block instead, as their own scanned group.
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.mesh import constrain
+from jaxpar import pallas_kernels
+from jaxpar.mesh import constrain, num_shards
 from jaxpar.models import kv_cache, kv_cache_quantized
-from jaxpar.models.decoder import ACTIVATION, DecoderLayer, LayerContext
+from jaxpar.models.decoder import RESIDUAL, DecoderLayer, LayerContext
 from jaxpar.models.embedding import embed_lookup
 from jaxpar.models.init import embedding_init, fan_in
 from jaxpar.models.norm import RMSNorm
@@ -59,9 +60,9 @@ class Transformer(nnx.Module):
       self.unembed = nnx.Param(fan_in()(rngs.params(), (cfg.embed_dim, cfg.vocab_size), param_dtype),
                                out_sharding=("embed", "vocab"))
 
-  def __call__(self, tokens, positions=None, segment_ids=None):
+  def __call__(self, tokens, positions=None, segment_ids=None, *, zigzag=False):
     """-> (logits [B, L, vocab] in the compute dtype, aux {"losses", "metrics"})."""
-    x, aux = self.hidden_states(tokens, positions, segment_ids)
+    x, aux = self.hidden_states(tokens, positions, segment_ids, zigzag=zigzag)
     logits = jnp.einsum("ble,ev->blv", x, self.output_projection())
     return constrain(logits, ("batch", "length", "act_vocab")), aux
 
@@ -70,13 +71,20 @@ class Transformer(nnx.Module):
     unembed = self.embed[...].T if self.cfg.tie_embeddings else self.unembed[...]
     return unembed.astype(jnp.dtype(self.cfg.compute_dtype))
 
-  def hidden_states(self, tokens, positions=None, segment_ids=None, kv_quantization=None):
+  def hidden_states(self, tokens, positions=None, segment_ids=None, kv_quantization=None, *, zigzag=False):
     """Final-normed hidden states [B, L, embed] and aux: the logits before the output
     projection, for losses that never materialise the full [B, L, vocab] logits.
-    kv_quantization (a kv_quant.KVQuantization): attend as through that quantized cache."""
+
+    kv_quantization (a kv_quant.KVQuantization): attend as through that quantized cache.
+    zigzag: the length axis (tokens, positions, segment ids) is in zig-zag order over the
+    devices that split it (`pallas_kernels.zigzag`), as the train step lays it out to
+    balance causal attention; the outputs are in that order too."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    context = LayerContext(positions, segment_ids, self._inv_freq(), kv_quantization=kv_quantization)
+      if zigzag:
+        positions = pallas_kernels.zigzag(positions, num_shards("length"))
+    context = LayerContext(positions, segment_ids, self._inv_freq(), kv_quantization=kv_quantization,
+                           zigzag=zigzag)
     x, aux, _ = self._run_stack(self._embed(tokens), context, None)
     return self.final_norm(x), aux
 
@@ -121,7 +129,7 @@ class Transformer(nnx.Module):
 
   def _embed(self, tokens):
     table = self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype))
-    return constrain(embed_lookup(table, tokens), ACTIVATION)
+    return constrain(embed_lookup(table, tokens), RESIDUAL)
 
   def _run_stack(self, x, context, cache):
     """Every layer group in order -> (x, reduced aux, updated cache or None).

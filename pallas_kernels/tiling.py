@@ -34,14 +34,12 @@ def pad_axis(x, axis, length):
   return jnp.pad(x, widths)
 
 
-def padded_segments(segment_ids, q_len, q_pad, kv_pad):
-  """(query, key) segment ids [B, q_pad] / [B, kv_pad] as int32; queries are the last
-  q_len keys. (None, None) without segments."""
-  if segment_ids is None:
+def padded_segments(q_seg, kv_seg, q_pad, kv_pad):
+  """Query and key segment ids padded to [B, q_pad] / [B, kv_pad] as int32 (None, None
+  without segments)."""
+  if q_seg is None:
     return None, None
-  segment_ids = segment_ids.astype(jnp.int32)
-  kv_len = segment_ids.shape[1]
-  return pad_axis(segment_ids[:, kv_len - q_len:], 1, q_pad), pad_axis(segment_ids, 1, kv_pad)
+  return (pad_axis(q_seg.astype(jnp.int32), 1, q_pad), pad_axis(kv_seg.astype(jnp.int32), 1, kv_pad))
 
 
 def fit_tiles(blocks, q_len, kv_len, align, power_of_two=False) -> dict[str, int]:

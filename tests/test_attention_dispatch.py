@@ -75,18 +75,3 @@ def _train_losses(attention, steps=2):
 @pytest.mark.slow
 def test_model_trains_with_flash_like_reference():
   np.testing.assert_allclose(_train_losses("flash"), _train_losses("reference"), rtol=1e-5)
-
-
-def test_context_axis_is_rejected_not_silently_gathered():
-  from jaxpar.config import ConfigError
-  from tests.helpers import small_config
-  with pytest.raises(ConfigError, match="mesh.context=2: attention has no context-parallel"):
-    small_config(mesh={"context": 2})
-  if len(jax.devices()) < 2:
-    return
-  mesh = jax.make_mesh((1, 1, 1, 2, 1, 1), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 6,
-                       devices=jax.devices()[:2])
-  q, k, v, _, _ = make_inputs(q_len=128, num_heads=4, num_kv_heads=2)
-  for implementation in ("flash", "reference", "chunked"):
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"splits sequence length over \('context',\)"):
-      pallas_kernels.attention(q, k, v, implementation=implementation)

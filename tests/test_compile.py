@@ -154,17 +154,30 @@ def test_hlo_parser_on_a_handwritten_module():
   ROOT %t = (s32[], f32[8]) tuple(%i, %ag)
 }
 
+%all-reduce-scatter.1 (x: f32[16]) -> f32[8] {
+  %r = f32[16]{0} all-reduce(%x), channel_id=3, replica_groups={{0,1},{2,3},{4,5},{6,7}}
+  ROOT %s = f32[8]{0} dynamic-slice(%r, %o), dynamic_slice_sizes={8}
+}
+
+%fused (y: f32[4]) -> f32[8] {
+  ROOT %g = f32[8]{0} all-gather(%y), channel_id=4, replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
+}
+
 ENTRY %main (a: f32[8]) -> f32[8] {
   %w = (s32[], f32[8]) while(%t0), condition=%cond, body=%body
   %ar = f32[8]{0} all-reduce(%a), channel_id=2, replica_groups={{0,1},{2,3},{4,5},{6,7}}
+  %rs = f32[8]{0} fusion(%b), kind=kCustom, calls=%all-reduce-scatter.1
+  %fg = f32[8]{0} fusion(%c), kind=kLoop, calls=%fused
 }
 """
   slices = [0, 0, 0, 0, 1, 1, 1, 1]
   rows = {(r["kind"], r["dcn"]): r for r in hlo.summarize(hlo.collectives(text, slices))}
   gather = rows[("all-gather", False)]
-  assert gather["count"] == 5 and gather["bytes"] == 5 * 32
-  assert gather["wire_bytes"] == pytest.approx(5 * 32 * 3 / 4)
+  assert gather["count"] == 5 + 1 and gather["bytes"] == 5 * 32 + 32  # the fused one too
+  assert gather["wire_bytes"] == pytest.approx(5 * 32 * 3 / 4 + 32 / 2)
   assert rows[("all-reduce", False)]["wire_bytes"] == pytest.approx(2 * 32 / 2)
+  scatter = rows[("reduce-scatter", False)]  # TPU's all-reduce-scatter fusion
+  assert scatter["count"] == 1 and scatter["bytes"] == 64 and scatter["wire_bytes"] == pytest.approx(32)
 
 
 @pytest.mark.tpu

@@ -8,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import MeshConfig
 from jaxpar.mesh import build_mesh, logical_to_spec, resolve_axis_sizes, resolve_rules
-from jaxpar.mesh.rules import unused_mesh_axes
+from jaxpar.mesh.rules import sequence_parallel_rules, unused_mesh_axes
 
 
 def test_mesh_has_every_axis_and_fills_minus_one():
@@ -38,7 +38,7 @@ def test_multi_slice_mesh_puts_dcn_axis_across_slices():
 
 
 def test_presets_and_unused_axes():
-  assert dict(resolve_rules("fsdp"))["embed"] == ("fsdp", "expert")  # expert: more FSDP outside experts
+  assert dict(resolve_rules("fsdp"))["embed"] == ("fsdp", "expert", "context")  # expert: more FSDP outside experts; context replicas share weights
   assert dict(resolve_rules("dp"))["embed"] == ()
   assert dict(resolve_rules("tp"))["mlp"] == ("tensor",)
   assert unused_mesh_axes(resolve_rules("fsdp"), {"fsdp": 4, "tensor": 2}) == ["tensor"]
@@ -70,6 +70,14 @@ def test_expert_axis_splits_experts_and_tokens_in_every_preset():
   # Expert weights: experts over expert, embed over what is left of FSDP, mlp over tensor.
   assert logical_to_spec(("experts", "embed", "mlp"), (8, 64, 128), mesh, rules) == P("expert", "fsdp", "tensor")
   assert logical_to_spec(("embed", "mlp"), (64, 128), mesh, rules) == P(("fsdp", "expert"), "tensor")
+
+
+def test_sequence_parallel_splits_the_residual_stream_over_tensor_too():
+  rules = resolve_rules("fsdp_tp")
+  assert dict(rules)["residual_length"] == dict(rules)["length"] == ("context",)
+  assert dict(sequence_parallel_rules(rules))["residual_length"] == ("context", "tensor")
+  # An explicit list written without it splits the residual stream like `length`.
+  assert dict(resolve_rules([["length", "context"]]))["residual_length"] == ("context",)
 
 
 def test_explicit_rules_from_config():

@@ -15,6 +15,8 @@ from jax import lax
 from jaxpar.pallas_kernels import tiling
 from jaxpar.pallas_kernels.attention import masking, validation
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
+from jaxpar.pallas_kernels.attention.blockwise import (AttentionOptions, Blockwise, default_offset,
+                                                       full_like_varying, split_segments)
 from jaxpar.pallas_kernels.attention.lse_vjp import with_lse_vjp
 
 
@@ -24,8 +26,8 @@ class _Static:
   sliding_window: int | None
   logit_soft_cap: float | None
   scale: float
-  q_offset: int
   kv_len: int
+  num_kv_heads: int
   block_q: int
   block_k: int
 
@@ -42,11 +44,11 @@ def _unblock(x):
   return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _logits(st, q, k, i, j, q_seg, k_seg):
+def _logits(st, q, k, i, j, q_seg, k_seg, q_offset):
   """Capped logits [B, Hkv, G, bq, bk] of q block i vs k block j, and the mask."""
   raw = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * st.scale
   capped = masking.soft_cap(raw, st.logit_soft_cap)
-  q_pos = st.q_offset + i * st.block_q + jnp.arange(st.block_q)[:, None]
+  q_pos = q_offset + i * st.block_q + jnp.arange(st.block_q)[:, None]
   k_pos = j * st.block_k + jnp.arange(st.block_k)[None, :]
   segs = {}
   if q_seg is not None:
@@ -56,23 +58,23 @@ def _logits(st, q, k, i, j, q_seg, k_seg):
   return capped, mask
 
 
-def _kv_range(st, i):
-  q_lo = st.q_offset + i * st.block_q
+def _kv_range(st, i, q_offset):
+  q_lo = q_offset + i * st.block_q
   return masking.kv_block_range(q_lo, q_lo + st.block_q - 1, st.block_k, causal=st.causal,
                                 sliding_window=st.sliding_window, kv_len=st.kv_len)
 
 
-def _forward(st, q, k, v, q_seg, kv_seg):
+def _forward(st, q, k, v, q_seg, kv_seg, q_offset):
   """q: [nq, B, bq, Hkv, G, D]; k, v: [nk, B, bk, Hkv, D] -> o like q, lse [nq, B, Hkv, G, bq]."""
   batch, bq, num_kv_heads, group, head_dim = q.shape[1:]
 
   def q_block(args):
     i, qi, qsi = args
-    first, last = _kv_range(st, i)
+    first, last = _kv_range(st, i, q_offset)
 
     def step(j, carry):
       m, l, acc = carry
-      s, mask = _logits(st, qi, k[j], i, j, qsi, None if kv_seg is None else kv_seg[j])
+      s, mask = _logits(st, qi, k[j], i, j, qsi, None if kv_seg is None else kv_seg[j], q_offset)
       s = jnp.where(mask, s, masking.MASK_VALUE)
       m_next = jnp.maximum(m, s.max(axis=-1))
       p = jnp.exp(s - m_next[..., None])
@@ -82,8 +84,8 @@ def _forward(st, q, k, v, q_seg, kv_seg):
       return m_next, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
 
     stats = (batch, num_kv_heads, group, bq)
-    init = (jnp.full(stats, masking.MASK_VALUE), jnp.zeros(stats),
-            jnp.zeros(stats + (head_dim,)))
+    init = (full_like_varying(stats, masking.MASK_VALUE, qi), full_like_varying(stats, 0.0, qi),
+            full_like_varying(stats + (head_dim,), 0.0, qi))
     m, l, acc = lax.fori_loop(first, last + 1, step, init)
     l = jnp.where(l == 0.0, 1.0, l)  # rows that saw only padding stay finite
     o = jnp.einsum("bhgqd->bqhgd", acc / l[..., None]).astype(qi.dtype)
@@ -92,7 +94,7 @@ def _forward(st, q, k, v, q_seg, kv_seg):
   return lax.map(q_block, (jnp.arange(q.shape[0]), q, q_seg))
 
 
-def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
+def _backward(st, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
   num_q_blocks = q.shape[0]
   delta = jnp.einsum("nbqhgd,nbqhgd->nbhgq", o.astype(jnp.float32), do.astype(jnp.float32))
 
@@ -101,13 +103,13 @@ def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
     kj, vj = k[j], v[j]
     k_lo = j * st.block_k
     first, last = masking.q_block_range(k_lo, k_lo + st.block_k - 1, st.block_q, num_q_blocks,
-                                        q_offset=st.q_offset, causal=st.causal,
+                                        q_offset=q_offset, causal=st.causal,
                                         sliding_window=st.sliding_window)
 
     def q_step(i, inner):
       dq, dkj, dvj = inner
       s, mask = _logits(st, q[i], kj, i, j, None if q_seg is None else q_seg[i],
-                        None if kv_seg is None else kv_seg[j])
+                        None if kv_seg is None else kv_seg[j], q_offset)
       p = jnp.exp(jnp.where(mask, s, masking.MASK_VALUE) - lse[i][..., None])
       dvj += jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), do[i],
                         preferred_element_type=jnp.float32)
@@ -118,17 +120,78 @@ def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
       dqi = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kj, preferred_element_type=jnp.float32)
       return dq.at[i].add(dqi), dkj, dvj
 
-    zeros = jnp.zeros(kj.shape, jnp.float32)
+    zeros = full_like_varying(kj.shape, 0.0, q)
     dq, dkj, dvj = lax.fori_loop(first, last + 1, q_step, (dq, zeros, zeros))
     return dq, dk.at[j].set(dkj), dv.at[j].set(dvj)
 
-  init = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32),
-          jnp.zeros(v.shape, jnp.float32))
+  init = tuple(full_like_varying(x.shape, 0.0, q) for x in (q, k, v))
   dq, dk, dv = lax.fori_loop(0, k.shape[0], kv_block, init)
   return ((dq * st.scale).astype(q.dtype), (dk * st.scale).astype(k.dtype), dv.astype(v.dtype))
 
 
-_chunked = with_lse_vjp(_forward, _backward)
+def _static(opts, q, k):
+  blocks = opts.block_sizes or default_block_sizes("cpu")
+  tiling.check_block("block_q", blocks.block_q, 1)
+  tiling.check_block("block_k", blocks.block_k, 1)
+  q_len, kv_len = q.shape[1], k.shape[1]
+  return _Static(causal=opts.causal, sliding_window=opts.sliding_window,
+                 logit_soft_cap=opts.logit_soft_cap, scale=opts.scale_for(q.shape[-1]),
+                 kv_len=kv_len, num_kv_heads=k.shape[2], block_q=min(blocks.block_q, q_len),
+                 block_k=min(blocks.block_k, kv_len))
+
+
+def _q_blocks(st, x):
+  """[B, Lq, Hq, D] -> [nq, B, bq, Hkv, G, D] (zero-padded to whole blocks)."""
+  batch, q_len, num_heads, head_dim = x.shape
+  q_pad = tiling.round_up(q_len, st.block_q)
+  group = num_heads // st.num_kv_heads
+  x = tiling.pad_axis(x, 1, q_pad).reshape(batch, q_pad, st.num_kv_heads, group, head_dim)
+  return _blocks(x, st.block_q)
+
+
+def _kv_blocks(st, x):
+  return _blocks(tiling.pad_axis(x, 1, tiling.round_up(st.kv_len, st.block_k)), st.block_k)
+
+
+def _seg_blocks(st, q_seg, kv_seg, q_len):
+  q_seg, kv_seg = tiling.padded_segments(q_seg, kv_seg, tiling.round_up(q_len, st.block_q),
+                                         tiling.round_up(st.kv_len, st.block_k))
+  if q_seg is None:
+    return None, None
+  return _blocks(q_seg, st.block_q), _blocks(kv_seg, st.block_k)
+
+
+def _q_unblock(x, q_len):
+  """[nq, B, bq, Hkv, G, D] -> [B, Lq, Hq, D]."""
+  x = _unblock(x)
+  return x.reshape(*x.shape[:2], -1, x.shape[-1])[:, :q_len]
+
+
+def forward(opts, q, k, v, q_seg, kv_seg, q_offset):
+  """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, D], lse [B, Hq, Lq])."""
+  st = _static(opts, q, k)
+  q_len = q.shape[1]
+  o, lse = _forward(st, _q_blocks(st, q), _kv_blocks(st, k), _kv_blocks(st, v),
+                    *_seg_blocks(st, q_seg, kv_seg, q_len), q_offset)
+  lse = jnp.moveaxis(lse, 0, 3)  # [B, Hkv, G, nq, bq]
+  return _q_unblock(o, q_len), lse.reshape(lse.shape[0], -1, lse.shape[3] * lse.shape[4])[..., :q_len]
+
+
+def backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
+  """The blockwise backward from a given log-sum-exp (see blockwise.py): (dq, dk, dv)."""
+  st = _static(opts, q, k)
+  q_len, bq = q.shape[1], st.block_q
+  lse = tiling.pad_axis(lse, 2, tiling.round_up(q_len, bq))
+  lse = lse.reshape(lse.shape[0], st.num_kv_heads, -1, lse.shape[2] // bq, bq)
+  dq, dk, dv = _backward(st, _q_blocks(st, q), _kv_blocks(st, k), _kv_blocks(st, v),
+                         *_seg_blocks(st, q_seg, kv_seg, q_len), q_offset, _q_blocks(st, o),
+                         jnp.moveaxis(lse, 3, 0), _q_blocks(st, do))
+  kv_len = k.shape[1]
+  return _q_unblock(dq, q_len), _unblock(dk)[:, :kv_len], _unblock(dv)[:, :kv_len]
+
+
+BLOCKWISE = Blockwise(forward, backward)
+_chunked = with_lse_vjp(forward, backward)
 
 
 def chunked_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
@@ -136,22 +199,6 @@ def chunked_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=
   """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] -> [B, Lq, Hq, D], without an Lq x Lk buffer."""
   validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap,
                                   head_dims=None)
-  blocks = block_sizes or default_block_sizes("cpu")
-  batch, q_len, num_heads, head_dim = q.shape
-  kv_len, num_kv_heads = k.shape[1], k.shape[2]
-  tiling.check_block("block_q", blocks.block_q, 1)
-  tiling.check_block("block_k", blocks.block_k, 1)
-  bq, bk = min(blocks.block_q, q_len), min(blocks.block_k, kv_len)
-  q_pad, kv_pad = tiling.round_up(q_len, bq), tiling.round_up(kv_len, bk)
-  st = _Static(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-               scale=head_dim ** -0.5 if scale is None else scale, q_offset=kv_len - q_len,
-               kv_len=kv_len, block_q=bq, block_k=bk)
-  group = num_heads // num_kv_heads
-  qb = _blocks(tiling.pad_axis(q, 1, q_pad).reshape(batch, q_pad, num_kv_heads, group, head_dim), bq)
-  kb = _blocks(tiling.pad_axis(k, 1, kv_pad), bk)
-  vb = _blocks(tiling.pad_axis(v, 1, kv_pad), bk)
-  q_seg, kv_seg = tiling.padded_segments(segment_ids, q_len, q_pad, kv_pad)
-  if segment_ids is not None:
-    q_seg, kv_seg = _blocks(q_seg, bq), _blocks(kv_seg, bk)
-  o = _unblock(_chunked(st, qb, kb, vb, q_seg, kv_seg))
-  return o.reshape(batch, q_pad, num_heads, head_dim)[:, :q_len]
+  opts = AttentionOptions(causal=causal, sliding_window=sliding_window,
+                          logit_soft_cap=logit_soft_cap, scale=scale, block_sizes=block_sizes)
+  return _chunked(opts, q, k, v, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))

@@ -6,16 +6,21 @@ implementation: "auto" | "flash" | "reference" | "chunked" (the config's `attent
   flash      the Pallas kernel for the backend; on CPU the TPU kernel in interpret mode.
   reference  pure jnp, materialises [Lq, Lk] logits.
   chunked    XLA loops with online softmax: O(L) memory, any head_dim, any backend.
-Kernels run per device inside `jax.shard_map` over the current mesh.
+Kernels run per device inside `jax.shard_map` over the current mesh. When the mesh splits
+the sequence length (mesh.context > 1), `context_parallel` picks all-gather or ring
+attention around the same kernels (context_parallel.py).
 """
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
 
-from jaxpar.mesh import logical_shard_map, mesh_axes
+from jaxpar.mesh import logical_shard_map
+from jaxpar.pallas_kernels.attention import context_parallel as cp
 from jaxpar.pallas_kernels.attention import validation
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
+from jaxpar.pallas_kernels.attention.blockwise import AttentionOptions
 from jaxpar.pallas_kernels.attention.chunked import chunked_attention
 from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gpu
 from jaxpar.pallas_kernels.attention.decode_tpu import paged_decode_attention_tpu
@@ -41,15 +46,6 @@ def _check_implementation(implementation):
     raise ValueError(f"attention implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
 
 
-def _check_length_not_split():
-  """Until context parallelism exists, a mesh that splits `length` must not reach attention:
-  every device would silently gather the whole sequence and repeat the same work."""
-  axes = mesh_axes("length")
-  if axes:
-    raise ValueError(f"the mesh splits sequence length over {axes} (mesh.context > 1), but "
-                     "attention has no context-parallel implementation yet: set mesh.context=1")
-
-
 def choose_implementation(implementation, platform, head_dim, kv_len):
   """What `implementation` resolves to for this backend and shape."""
   _check_implementation(implementation)
@@ -61,16 +57,24 @@ def choose_implementation(implementation, platform, head_dim, kv_len):
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
-              logit_soft_cap=None, scale=None, implementation="auto", block_sizes=None):
+              logit_soft_cap=None, scale=None, implementation="auto", block_sizes=None,
+              context_parallel="all_gather", zigzag=False):
   """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] -> [B, Lq, Hq, D].
 
   Hq % Hkv == 0 (GQA/MQA); segment_ids: int [B, Lk] for packed sequences (queries are
   the last Lq positions); sliding_window: keys at most this far back (incl. self);
   logit_soft_cap: cap * tanh(logits / cap); block_sizes: kernel tiles (BlockSizes).
+  On a mesh that splits `length`: context_parallel "all_gather" | "ring"; zigzag: the
+  length axis is in zig-zag order (layout.zigzag), else contiguous.
   """
   platform = current_platform()
+  split = cp.length_split(zigzag)
+  if split is not None:
+    return _context_parallel(q, k, v, segment_ids, split, platform, context_parallel,
+                             implementation, block_sizes,
+                             AttentionOptions(causal=causal, sliding_window=sliding_window,
+                                              logit_soft_cap=logit_soft_cap, scale=scale))
   impl = choose_implementation(implementation, platform, q.shape[-1], k.shape[1])
-  _check_length_not_split()
   options = dict(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                  scale=scale)
   if impl == "reference":
@@ -86,6 +90,26 @@ def attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
   return logical_shard_map(lambda q, k, v, seg: run(q, k, v, segment_ids=seg),
                            (_SEQUENCE, _SEQUENCE, _SEQUENCE, ("batch", None)),
                            _SEQUENCE)(q, k, v, segment_ids)
+
+
+def _context_parallel(q, k, v, segment_ids, split, platform, strategy, implementation,
+                      block_sizes, opts):
+  """Per-piece kernel: flash where `implementation` resolves to it, else chunked."""
+  _check_implementation(implementation)
+  cp.check_split(split, q, k, strategy, implementation)
+  impl = choose_implementation(implementation, platform, q.shape[-1], k.shape[1])
+  if impl == "flash" and interpret(platform):
+    raise ValueError(f"attention implementation 'flash' runs in interpret mode on {platform}, "
+                     "which JAX cannot run with per-device offsets inside shard_map: use "
+                     "'chunked' or 'auto' when the mesh splits the sequence length")
+  head_dims = validation.SUPPORTED_HEAD_DIMS if impl == "flash" else None
+  validation.check_attention_args(q, k, v, segment_ids, opts.sliding_window, opts.logit_soft_cap,
+                                  head_dims=head_dims)
+  if impl == "flash":
+    block_sizes = block_sizes or default_block_sizes(platform, current_device_kind())
+  opts = dataclasses.replace(opts, block_sizes=block_sizes, interpret=interpret(platform))
+  return cp.context_parallel_attention(q, k, v, segment_ids, split=split, strategy=strategy,
+                                       kernel=cp.blockwise_kernel(impl, platform), opts=opts)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_window=None,

@@ -9,7 +9,6 @@ h // group, and the dK/dV kernel loops over the group, so K/V are never repeated
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -18,6 +17,8 @@ from jax.experimental.pallas import triton as plgpu
 from jaxpar.pallas_kernels import tiling
 from jaxpar.pallas_kernels.attention import masking, validation
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
+from jaxpar.pallas_kernels.attention.blockwise import (AttentionOptions, Blockwise, default_offset,
+                                                       out_struct, split_segments)
 from jaxpar.pallas_kernels.attention.lse_vjp import with_lse_vjp
 
 
@@ -27,7 +28,6 @@ class _Static:
   sliding_window: int | None
   logit_soft_cap: float | None
   scale: float
-  q_offset: int
   kv_len: int
   block_q: int
   block_k: int
@@ -36,23 +36,23 @@ class _Static:
   interpret: bool
 
 
-def _mask(st, i, j, bq, bk, q_seg, k_seg):
-  q_pos = st.q_offset + i * bq + jnp.arange(bq)[:, None]
+def _mask(st, offset, i, j, bq, bk, q_seg, k_seg):
+  q_pos = offset + i * bq + jnp.arange(bq)[:, None]
   k_pos = j * bk + jnp.arange(bk)[None, :]
   segs = {} if q_seg is None else dict(q_seg=q_seg[:, None], k_seg=k_seg[None, :])
   return masking.token_mask(q_pos, k_pos, causal=st.causal, sliding_window=st.sliding_window,
                             kv_len=st.kv_len, **segs)
 
 
-def _kv_range(st, i, bq, bk):
-  q_lo = st.q_offset + i * bq
+def _kv_range(st, offset, i, bq, bk):
+  q_lo = offset + i * bq
   return masking.kv_block_range(q_lo, q_lo + bq - 1, bk, causal=st.causal,
                                 sliding_window=st.sliding_window, kv_len=st.kv_len)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, o_ref, lse_ref, *, st):
+def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, o_ref, lse_ref, *, st):
   bq, bk = st.block_q, st.block_k
-  i = pl.program_id(0)
+  i, offset = pl.program_id(0), off_ref[0]
   q = q_ref[...]
   q_seg = None if seg_ref is None else seg_ref[...]
 
@@ -61,7 +61,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, o_ref, lse_ref, *, st)
     ks = pl.ds(j * bk, bk)
     s = plgpu.dot(q, k_ref[ks, :], trans_b=True) * st.scale
     k_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
-    mask = _mask(st, i, j, bq, bk, q_seg, k_seg)
+    mask = _mask(st, offset, i, j, bq, bk, q_seg, k_seg)
     s = jnp.where(mask, masking.soft_cap(s, st.logit_soft_cap), masking.MASK_VALUE)
     m_next = jnp.maximum(m, s.max(axis=1))
     p = jnp.exp(s - m_next[:, None])
@@ -70,7 +70,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, o_ref, lse_ref, *, st)
     acc = alpha[:, None] * acc + plgpu.dot(p.astype(v.dtype), v)
     return m_next, alpha * l + p.sum(axis=1), acc
 
-  first, last = _kv_range(st, i, bq, bk)
+  first, last = _kv_range(st, offset, i, bq, bk)
   init = (jnp.full((bq,), masking.MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
           jnp.zeros(q.shape, jnp.float32))
   m, l, acc = lax.fori_loop(first, last + 1, step, init)
@@ -89,14 +89,14 @@ def _bwd_tile(st, q, k, v, do, lse, delta, mask):
   return p, ds
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, kv_seg_ref,
+def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, kv_seg_ref,
                 dk_ref, dv_ref, *, st, group, num_q_blocks):
   bq, bk = st.block_q_bwd, st.block_k_bwd
-  j = pl.program_id(0)
+  j, offset = pl.program_id(0), off_ref[0]
   k, v = k_ref[...], v_ref[...]
   k_seg = None if kv_seg_ref is None else kv_seg_ref[...]
   first, last = masking.q_block_range(j * bk, j * bk + bk - 1, bq, num_q_blocks,
-                                      q_offset=st.q_offset, causal=st.causal,
+                                      q_offset=offset, causal=st.causal,
                                       sliding_window=st.sliding_window)
 
   def step(i, carry, g):
@@ -104,7 +104,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, kv_seg
     qs = pl.ds(i * bq, bq)
     q, do = q_ref[qs, g, :], do_ref[qs, g, :]
     q_seg = None if seg_ref is None else seg_ref[qs]
-    mask = _mask(st, i, j, bq, bk, q_seg, k_seg)
+    mask = _mask(st, offset, i, j, bq, bk, q_seg, k_seg)
     p, ds = _bwd_tile(st, q, k, v, do, lse_ref[g, qs], delta_ref[g, qs], mask)
     dv += plgpu.dot(p.astype(do.dtype), do, trans_a=True)
     dk += plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
@@ -118,10 +118,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, kv_seg
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, kv_seg_ref, dq_ref,
-               *, st):
+def _dq_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, kv_seg_ref,
+               dq_ref, *, st):
   bq, bk = st.block_q_bwd, st.block_k_bwd
-  i = pl.program_id(0)
+  i, offset = pl.program_id(0), off_ref[0]
   q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
   q_seg = None if seg_ref is None else seg_ref[...]
 
@@ -129,10 +129,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_ref, kv_seg_
     ks = pl.ds(j * bk, bk)
     k = k_ref[ks, :]
     k_seg = None if kv_seg_ref is None else kv_seg_ref[ks]
-    _, ds = _bwd_tile(st, q, k, v_ref[ks, :], do, lse, delta, _mask(st, i, j, bq, bk, q_seg, k_seg))
+    mask = _mask(st, offset, i, j, bq, bk, q_seg, k_seg)
+    _, ds = _bwd_tile(st, q, k, v_ref[ks, :], do, lse, delta, mask)
     return dq + plgpu.dot(ds.astype(k.dtype), k)
 
-  first, last = _kv_range(st, i, bq, bk)
+  first, last = _kv_range(st, offset, i, bq, bk)
   dq = lax.fori_loop(first, last + 1, step, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
@@ -148,7 +149,11 @@ def _seg_specs(seg, kv_seg, q_block, q_index):
           pl.BlockSpec((None, kv_seg.shape[1]), lambda a, b, c: (b, 0))]
 
 
-def _forward(q, k, v, q_seg, kv_seg, st):
+# The query offset, a 1-element int32 operand every program reads.
+_OFFSET_SPEC = pl.BlockSpec((1,), lambda *grid: (0,))
+
+
+def _forward(q, k, v, q_seg, kv_seg, offset, st):
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
   group, bq = num_heads // num_kv_heads, st.block_q
@@ -157,18 +162,18 @@ def _forward(q, k, v, q_seg, kv_seg, st):
   o, lse = pl.pallas_call(
       functools.partial(_fwd_kernel, st=st),
       grid=(q_len // bq, batch, num_heads),
-      in_specs=[q_spec, kv_spec, kv_spec, *_seg_specs(q_seg, kv_seg, bq, lambda i, b, h: (b, i))],
+      in_specs=[_OFFSET_SPEC, q_spec, kv_spec, kv_spec,
+                *_seg_specs(q_seg, kv_seg, bq, lambda i, b, h: (b, i))],
       out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)],
+      out_shape=[out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, q_len), jnp.float32, q)],
       compiler_params=_params(head_dim),
       interpret=st.interpret,
       name="flash_attention_fwd",
-  )(q, k, v, q_seg, kv_seg)
+  )(offset, q, k, v, q_seg, kv_seg)
   return o, lse
 
 
-def _backward(q, k, v, q_seg, kv_seg, o, lse, do, st):
+def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
   group, bq, bk = num_heads // num_kv_heads, st.block_q_bwd, st.block_k_bwd
@@ -184,13 +189,14 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, st):
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, st=st, group=group, num_q_blocks=q_len // bq),
       grid=(kv_len // bk, batch, num_kv_heads),
-      in_specs=[group_spec, kv_spec, kv_spec, group_spec, stat_spec, stat_spec, *seg_specs],
+      in_specs=[_OFFSET_SPEC, group_spec, kv_spec, kv_spec, group_spec, stat_spec, stat_spec,
+                *seg_specs],
       out_specs=[kv_spec, kv_spec],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_shape=[out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)],
       compiler_params=_params(head_dim),
       interpret=st.interpret,
       name="flash_attention_dkv",
-  )(q, k, v, do, lse, delta, q_seg, kv_seg)
+  )(offset, q, k, v, do, lse, delta, q_seg, kv_seg)
 
   q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
   row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
@@ -198,35 +204,66 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, st):
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, st=st),
       grid=(q_len // bq, batch, num_heads),
-      in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+      in_specs=[_OFFSET_SPEC, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
                 *_seg_specs(q_seg, kv_seg, bq, lambda i, b, h: (b, i))],
       out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=out_struct(q.shape, q.dtype, q),
       compiler_params=_params(head_dim),
       interpret=st.interpret,
       name="flash_attention_dq",
-  )(q, k, v, do, lse, delta, q_seg, kv_seg)
+  )(offset, q, k, v, do, lse, delta, q_seg, kv_seg)
   return dq, dk, dv
 
 
-# Kernels take `st` last; the shared VJP passes it first.
-_flash = with_lse_vjp(lambda st, *args: _forward(*args, st), lambda st, *args: _backward(*args, st))
+def _static(opts, q_len, kv_len, head_dim):
+  """(kernel statics, padded q length, padded kv length) for these shapes."""
+  blocks = opts.block_sizes or default_block_sizes("gpu")
+  tiles = tiling.fit_tiles(blocks, q_len, kv_len, 16, power_of_two=True)
+  tiles = {n: 1 << (t - 1).bit_length() for n, t in tiles.items()}  # Triton: powers of two
+  q_pad = tiling.round_up(q_len, max(tiles["block_q"], tiles["block_q_bwd"]))
+  kv_pad = tiling.round_up(kv_len, max(tiles["block_k"], tiles["block_k_bwd"]))
+  st = _Static(causal=opts.causal, sliding_window=opts.sliding_window,
+               logit_soft_cap=opts.logit_soft_cap, scale=opts.scale_for(head_dim), kv_len=kv_len,
+               interpret=opts.interpret, **tiles)
+  return st, q_pad, kv_pad
+
+
+def _offset(q_offset):
+  return jnp.reshape(q_offset, (1,)).astype(jnp.int32)
+
+
+def forward(opts, q, k, v, q_seg, kv_seg, q_offset):
+  """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, D], lse [B, Hq, Lq])."""
+  q_len, kv_len = q.shape[1], k.shape[1]
+  st, q_pad, kv_pad = _static(opts, q_len, kv_len, q.shape[-1])
+  q_seg, kv_seg = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
+  pad = tiling.pad_axis
+  o, lse = _forward(pad(q, 1, q_pad), pad(k, 1, kv_pad), pad(v, 1, kv_pad), q_seg, kv_seg,
+                    _offset(q_offset), st)
+  return o[:, :q_len], lse[:, :, :q_len]
+
+
+def backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
+  """The blockwise backward from a given log-sum-exp (see blockwise.py): (dq, dk, dv)."""
+  q_len, kv_len = q.shape[1], k.shape[1]
+  st, q_pad, kv_pad = _static(opts, q_len, kv_len, q.shape[-1])
+  q_seg, kv_seg = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
+  pad = tiling.pad_axis
+  dq, dk, dv = _backward(pad(q, 1, q_pad), pad(k, 1, kv_pad), pad(v, 1, kv_pad), q_seg, kv_seg,
+                         _offset(q_offset), pad(o, 1, q_pad), pad(lse, 2, q_pad),
+                         pad(do, 1, q_pad), st)
+  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
+
+
+BLOCKWISE = Blockwise(forward, backward)
+_flash = with_lse_vjp(forward, backward)
 
 
 def flash_attention_gpu(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
                         logit_soft_cap=None, scale=None, block_sizes=None, interpret=False):
   """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] -> [B, Lq, Hq, D] (Triton kernel)."""
   validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap)
-  blocks = block_sizes or default_block_sizes("gpu")
-  q_len, kv_len = q.shape[1], k.shape[1]
-  tiles = tiling.fit_tiles(blocks, q_len, kv_len, 16, power_of_two=True)
-  tiles = {n: 1 << (t - 1).bit_length() for n, t in tiles.items()}  # Triton: powers of two
-  q_pad = tiling.round_up(q_len, max(tiles["block_q"], tiles["block_q_bwd"]))
-  kv_pad = tiling.round_up(kv_len, max(tiles["block_k"], tiles["block_k_bwd"]))
-  st = _Static(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-               scale=q.shape[-1] ** -0.5 if scale is None else scale,
-               q_offset=kv_len - q_len, kv_len=kv_len, interpret=interpret, **tiles)
-  q_seg, kv_seg = tiling.padded_segments(segment_ids, q_len, q_pad, kv_pad)
-  pad = lambda x, n: tiling.pad_axis(x, 1, n)
-  o = _flash(st, pad(q, q_pad), pad(k, kv_pad), pad(v, kv_pad), q_seg, kv_seg)
-  return o[:, :q_len]
+  opts = AttentionOptions(causal=causal, sliding_window=sliding_window,
+                          logit_soft_cap=logit_soft_cap, scale=scale, block_sizes=block_sizes,
+                          interpret=interpret)
+  return _flash(opts, q, k, v, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))

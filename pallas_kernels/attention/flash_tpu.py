@@ -4,7 +4,9 @@ two kernels (dK/dV, then dQ) that recompute probabilities from the saved log-sum
 Layout inside: [batch, heads, length, head_dim], so a (length, head_dim) tile is one
 VMEM block. One grid step handles all `group` query heads of one kv head, so K/V
 tiles are loaded once per group and never repeated in HBM (GQA/MQA), and dK/dV
-accumulate over the group without a cross-step reduction.
+accumulate over the group without a cross-step reduction. The query offset is a
+prefetched scalar (SMEM), so context parallelism can pair blocks whose relative position
+is only known on the device; tiles it masks entirely are skipped, DMA included.
 """
 
 import dataclasses
@@ -18,13 +20,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxpar.pallas_kernels import tiling
-from jaxpar.pallas_kernels.attention import masking, validation
+from jaxpar.pallas_kernels.attention import masking, tpu_segments, validation
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
+from jaxpar.pallas_kernels.attention.blockwise import (AttentionOptions, Blockwise, default_offset,
+                                                       out_struct, split_segments)
 from jaxpar.pallas_kernels.attention.lse_vjp import with_lse_vjp
 from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
-_LANES = 128
-_SUBLANES = 8
+_LANES = tpu_segments.LANES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +37,6 @@ class _Static:
   sliding_window: int | None
   logit_soft_cap: float | None
   scale: float
-  q_offset: int
   kv_len: int
   block_q: int
   block_k: int
@@ -54,28 +56,28 @@ def _tile_mask(st, q_lo, k_lo, bq, bk, qseg, kseg, transposed):
                             kv_len=st.kv_len, q_seg=qseg, k_seg=kseg)
 
 
-def _kv_range(st, i, bq, bk):
-  q_lo = st.q_offset + i * bq
+def _kv_range(st, offset, i, bq, bk):
+  q_lo = offset + i * bq
   return masking.kv_block_range(q_lo, q_lo + bq - 1, bk, causal=st.causal,
                                 sliding_window=st.sliding_window, kv_len=st.kv_len)
 
 
-def _q_range(st, j, bq, bk, num_q_blocks):
-  return masking.q_block_range(j * bk, j * bk + bk - 1, bq, num_q_blocks, q_offset=st.q_offset,
+def _q_range(st, offset, j, bq, bk, num_q_blocks):
+  return masking.q_block_range(j * bk, j * bk + bk - 1, bq, num_q_blocks, q_offset=offset,
                                causal=st.causal, sliding_window=st.sliding_window)
 
 
-def _segments(qseg_ref, kseg_ref):
-  """Column of query ids and row of key ids (or None): they broadcast to a tile."""
-  if qseg_ref is None:
-    return None, None
-  return qseg_ref[:, :1], kseg_ref[:1, :]
+def _live(index, first, last, count):
+  """The block to fetch at grid step `index`: itself when live, else a neighbour that is
+  (so a skipped step re-uses the last DMA), always inside [0, count)."""
+  return jnp.clip(jnp.clip(index, first, last), 0, count - 1)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr,
-                *, st, group):
+def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_scr, l_scr,
+                acc_scr, *, st, group):
   bq, bk = st.block_q, st.block_k
   i, j = pl.program_id(2), pl.program_id(3)
+  offset = off_ref[0]
 
   @pl.when(j == 0)
   def _init():
@@ -83,13 +85,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_scr, 
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-  first, last = _kv_range(st, i, bq, bk)
+  first, last = _kv_range(st, offset, i, bq, bk)
 
   @pl.when((j >= first) & (j <= last))
   def _step():
     k, v = k_ref[...], v_ref[...]
-    qseg, kseg = _segments(qseg_ref, kseg_ref)
-    mask = _tile_mask(st, st.q_offset + i * bq, j * bk, bq, bk, qseg, kseg, transposed=False)
+    qseg, kseg = tpu_segments.tile_ids(qseg_ref, kseg_ref)
+    mask = _tile_mask(st, offset + i * bq, j * bk, bq, bk, qseg, kseg, transposed=False)
     for g in range(group):
       s = mxu_dot(q_ref[g], k, trans_b=True) * st.scale
       s = jnp.where(mask, masking.soft_cap(s, st.logit_soft_cap), masking.MASK_VALUE)
@@ -122,23 +124,24 @@ def _bwd_tile(st, q, k, v, do, lse, delta, mask):
   return pt, dst
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref,
+def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref,
                 dk_ref, dv_ref, dk_scr, dv_scr, *, st, group):
   bq, bk = st.block_q_bwd, st.block_k_bwd
   j, i = pl.program_id(2), pl.program_id(3)
+  offset = off_ref[0]
 
   @pl.when(i == 0)
   def _init():
     dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
     dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-  first, last = _q_range(st, j, bq, bk, pl.num_programs(3))
+  first, last = _q_range(st, offset, j, bq, bk, pl.num_programs(3))
 
   @pl.when((i >= first) & (i <= last))
   def _step():
     k, v = k_ref[...], v_ref[...]
-    kseg, qseg = _segments(kseg_ref, qseg_ref)
-    mask = _tile_mask(st, st.q_offset + i * bq, j * bk, bq, bk, qseg, kseg, transposed=True)
+    kseg, qseg = tpu_segments.tile_ids(kseg_ref, qseg_ref)
+    mask = _tile_mask(st, offset + i * bq, j * bk, bq, bk, qseg, kseg, transposed=True)
     for g in range(group):
       q, do = q_ref[g], do_ref[g]
       pt, dst = _bwd_tile(st, q, k, v, do, lse_ref[g], delta_ref[g], mask)
@@ -151,22 +154,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_
     dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref,
+def _dq_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_ref,
                dq_ref, dq_scr, *, st, group):
   bq, bk = st.block_q_bwd, st.block_k_bwd
   i, j = pl.program_id(2), pl.program_id(3)
+  offset = off_ref[0]
 
   @pl.when(j == 0)
   def _init():
     dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
-  first, last = _kv_range(st, i, bq, bk)
+  first, last = _kv_range(st, offset, i, bq, bk)
 
   @pl.when((j >= first) & (j <= last))
   def _step():
     k, v = k_ref[...], v_ref[...]
-    kseg, qseg = _segments(kseg_ref, qseg_ref)
-    mask = _tile_mask(st, st.q_offset + i * bq, j * bk, bq, bk, qseg, kseg, transposed=True)
+    kseg, qseg = tpu_segments.tile_ids(kseg_ref, qseg_ref)
+    mask = _tile_mask(st, offset + i * bq, j * bk, bq, bk, qseg, kseg, transposed=True)
     for g in range(group):
       _, dst = _bwd_tile(st, q_ref[g], k, v, do_ref[g], lse_ref[g], delta_ref[g], mask)
       dq_scr[g] += mxu_dot(dst.T.astype(k.dtype), k)
@@ -174,16 +178,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_ref, kseg_r
   @pl.when(j == pl.num_programs(3) - 1)
   def _finish():
     dq_ref[...] = (dq_scr[...] * st.scale).astype(dq_ref.dtype)
-
-
-def _out(shape, dtype, like):
-  """Output shape that varies over the same mesh axes as `like` (inside shard_map)."""
-  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
-
-
-def _params(st):
-  return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
-                              vmem_limit_bytes=st.vmem_limit_bytes)
 
 
 def _cost(q, k, v, st, passes):
@@ -196,60 +190,48 @@ def _cost(q, k, v, st, passes):
                          bytes_accessed=nbytes)
 
 
-def _col_spec(block, index):
-  """Segment ids as a column ([block, 128] tile, ids on sublanes)."""
-  return pl.BlockSpec((None, block, _LANES), lambda *g: (g[0], index(*g), 0))
+def _call(kernel, st, group, grid, in_specs, out_specs, out_shape, scratch, cost, name):
+  """pallas_call with the query offset as a prefetched scalar: index maps get it last,
+  kernels first."""
+  spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=in_specs,
+                                      out_specs=out_specs, scratch_shapes=scratch)
+  params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",),
+                                vmem_limit_bytes=st.vmem_limit_bytes)
+  return pl.pallas_call(functools.partial(kernel, st=st, group=group), grid_spec=spec,
+                        out_shape=out_shape, compiler_params=params, cost_estimate=cost,
+                        interpret=st.interpret, name=name)
 
 
-def _row_spec(block, index):
-  """Segment ids as a row ([8, block] tile, ids on lanes)."""
-  return pl.BlockSpec((None, _SUBLANES, block), lambda *g: (g[0], 0, index(*g)))
-
-
-def _seg_layouts(seg, column):
-  """[B, L] ids -> [B, L, 128] (column tiles) or [B, 8, L] (row tiles)."""
-  if seg is None:
-    return None
-  if column:
-    return jnp.broadcast_to(seg[:, :, None], seg.shape + (_LANES,))
-  return jnp.broadcast_to(seg[:, None, :], (seg.shape[0], _SUBLANES, seg.shape[1]))
-
-
-def _forward(q, k, v, q_seg, kv_seg, st):
+def _forward(q, k, v, q_seg, kv_seg, offset, st):
+  """Kernel layout: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> (o, lse [B, Hq, Lq])."""
   batch, num_heads, q_len, head_dim = q.shape
   num_kv_heads, kv_len = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
   bq, bk = st.block_q, st.block_k
 
-  def kv_index(b, h, i, j):
-    first, last = _kv_range(st, i, bq, bk)
-    return (b, h, jnp.clip(j, first, last), 0)  # skipped tiles re-use the last DMA
+  def kv_block(i, j, off):
+    return _live(j, *_kv_range(st, off[0], i, bq, bk), kv_len // bk)
 
-  q_spec = pl.BlockSpec((None, group, bq, head_dim), lambda b, h, i, j: (b, h, i, 0))
-  kv_spec = pl.BlockSpec((None, None, bk, head_dim), kv_index)
+  q_spec = pl.BlockSpec((None, group, bq, head_dim), lambda b, h, i, j, off: (b, h, i, 0))
+  kv_spec = pl.BlockSpec((None, None, bk, head_dim),
+                         lambda b, h, i, j, off: (b, h, kv_block(i, j, off), 0))
   seg_specs = [None, None]
   if q_seg is not None:
-    seg_specs = [_col_spec(bq, lambda b, h, i, j: i),
-                 _row_spec(bk, lambda b, h, i, j: kv_index(b, h, i, j)[2])]
-  lse_spec = pl.BlockSpec((None, group, bq, _LANES), lambda b, h, i, j: (b, h, i, 0))
-  o, lse = pl.pallas_call(
-      functools.partial(_fwd_kernel, st=st, group=group),
-      grid=(batch, num_kv_heads, q_len // bq, kv_len // bk),
-      in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
-      out_specs=[q_spec, lse_spec],
-      out_shape=[_out(q.shape, q.dtype, q), _out((batch, num_heads, q_len, _LANES), jnp.float32, q)],
-      scratch_shapes=[pltpu.VMEM((group, bq, _LANES), jnp.float32),
-                      pltpu.VMEM((group, bq, _LANES), jnp.float32),
-                      pltpu.VMEM((group, bq, head_dim), jnp.float32)],
-      compiler_params=_params(st),
-      cost_estimate=_cost(q, k, v, st, passes=2),
-      interpret=st.interpret,
-      name="flash_attention_fwd",
-  )(q, k, v, _seg_layouts(q_seg, True), _seg_layouts(kv_seg, False))
+    seg_specs = [tpu_segments.column_spec(bq, lambda b, h, i, j, off: i),
+                 tpu_segments.row_spec(bk, lambda b, h, i, j, off: kv_block(i, j, off))]
+  lse_spec = pl.BlockSpec((None, group, bq, _LANES), lambda b, h, i, j, off: (b, h, i, 0))
+  o, lse = _call(
+      _fwd_kernel, st, group, (batch, num_kv_heads, q_len // bq, kv_len // bk),
+      [q_spec, kv_spec, kv_spec, *seg_specs], [q_spec, lse_spec],
+      [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, q_len, _LANES), jnp.float32, q)],
+      [pltpu.VMEM((group, bq, _LANES), jnp.float32), pltpu.VMEM((group, bq, _LANES), jnp.float32),
+       pltpu.VMEM((group, bq, head_dim), jnp.float32)],
+      _cost(q, k, v, st, passes=2), "flash_attention_fwd",
+  )(offset, q, k, v, tpu_segments.layout(q_seg, True), tpu_segments.layout(kv_seg, False))
   return o, lse[..., 0]
 
 
-def _backward(q, k, v, q_seg, kv_seg, o, lse, do, st):
+def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   batch, num_heads, q_len, head_dim = q.shape
   num_kv_heads, kv_len = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
@@ -258,64 +240,89 @@ def _backward(q, k, v, q_seg, kv_seg, o, lse, do, st):
   delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
   # Per-row statistics as lane-major rows: they broadcast over a transposed tile.
   lse, delta = lse[:, :, None, :], delta[:, :, None, :]
-  q_segs = _seg_layouts(q_seg, False)
-  kv_segs = _seg_layouts(kv_seg, True)
+  q_segs = tpu_segments.layout(q_seg, False)
+  kv_segs = tpu_segments.layout(kv_seg, True)
 
   # dK, dV: kv tile fixed, sweep the query tiles that can see it.
-  def q_index(b, h, j, i):
-    first, last = _q_range(st, j, bq, bk, num_q_blocks)
-    return jnp.clip(i, first, last)
+  def q_block(j, i, off):
+    return _live(i, *_q_range(st, off[0], j, bq, bk, num_q_blocks), num_q_blocks)
 
-  qo_spec = pl.BlockSpec((None, group, bq, head_dim), lambda b, h, j, i: (b, h, q_index(b, h, j, i), 0))
-  row_spec = pl.BlockSpec((None, group, 1, bq), lambda b, h, j, i: (b, h, 0, q_index(b, h, j, i)))
-  kv_spec = pl.BlockSpec((None, None, bk, head_dim), lambda b, h, j, i: (b, h, j, 0))
+  qo_spec = pl.BlockSpec((None, group, bq, head_dim),
+                         lambda b, h, j, i, off: (b, h, q_block(j, i, off), 0))
+  row_spec = pl.BlockSpec((None, group, 1, bq), lambda b, h, j, i, off: (b, h, 0, q_block(j, i, off)))
+  kv_spec = pl.BlockSpec((None, None, bk, head_dim), lambda b, h, j, i, off: (b, h, j, 0))
   seg_specs = [None, None]
   if q_seg is not None:
-    seg_specs = [_row_spec(bq, lambda b, h, j, i: q_index(b, h, j, i)),
-                 _col_spec(bk, lambda b, h, j, i: j)]
-  dk, dv = pl.pallas_call(
-      functools.partial(_dkv_kernel, st=st, group=group),
-      grid=(batch, num_kv_heads, num_k_blocks, num_q_blocks),
-      in_specs=[qo_spec, kv_spec, kv_spec, qo_spec, row_spec, row_spec, *seg_specs],
-      out_specs=[kv_spec, kv_spec],
-      out_shape=[_out(k.shape, k.dtype, k), _out(v.shape, v.dtype, v)],
-      scratch_shapes=[pltpu.VMEM((bk, head_dim), jnp.float32),
-                      pltpu.VMEM((bk, head_dim), jnp.float32)],
-      compiler_params=_params(st),
-      cost_estimate=_cost(q, k, v, st, passes=4),
-      interpret=st.interpret,
-      name="flash_attention_dkv",
-  )(q, k, v, do, lse, delta, q_segs, kv_segs)
+    seg_specs = [tpu_segments.row_spec(bq, lambda b, h, j, i, off: q_block(j, i, off)),
+                 tpu_segments.column_spec(bk, lambda b, h, j, i, off: j)]
+  dk, dv = _call(
+      _dkv_kernel, st, group, (batch, num_kv_heads, num_k_blocks, num_q_blocks),
+      [qo_spec, kv_spec, kv_spec, qo_spec, row_spec, row_spec, *seg_specs], [kv_spec, kv_spec],
+      [out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)],
+      [pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, head_dim), jnp.float32)],
+      _cost(q, k, v, st, passes=4), "flash_attention_dkv",
+  )(offset, q, k, v, do, lse, delta, q_segs, kv_segs)
 
   # dQ: query tile fixed, sweep the kv tiles it can see.
-  def kv_index(b, h, i, j):
-    first, last = _kv_range(st, i, bq, bk)
-    return jnp.clip(j, first, last)
+  def kv_block(i, j, off):
+    return _live(j, *_kv_range(st, off[0], i, bq, bk), num_k_blocks)
 
-  qo_spec = pl.BlockSpec((None, group, bq, head_dim), lambda b, h, i, j: (b, h, i, 0))
-  row_spec = pl.BlockSpec((None, group, 1, bq), lambda b, h, i, j: (b, h, 0, i))
-  kv_spec = pl.BlockSpec((None, None, bk, head_dim), lambda b, h, i, j: (b, h, kv_index(b, h, i, j), 0))
+  qo_spec = pl.BlockSpec((None, group, bq, head_dim), lambda b, h, i, j, off: (b, h, i, 0))
+  row_spec = pl.BlockSpec((None, group, 1, bq), lambda b, h, i, j, off: (b, h, 0, i))
+  kv_spec = pl.BlockSpec((None, None, bk, head_dim),
+                         lambda b, h, i, j, off: (b, h, kv_block(i, j, off), 0))
   seg_specs = [None, None]
   if q_seg is not None:
-    seg_specs = [_row_spec(bq, lambda b, h, i, j: i),
-                 _col_spec(bk, lambda b, h, i, j: kv_index(b, h, i, j))]
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, st=st, group=group),
-      grid=(batch, num_kv_heads, num_q_blocks, num_k_blocks),
-      in_specs=[qo_spec, kv_spec, kv_spec, qo_spec, row_spec, row_spec, *seg_specs],
-      out_specs=qo_spec,
-      out_shape=_out(q.shape, q.dtype, q),
-      scratch_shapes=[pltpu.VMEM((group, bq, head_dim), jnp.float32)],
-      compiler_params=_params(st),
-      cost_estimate=_cost(q, k, v, st, passes=3),
-      interpret=st.interpret,
-      name="flash_attention_dq",
-  )(q, k, v, do, lse, delta, q_segs, kv_segs)
+    seg_specs = [tpu_segments.row_spec(bq, lambda b, h, i, j, off: i),
+                 tpu_segments.column_spec(bk, lambda b, h, i, j, off: kv_block(i, j, off))]
+  dq = _call(
+      _dq_kernel, st, group, (batch, num_kv_heads, num_q_blocks, num_k_blocks),
+      [qo_spec, kv_spec, kv_spec, qo_spec, row_spec, row_spec, *seg_specs], qo_spec,
+      out_struct(q.shape, q.dtype, q), [pltpu.VMEM((group, bq, head_dim), jnp.float32)],
+      _cost(q, k, v, st, passes=3), "flash_attention_dq",
+  )(offset, q, k, v, do, lse, delta, q_segs, kv_segs)
   return dq, dk, dv
 
 
-# Kernels take `st` last; the shared VJP passes it first.
-_flash = with_lse_vjp(lambda st, *args: _forward(*args, st), lambda st, *args: _backward(*args, st))
+def _prepare(opts, q, k, q_seg, kv_seg, q_offset):
+  """Kernel statics, a padder to the kernel layout for queries / keys ([B, L, H, D] ->
+  [B, H, L_pad, D]), the padded segment ids and the offset as a prefetchable [1]."""
+  q_len, kv_len = q.shape[1], k.shape[1]
+  blocks = opts.block_sizes or default_block_sizes("tpu", _device_kind())
+  tiles = tiling.fit_tiles(blocks, q_len, kv_len, _LANES)
+  q_pad = tiling.round_up(q_len, math.lcm(tiles["block_q"], tiles["block_q_bwd"]))
+  kv_pad = tiling.round_up(kv_len, math.lcm(tiles["block_k"], tiles["block_k_bwd"]))
+  st = _Static(causal=opts.causal, sliding_window=opts.sliding_window,
+               logit_soft_cap=opts.logit_soft_cap, scale=opts.scale_for(q.shape[-1]),
+               kv_len=kv_len, vmem_limit_bytes=blocks.vmem_limit_bytes,
+               interpret=opts.interpret, **tiles)
+  pad = lambda x, n: tiling.pad_axis(x, 1, n).transpose(0, 2, 1, 3)
+  segs = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
+  return (st, lambda x: pad(x, q_pad), lambda x: pad(x, kv_pad), segs,
+          jnp.reshape(q_offset, (1,)).astype(jnp.int32))
+
+
+def _from_kernel(x, length):
+  return x.transpose(0, 2, 1, 3)[:, :length]
+
+
+def forward(opts, q, k, v, q_seg, kv_seg, q_offset):
+  """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, D], lse [B, Hq, Lq])."""
+  st, pad_q, pad_kv, segs, offset = _prepare(opts, q, k, q_seg, kv_seg, q_offset)
+  o, lse = _forward(pad_q(q), pad_kv(k), pad_kv(v), *segs, offset, st)
+  return _from_kernel(o, q.shape[1]), lse[:, :, :q.shape[1]]
+
+
+def backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
+  """The blockwise backward from a given log-sum-exp (see blockwise.py): (dq, dk, dv)."""
+  st, pad_q, pad_kv, segs, offset = _prepare(opts, q, k, q_seg, kv_seg, q_offset)
+  lse = tiling.pad_axis(lse, 2, pad_q(q).shape[2])
+  dq, dk, dv = _backward(pad_q(q), pad_kv(k), pad_kv(v), *segs, offset, pad_q(o), lse, pad_q(do), st)
+  return _from_kernel(dq, q.shape[1]), _from_kernel(dk, k.shape[1]), _from_kernel(dv, k.shape[1])
+
+
+BLOCKWISE = Blockwise(forward, backward)
+_flash = with_lse_vjp(forward, backward)
 
 
 def flash_attention_tpu(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
@@ -326,19 +333,10 @@ def flash_attention_tpu(q, k, v, *, segment_ids=None, causal=True, sliding_windo
   masked and padded queries are dropped, so their gradients vanish.
   """
   validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap)
-  blocks = block_sizes or default_block_sizes("tpu", _device_kind())
-  q_len, kv_len = q.shape[1], k.shape[1]
-  tiles = tiling.fit_tiles(blocks, q_len, kv_len, _LANES)
-  q_pad = tiling.round_up(q_len, math.lcm(tiles["block_q"], tiles["block_q_bwd"]))
-  kv_pad = tiling.round_up(kv_len, math.lcm(tiles["block_k"], tiles["block_k_bwd"]))
-  st = _Static(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-               scale=q.shape[-1] ** -0.5 if scale is None else scale,
-               q_offset=kv_len - q_len, kv_len=kv_len, vmem_limit_bytes=blocks.vmem_limit_bytes,
-               interpret=interpret, **tiles)
-  to_kernel = lambda x, n: tiling.pad_axis(x, 1, n).transpose(0, 2, 1, 3)
-  q_seg, kv_seg = tiling.padded_segments(segment_ids, q_len, q_pad, kv_pad)
-  o = _flash(st, to_kernel(q, q_pad), to_kernel(k, kv_pad), to_kernel(v, kv_pad), q_seg, kv_seg)
-  return o.transpose(0, 2, 1, 3)[:, :q_len]
+  opts = AttentionOptions(causal=causal, sliding_window=sliding_window,
+                          logit_soft_cap=logit_soft_cap, scale=scale, block_sizes=block_sizes,
+                          interpret=interpret)
+  return _flash(opts, q, k, v, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))
 
 
 def _device_kind():

@@ -1,8 +1,9 @@
 """Masking and soft-capping shared by every attention kernel and the chunked path.
 
-Positions are absolute token indices into the keys; queries sit at
-`q_offset + i` (the last q_len of kv_len positions). Everything here works on
-traced scalars, numpy ints and broadcastable arrays, so the same code builds a
+Positions are token indices into the keys; query i sits at `q_offset + i` (the last
+q_len of kv_len positions in plain attention; anywhere, even before key 0, when a
+context-parallel block pairs queries and keys from different devices). Everything here
+works on traced scalars, numpy ints and broadcastable arrays, so the same code builds a
 [bq, bk] tile mask inside a kernel and decides which tiles to skip.
 """
 
@@ -49,18 +50,23 @@ def last_live_key(q_hi, *, causal, kv_len):
 
 
 def kv_block_range(q_lo, q_hi, block_k, *, causal, sliding_window, kv_len):
-  """[first, last] kv block indices that can hold a visible key for queries q_lo..q_hi."""
+  """[first, last] kv block indices that can hold a visible key for queries q_lo..q_hi
+  (first > last: none; then last may be -1)."""
   first = first_live_key(q_lo, sliding_window=sliding_window) // block_k
-  last = last_live_key(q_hi, causal=causal, kv_len=kv_len) // block_k
+  last_key = last_live_key(q_hi, causal=causal, kv_len=kv_len)
+  # Queries entirely before key 0 see nothing; keep the division on non-negative numbers.
+  last = jnp.where(last_key < 0, -1, jnp.maximum(last_key, 0) // block_k)
   return first, last
 
 
 def q_block_range(k_lo, k_hi, block_q, num_q_blocks, *, q_offset, causal, sliding_window):
-  """[first, last] q block indices (of num_q_blocks) whose queries can see keys k_lo..k_hi."""
-  first_pos = k_lo if causal else 0  # causal: only queries at or after the key
+  """[first, last] q block indices (of num_q_blocks) whose queries can see keys k_lo..k_hi
+  (first > last: none; then last may be -1)."""
+  first_pos = k_lo if causal else q_offset  # causal: only queries at or after the key
   last_pos = num_q_blocks * block_q - 1 + q_offset
   if sliding_window is not None:
     last_pos = jnp.minimum(last_pos, k_hi + sliding_window - 1)
   first = jnp.clip(first_pos - q_offset, 0, None) // block_q
-  last = jnp.clip(last_pos - q_offset, 0, None) // block_q
+  last_q = last_pos - q_offset
+  last = jnp.where(last_q < 0, -1, jnp.maximum(last_q, 0) // block_q)
   return first, last

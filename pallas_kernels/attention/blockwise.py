@@ -1,0 +1,78 @@
+"""What every blockwise attention implementation (flash TPU, flash GPU, chunked) exposes.
+
+Each one is a `Blockwise` pair in the public layout, q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]:
+
+  forward(opts, q, k, v, q_seg, kv_seg, q_offset) -> (o [B, Lq, Hq, D], lse f32 [B, Hq, Lq])
+  backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do) -> (dq, dk, dv)
+
+Query i sits at key position `q_offset + i` (an int32 scalar, traced or not): plain
+attention passes `Lk - Lq`; context parallelism passes where a query chunk lies relative
+to a key chunk that lives on another device. `backward` recomputes probabilities from the
+`lse` it is given, so with the log-sum-exp of *all* keys it returns this key block's share
+of the gradient: the ring sums those shares. Rows that see no key get o = 0 and a very
+negative lse, which weighs nothing when blocks are combined.
+"""
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxpar.pallas_kernels.attention.block_sizes import BlockSizes
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+  """The static choices of one attention call (hashable: a custom_vjp's static argument)."""
+  causal: bool = True
+  sliding_window: int | None = None
+  logit_soft_cap: float | None = None
+  scale: float | None = None  # None: head_dim ** -0.5
+  block_sizes: BlockSizes | None = None
+  interpret: bool = False
+
+  def scale_for(self, head_dim: int) -> float:
+    return head_dim ** -0.5 if self.scale is None else self.scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Blockwise:
+  forward: Callable
+  backward: Callable
+
+
+def split_segments(segment_ids, q_len):
+  """[B, Lk] ids of the keys -> (query ids [B, Lq], key ids): queries are the last Lq keys."""
+  if segment_ids is None:
+    return None, None
+  return segment_ids[:, segment_ids.shape[1] - q_len:], segment_ids
+
+
+def default_offset(q, k):
+  """Queries are the last Lq of the Lk keys."""
+  return jnp.int32(k.shape[1] - q.shape[1])
+
+
+def full_like_varying(shape, value, like, dtype=jnp.float32):
+  """A constant array that varies over the same manual mesh axes as `like`: inside
+  `shard_map`, loop carries must keep one type, and a constant starts out replicated."""
+  x = jnp.full(shape, value, dtype)
+  axes = tuple(sorted(jax.typeof(like).mat.varying))
+  return lax.pcast(x, axes, to="varying") if axes else x
+
+
+def out_struct(shape, dtype, like):
+  """A kernel output's shape that varies over the same manual mesh axes as `like` (inside
+  `shard_map`, Pallas must be told)."""
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
+
+def merge_partials(a, b):
+  """Combine two partial attentions over disjoint sets of keys, each (o [B, L, H, D],
+  lse [B, H, L]), into one (o in float32): the online softmax, one block at a time."""
+  (o_a, lse_a), (o_b, lse_b) = a, b
+  lse = jnp.logaddexp(lse_a, lse_b)
+  weight = lambda part: jnp.exp(part - lse).transpose(0, 2, 1)[..., None]  # -> [B, L, H, 1]
+  return (o_a.astype(jnp.float32) * weight(lse_a) + o_b.astype(jnp.float32) * weight(lse_b), lse)
