@@ -1,13 +1,12 @@
 """Causal language-model loss over packed sequences, with optional z-loss."""
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.mesh import constrain, mesh_axes, num_shards
+from jaxpar.mesh import constrain, num_shards
 
 
 def causal_lm_loss(logits, targets, loss_mask, z_loss: float = 0.0):
@@ -40,7 +39,7 @@ def _chunk_len(length: int, target: int) -> int:
 
 def _batch_shards(batch: int) -> int:
   """Devices the batch is split over in the current mesh (1 outside one)."""
-  shards = math.prod(jax.sharding.get_abstract_mesh().shape[a] for a in mesh_axes("batch"))
+  shards = num_shards("batch")
   return shards if batch % shards == 0 else 1
 
 

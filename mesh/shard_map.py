@@ -49,7 +49,7 @@ def mesh_axes(name, size: int | None = None, mesh=None, rules=None) -> tuple[str
 def num_shards(name, mesh=None, rules=None) -> int:
   """How many pieces the logical axis `name` is split into in the current context."""
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
-  return math.prod(mesh.shape[a] for a in mesh_axes(name, mesh, rules))
+  return math.prod(mesh.shape[a] for a in mesh_axes(name, mesh=mesh, rules=rules))
 
 
 def _axes_per_name(mesh, rules, named_shapes):
