@@ -131,3 +131,8 @@ def test_bad_requests_are_clear_errors(one_device):
     one_device.submit([])
   with pytest.raises(ValueError, match="top_p=1.5 must be in"):
     SamplingParams(top_p=1.5)
+
+
+def test_a_mesh_that_splits_sequences_is_refused():
+  with pytest.raises(ValueError, match="mesh.context=2: generation does not split sequences"):
+    _engine({"context": 2, "fsdp": 1}, jax.devices()[:2])

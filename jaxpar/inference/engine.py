@@ -47,6 +47,9 @@ class Engine:
                prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
                kv_cache: str | None = None, echo=None):
     cfg = runtime.model_config
+    if runtime.mesh.shape["context"] > 1:
+      raise ValueError(f"mesh.context={runtime.mesh.shape['context']}: generation does not split "
+                       "sequences over devices; use mesh.context=1 (tensor or data parallelism instead)")
     self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
     self.model_state = model_state if model_state is not None else {}
     self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
