@@ -22,14 +22,16 @@ from jaxpar.config import load_config, replace
 from jaxpar.trainer import Trainer
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
-COMPILED = ["llama3.1-8b-v6e-256", "llama2-70b-v5p-512", "qwen2.5-7b"]  # v6e, v5p, v5e
+COMPILED = ["llama3.1-8b-v6e-256", "llama2-70b-v5p-512", "qwen2.5-7b",  # v6e, v5p, v5e
+            "mixtral-8x7b"]  # expert weights and the MoE dispatch on a v5p-256
 LOWERED = ["llama3.1-70b-v6e-256", "llama3-8b", "llama3-70b", "llama2-70b", "llama2-7b",
-           "mistral-7b"]
+           "mistral-7b", "qwen3-30b-a3b", "deepseek-v3-style-16b"]
 
 
 def _one_layer(name):
+  """One layer of each kind: dense-first stacks (DeepSeek-style) keep one MoE layer too."""
   config = load_config(name)
-  return replace(config, model={"num_layers": 1})
+  return replace(config, model={"num_layers": config.model.first_dense_layers + 1})
 
 
 @pytest.mark.slow
