@@ -71,7 +71,8 @@ def test_expert_parallel_step_equals_one_device(sharded, reference):
 
 def test_tokens_cross_devices_by_all_to_all_only_under_expert_parallelism(sharded):
   name, (hlo, *_) = sharded
-  exchanges = hlo.count(" all-to-all(")
+  # The dispatch's own, in its shard_map (the embedding's scatter-add gradient may use one too).
+  exchanges = sum(" all-to-all(" in line and "shard_map/all_to_all" in line for line in hlo.splitlines())
   if name == "fsdp8":
     assert exchanges == 0
   else:
