@@ -64,10 +64,20 @@ def _cmd_train(ns):
 
 def _print_sample(trainer, state, tokenizer):
   """A short sample from the trained model, through the inference engine."""
+  import jax
+
   from jaxpar.inference import Engine, SamplingParams
-  t = trainer.config.train
-  engine = Engine(trainer.runtime, state.params, tokenizer, model_state=state.model_state, slots=1,
-                  prefill_chunks=(64,))
+  from jaxpar.runtime import Runtime
+  t, runtime = trainer.config.train, trainer.runtime
+  params, model_state = state.params, state.model_state
+  sizes = runtime.mesh.shape
+  if sizes["context"] > 1:
+    # Generation does not split sequences: sample on the same devices with context folded into fsdp.
+    folded = trainer.config.mesh.model_copy(update={"context": 1, "fsdp": sizes["fsdp"] * sizes["context"]})
+    runtime = Runtime(trainer.config.model, folded, runtime.mesh.devices.flat)
+    params, model_state = jax.device_put((params, model_state),
+                                         (runtime.param_shardings, runtime.model_state_shardings))
+  engine = Engine(runtime, params, tokenizer, model_state=model_state, slots=1, prefill_chunks=(64,))
   sampling = SamplingParams(max_tokens=t.sample_tokens, temperature=t.sample_temperature,
                             top_p=t.sample_top_p, seed=t.seed)
   text = engine.generate([t.sample_prompt], sampling)[0].text
