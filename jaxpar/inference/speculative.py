@@ -182,11 +182,9 @@ class SpeculativeDecoder:
         positions[i] = np.arange(n - 1, n + k)
     target = self.target
     table = page_table_rows([r.pages for r in requests] + [[]] * (self.batch - len(requests)), target.pages_per_seq)
-    program = target.programs.compiled["speculate", self.batch, k + 1]
-    draft_probs = jax.device_put(draft_probs, program.input_shardings[0][8])  # the draft may live elsewhere
-    accepted, bonus, target.cache = program(target.params, target.model_state, target.cache, tokens, positions,
-                                            table, np.arange(self.batch, dtype=np.int32), settings, draft_probs,
-                                            proposed)
+    accepted, bonus, target.cache = target.programs.run(
+        "speculate", target.params, target.model_state, target.cache, tokens, positions, table,
+        np.arange(self.batch, dtype=np.int32), settings, draft_probs, proposed)
     accepted, bonus = np.asarray(accepted), np.asarray(bonus)
     self.stats.rounds += sum(live)
     for i, (request, draft, n) in enumerate(zip(requests, drafts, starts)):
