@@ -111,7 +111,9 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref
       l = l_scr[g]
       l = jnp.where(l == 0.0, 1.0, l)
       o_ref[g] = (acc_scr[g] / l[:, :1]).astype(o_ref.dtype)
-      lse_ref[g] = m_scr[g] + jnp.log(l)
+      # Stored as a lane-major row [1, bq] (the scratch holds it down a column, copied across
+      # lanes): an f32 [B, H, L, 128] residual would cost as much HBM as the output itself.
+      lse_ref[g] = jnp.transpose(m_scr[g] + jnp.log(l))[:1]
 
 
 def _bwd_tile(st, q, k, v, do, lse, delta, mask):
@@ -219,16 +221,16 @@ def _forward(q, k, v, q_seg, kv_seg, offset, st):
   if q_seg is not None:
     seg_specs = [tpu_segments.column_spec(bq, lambda b, h, i, j, off: i),
                  tpu_segments.row_spec(bk, lambda b, h, i, j, off: kv_block(i, j, off))]
-  lse_spec = pl.BlockSpec((None, group, bq, _LANES), lambda b, h, i, j, off: (b, h, i, 0))
+  lse_spec = pl.BlockSpec((None, group, 1, bq), lambda b, h, i, j, off: (b, h, 0, i))
   o, lse = _call(
       _fwd_kernel, st, group, (batch, num_kv_heads, q_len // bq, kv_len // bk),
       [q_spec, kv_spec, kv_spec, *seg_specs], [q_spec, lse_spec],
-      [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, q_len, _LANES), jnp.float32, q)],
+      [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, 1, q_len), jnp.float32, q)],
       [pltpu.VMEM((group, bq, _LANES), jnp.float32), pltpu.VMEM((group, bq, _LANES), jnp.float32),
        pltpu.VMEM((group, bq, head_dim), jnp.float32)],
       _cost(q, k, v, st, passes=2), "flash_attention_fwd",
   )(offset, q, k, v, tpu_segments.layout(q_seg, True), tpu_segments.layout(kv_seg, False))
-  return o, lse[..., 0]
+  return o, lse[:, :, 0]
 
 
 def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
