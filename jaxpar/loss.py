@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.mesh import constrain, num_shards
+from jaxpar.mesh.length_chunks import length_spans, merge_length, split_length
 
 
 def causal_lm_loss(logits, targets, loss_mask, z_loss: float = 0.0):
@@ -65,20 +66,17 @@ def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
   # When the mesh splits the length (context parallelism), each chunk takes chunk_len
   # positions from every device's own span of the sequence: no hidden state moves, and
   # the chunk count (one projection-gradient reduction each) is what it is unsplit.
-  spans = num_shards("length") if length % num_shards("length") == 0 else 1
+  spans = length_spans(length)
   chunk = _chunk_len(length // spans, chunk_len)
   count = length // spans // chunk
   shards = _batch_shards(batch)
   # Gather the (FSDP-split) projection once, not once per chunk inside the loop.
   projection = constrain(projection, _PROJECTION)
 
-  def split(x):  # [B, L, ...] -> [count, B, spans, chunk, ...]: chunks keep batch and span splits
-    return jnp.moveaxis(x.reshape(batch, spans, count, chunk, *x.shape[2:]), 2, 0)
-
   def per_shard(x):  # [B, spans, chunk, ...] -> [shards, B / shards, spans, chunk, ...]
     return x.reshape(shards, batch // shards, *x.shape[1:])
 
-  def body(partials, inputs):
+  def terms(inputs):  # one chunk -> (its projection-gradient partials, per-chunk outputs)
     h, t, m = inputs
     flat = lambda x: x.reshape(batch, spans * chunk, *x.shape[3:])  # noqa: E731
     logits = constrain(jnp.einsum("ble,ev->blv", flat(h), projection, preferred_element_type=jnp.float32),
@@ -94,17 +92,28 @@ def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
     d_logits = ((probs * (1 + 2 * z_loss * log_z)[..., None] - one_hot) * m[..., None]).astype(h.dtype)
     d_hidden = jnp.einsum("blv,ev->ble", d_logits, projection)
     per_span = d_logits.reshape(*h.shape[:3], -1)  # [B, spans, chunk, vocab]
-    partials = partials + jnp.einsum("sbple,sbplv->spev", per_shard(h), per_shard(per_span),
-                                     preferred_element_type=jnp.float32)
+    partials = jnp.einsum("sbple,sbplv->spev", per_shard(h), per_shard(per_span),
+                          preferred_element_type=jnp.float32)
     return constrain(partials, _PARTIALS), (ce, z, jnp.sum(m), d_hidden)
 
-  zeros = constrain(jnp.zeros((shards, spans, *projection.shape), jnp.float32), _PARTIALS)
-  partials, (ce, z, tokens, d_hidden) = jax.lax.scan(
-      body, zeros, (split(hidden), split(targets), split(loss_mask)))
+  def body(partials, inputs):
+    more, outputs = terms(inputs)
+    return constrain(partials + more, _PARTIALS), outputs
+
+  chunks = tuple(split_length(x, count, spans) for x in (hidden, targets, loss_mask))
+  # The first chunk's partials start the sum. A zero-filled start has no inputs, and XLA may
+  # allocate it when the step begins: 4 GiB (f32 [8192, 128256]) held through the forward pass.
+  first, first_outputs = terms(jax.tree.map(lambda x: x[0], chunks))
+  partials, outputs = jax.lax.scan(body, first, jax.tree.map(lambda x: x[1:], chunks))
+  ce, z, tokens, d_hidden = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]),
+                                         first_outputs, outputs)
   # The one cross-device reduction, in the compute dtype like every other weight gradient.
   d_projection = constrain(jnp.sum(partials.astype(projection.dtype), axis=(0, 1)), _PARAMETER)
-  d_hidden = d_hidden.reshape(count, batch, spans, chunk, embed)
-  d_hidden = jnp.moveaxis(d_hidden, 0, 2).reshape(hidden.shape)
+  # Keep only this device's shard from here on. Where the reduction lowers to an all-reduce
+  # and a slice (libtpu, on 2-D/3-D tori), the slice would otherwise fuse into the optimizer
+  # update and hold the whole gathered gradient (2 GiB for Llama 3 70B) through the backward.
+  d_projection = jax.lax.optimization_barrier(d_projection)
+  d_hidden = merge_length(d_hidden.reshape(count, batch, spans, chunk, embed))
   ce_sum, z_sum = jnp.sum(ce), jnp.sum(z)
   aux = {"ce_sum": ce_sum, "z_sum": z_sum, "tokens": jnp.sum(tokens)}
   return (ce_sum + z_sum, aux), (d_hidden, d_projection, targets, loss_mask)
