@@ -164,6 +164,10 @@ def _check_sequence_split(m, d, mesh):
       why = " (zig-zag load balancing: 2 chunks per device)" if m.context_load_balance else ""
       raise ValueError(f"data.seq_len={d.seq_len} must be a multiple of {multiple} to split over "
                        f"mesh.context={context}{why}")
+  if m.mlp_chunks > 1 and d.seq_len % (max(context, 1) * m.mlp_chunks):
+    raise ValueError(f"model.mlp_chunks={m.mlp_chunks} does not divide each device's "
+                     f"{d.seq_len // max(context, 1)} positions (data.seq_len={d.seq_len} over "
+                     f"mesh.context={max(context, 1)}): use a divisor of that")
   if m.sequence_parallel and tensor > 1 and d.seq_len % (max(context, 1) * tensor):
     raise ValueError(f"data.seq_len={d.seq_len} must be a multiple of mesh.context x mesh.tensor "
                      f"= {max(context, 1) * tensor} for model.sequence_parallel")
