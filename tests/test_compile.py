@@ -182,6 +182,56 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   assert reduce["wire_bytes"] == pytest.approx(2 * 32 / 2 + 2 * 64 / 2)
 
 
+def test_an_async_gather_counts_once_and_cloned_loops_each_count():
+  # libtpu splits an async gather into a start (data in), continuation steps (here inside
+  # an inner loop that runs 4 times) and a done step, the later ones taking the chain's
+  # semaphores. The forward and backward layer loops are clones: they reuse channel 1.
+  text = """HloModule m
+
+%cond (p: (s32[])) -> pred[] {
+  %p = (s32[]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%start_body (x: bf16[4]) -> (bf16[16], u32[]) {
+  ROOT %g = bf16[16]{0} all-gather(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+}
+
+%step_body (x: bf16[16], f: u32[]) -> bf16[16] {
+  ROOT %g2 = bf16[16]{0} all-gather(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+}
+
+%inner (p: (s32[], u32[])) -> (s32[], u32[]) {
+  %flag = u32[]{:S(2)} get-tuple-element(%p), index=1
+  %more = bf16[16]{0} fusion(%buf, %flag), kind=kOutput, calls=%step_body
+  ROOT %t = (s32[], u32[]) tuple(%i, %flag)
+}
+
+%forward (p: (s32[])) -> (s32[]) {
+  %ag = (bf16[16]{0}, u32[]{:S(2)}) fusion(%shard), kind=kCustom, calls=%start_body
+  %sem = u32[]{:S(2)} get-tuple-element(%ag), index=1
+  %loop = (s32[], u32[]) while(%t0), condition=%cond, body=%inner
+  %done = bf16[16]{0} fusion(%buf, %sem), kind=kCustom, calls=%step_body
+  ROOT %t = (s32[]) tuple(%i)
+}
+
+%backward (p: (s32[])) -> (s32[]) {
+  %ag = (bf16[16]{0}, u32[]{:S(2)}) fusion(%shard), kind=kCustom, calls=%start_body
+  ROOT %t = (s32[]) tuple(%i)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %fwd = (s32[]) while(%t0), condition=%cond, body=%forward
+  %bwd = (s32[]) while(%t1), condition=%cond, body=%backward
+}
+"""
+  rows = {r["kind"]: r for r in hlo.summarize(hlo.collectives(text, [0] * 8))}
+  assert rows["all-gather"]["count"] == 4 + 4  # each loop's start, 4 trips each
+  assert rows["all-gather"]["bytes"] == 8 * 32
+
+
 @pytest.mark.tpu
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_cli_compile_prints_verdict_and_saves(tmp_path, capsys):

@@ -174,26 +174,31 @@ def collectives(hlo: str | Module, slice_of_device=None, *, cpu: bool = False) -
   slice_of_device: slice index per flat mesh device (multi-slice), to flag DCN collectives.
   An all-reduce whose every use keeps only this device's 1/n slice is what the partitioner
   writes for a reduce-scatter; one whose input is this device's 1/n written into zeros, an
-  all-gather. On a TPU these are real all-reduces on the wire (libtpu emits reduce-scatters
-  over 2-D tori that way, even an explicit `psum_scatter`, and many gathers on v5p), counted
-  as such under the kinds "all-reduce (sliced)" and "all-reduce (gather)". cpu: the module
+  all-gather. On a TPU these are real all-reduces on the wire, counted as such under the
+  kinds "all-reduce (sliced)" and "all-reduce (gather)": libtpu emits a reduce-scatter whose
+  group spans more than one torus dimension that way (even an explicit `psum_scatter`;
+  unless the SparseCores run it, see xla_flags.py), and on v5p many gathers. cpu: the module
   was compiled for (simulated) CPU devices, a backend with no reduce-scatter creator; there
   a sliced all-reduce is counted as the reduce-scatter it stands for.
   """
   module = hlo if isinstance(hlo, Module) else Module(hlo)
   num_devices = len(slice_of_device) if slice_of_device is not None else 1
-  found, channels = [], set()
+  found = []
   for inst, weight in module.executed():
-    if inst.op == "fusion":  # async collectives span a start, continuation and done fusion
-      channel = next((c for i in module.fused(inst) for c in re.findall(r"channel_id=(\d+)", i.attrs)
-                      if i.op.removesuffix("-start") in KINDS), None)
-      if channel in channels:
-        continue
-      channels.add(channel)
+    if inst.op == "fusion" and _continues_async_chain(module, inst):
+      continue
     for c in collective(module, inst, num_devices, slice_of_device, cpu=cpu):
       found.append(Collective(c.kind, weight, c.bytes * weight, c.wire_bytes * weight, c.dcn,
                               c.dtype))
   return found
+
+
+def _continues_async_chain(module, fusion) -> bool:
+  """Whether a fusion is a later step of an asynchronous collective (libtpu splits one into
+  a start, continuation steps, possibly inside another loop, and a done fusion): those take
+  the chain's semaphores (s32/u32 in scalar memories S(2), S(4)); the start takes only data."""
+  return any(re.search(r"\b[su]32\[[0-9,]*\]\{[^}]*S\([24]\)", module.shapes.get(o, ""))
+             for o in fusion.operands)
 
 
 def collective(module, inst, num_devices, slice_of_device=None, *, cpu=False) -> list[Collective]:
