@@ -62,7 +62,8 @@ def table_line(r: dict) -> str:
     cells += [f"{m['total'] / GIB:.1f} GiB" + (f" (target <= {target})" if target else ""),
               f"{m['host_total'] / GIB:.1f} GiB",
               f"{t['wire_bytes'] / GIB:.1f} / {t['minimum']['total'] / GIB:.1f} GiB "
-              f"({t['ratio']:.2f}x)",
+              f"({t['ratio']:.2f}x; as written {t['wire_bytes_as_written'] / GIB:.1f}, "
+              f"{t['wire_bytes_as_written'] / t['minimum']['total']:.2f}x)",
               f"{r['compiled_flops_per_step'] / r['model_flops_per_step']:.2f}x",
               f"{e['step_s']:.2f} s", f"{100 * e['mfu']:.1f}%"]
   cells.append(f"{100 * published:.2f}%" if published else "-")

@@ -5,12 +5,13 @@ train step's `jax.jit` by `jaxpar train` and `jaxpar compile` alike.
   none     no options: the compiler's own defaults
   [...]    exactly these, as `xla_flag=value` strings (a leading `--` is optional)
 
-The presets are the flags the published MaxText recipes for these chips set: the scoped
+The presets are the flags the published MaxText recipes for these chips set (the scoped
 VMEM limit for dense models, continuation fusion of FSDP all-gathers with the matmuls that
 consume them, reduce-scatter friendly layouts, data-parallel all-reduce overlap, and the
-scheduler options recommended with host offload. Each flag is first tried on a tiny program
-for the same devices; one the installed libtpu rejects for that chip is left out with a
-note (the run goes on without it).
+scheduler options recommended with host offload), plus SparseCore reduce-scatters on v6e
+and v5p (see below). Each flag is first tried on a tiny program for the same devices; one
+the installed libtpu rejects for that chip is left out with a note (the run goes on
+without it).
 """
 
 import functools
@@ -29,6 +30,10 @@ _GATHER_OVERLAP = ("xla_tpu_enable_async_collective_fusion=true",
 _REDUCE_SCATTER_LAYOUT = ("xla_tpu_use_minor_sharding_for_major_trivial_input=true",
                           "xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1",
                           "xla_tpu_assign_all_reduce_scatter_layout=true")
+# libtpu lowers a reduce-scatter whose group spans more than one torus dimension (FSDP over
+# a whole v6e-256 or v5p slice) as a full all-reduce, twice the bytes; run by the SparseCores
+# it stays a reduce-scatter.
+_SPARSECORE_REDUCE_SCATTER = ("xla_tpu_enable_sparse_core_collective_offload_nd_reduce_scatter=true",)
 _DATA_PARALLEL_OVERLAP = ("xla_tpu_enable_data_parallel_all_reduce_opt=true",
                           "xla_tpu_data_parallel_opt_different_sized_ops=true")
 _HOST_OFFLOAD = ("xla_tpu_enable_all_experimental_scheduler_features=true",
@@ -45,8 +50,9 @@ _HOST_OFFLOAD = ("xla_tpu_enable_all_experimental_scheduler_features=true",
 
 PRESETS = {
   "v6e": ("xla_tpu_scoped_vmem_limit_kib=98304",) + _GATHER_OVERLAP + _REDUCE_SCATTER_LAYOUT
+         + _SPARSECORE_REDUCE_SCATTER + _DATA_PARALLEL_OVERLAP + _HOST_OFFLOAD,
+  "v5p": _GATHER_OVERLAP + _REDUCE_SCATTER_LAYOUT + _SPARSECORE_REDUCE_SCATTER
          + _DATA_PARALLEL_OVERLAP + _HOST_OFFLOAD,
-  "v5p": _GATHER_OVERLAP + _REDUCE_SCATTER_LAYOUT + _DATA_PARALLEL_OVERLAP + _HOST_OFFLOAD,
   "v5e": _GATHER_OVERLAP + _DATA_PARALLEL_OVERLAP,
 }
 
