@@ -13,7 +13,7 @@ kernels by their cost estimates, collectives over ICI bandwidth, nothing overlap
 MaxText's is a *measurement* on real chips.
 
   JAX_PLATFORMS=cpu python benchmarks/aot_table.py [--configs NAME ...] [--json out.json]
-  (about 10 CPU-minutes per 8B config and 15 per 70B one)
+  (11 minutes for the three recipes on a 2-core host)
 
 `--plan-cpu CONFIG` instead runs `jaxpar plan --measure` on 8 simulated CPU devices: measured
 step times of the planner's candidates, the rank correlation with its predictions, and the

@@ -40,3 +40,20 @@ def synthetic_batch(config, seed=0, documents_per_row=2):
   loss_mask[:, cut - 1] = 0.0
   return {"inputs": inputs, "targets": targets, "segment_ids": segment_ids,
           "positions": positions, "loss_mask": loss_mask}
+
+
+def gradient_temp_bytes(config, num_devices: int) -> int:
+  """Temporaries per device of `config`'s compiled gradient step (fused loss, 128-position
+  chunks) on the first `num_devices` devices: what activation memory a change saves."""
+  import jax
+
+  from jaxpar.train_step import make_gradients
+  from jaxpar.trainer import Trainer
+  trainer = Trainer(config, devices=jax.devices()[:num_devices])
+  params = trainer.abstract_state().params
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
+           for k, v in synthetic_batch(config).items()}
+  with trainer.context():
+    compiled = jax.jit(make_gradients(trainer.graphdef, z_loss=0.0, microbatches=1,
+                                      logits_chunk_len=128)).lower(params, batch).compile()
+  return compiled.memory_analysis().temp_size_in_bytes

@@ -13,7 +13,7 @@ import pytest
 
 from jaxpar.train_step import make_gradients
 from jaxpar.trainer import Trainer
-from tests.helpers import small_config, synthetic_batch
+from tests.helpers import gradient_temp_bytes, small_config, synthetic_batch
 
 STRATEGIES = {
   # name: (mesh sizes, model options)
@@ -85,14 +85,7 @@ def _temp_bytes(context):
                max_seq_len=4096)
   config = small_config(mesh={"context": context, "fsdp": 1}, model=model,
                         data={"seq_len": 4096, "global_batch_size": 1})
-  trainer = Trainer(config, devices=jax.devices()[:context])
-  params = trainer.abstract_state().params
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
-           for k, v in synthetic_batch(config).items()}
-  with trainer.context():
-    compiled = jax.jit(make_gradients(trainer.graphdef, z_loss=0.0, microbatches=1,
-                                      logits_chunk_len=128)).lower(params, batch).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+  return gradient_temp_bytes(config, context)
 
 
 def test_activation_memory_falls_with_context():

@@ -11,9 +11,7 @@ from flax import nnx
 
 from jaxpar.config import ModelConfig
 from jaxpar.models import build_model
-from jaxpar.train_step import make_gradients
-from jaxpar.trainer import Trainer
-from tests.helpers import SMALL_MODEL, small_config, synthetic_batch
+from tests.helpers import SMALL_MODEL, gradient_temp_bytes, small_config
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 258, (2, 24)), jnp.int32)
 
@@ -38,14 +36,7 @@ def _temp_bytes(chunks):
   model = dict(num_layers=2, embed_dim=128, mlp_dim=2048, remat="full", mlp_chunks=chunks,
                max_seq_len=2048)
   config = small_config(mesh={"fsdp": 1}, model=model, data={"seq_len": 2048, "global_batch_size": 2})
-  trainer = Trainer(config, devices=jax.devices()[:1])
-  params = trainer.abstract_state().params
-  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
-           for k, v in synthetic_batch(config).items()}
-  with trainer.context():
-    compiled = jax.jit(make_gradients(trainer.graphdef, z_loss=0.0, microbatches=1,
-                                      logits_chunk_len=128)).lower(params, batch).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+  return gradient_temp_bytes(config, 1)
 
 
 def test_pieces_cut_the_backward_peak():
