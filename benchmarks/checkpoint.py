@@ -23,7 +23,7 @@ from rich.table import Table  # noqa: E402
 
 from jaxpar.checkpoint import Checkpointer  # noqa: E402
 from jaxpar.config import load_config  # noqa: E402
-from jaxpar.trainer import Trainer  # noqa: E402
+from jaxpar.train.trainer import Trainer  # noqa: E402
 
 SAVES = 3  # timed saves, after one warm-up
 # The batch only has to divide over the mesh; no step runs.

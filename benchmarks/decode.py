@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 
 from jaxpar.config import MeshConfig, load_config  # noqa: E402
 from jaxpar.data import ByteTokenizer  # noqa: E402
-from jaxpar.hf import hf_config_from_model  # noqa: E402
+from jaxpar.convert.hf import hf_config_from_model  # noqa: E402
 from jaxpar.inference import Engine, SamplingParams  # noqa: E402
 from jaxpar.inference.speculative import SpeculativeDecoder  # noqa: E402
 from jaxpar.runtime import Runtime  # noqa: E402
@@ -82,7 +82,7 @@ def trained_engine(overrides, steps, slots):
   """The embedded default's model (with `overrides`) trained `steps` steps on the bundled
   corpus: speculative decoding needs a draft that agrees with its target, which random
   weights do not."""
-  from jaxpar.trainer import Trainer
+  from jaxpar.train.trainer import Trainer
   config = load_config("tiny", [f"train.steps={steps}", "checkpoint.enabled=false", "mesh.fsdp=1",
                                 "train.run_dir=/tmp/jaxpar-bench-spec", *overrides])
   trainer = Trainer(config, devices=jax.devices()[:1])

@@ -40,7 +40,7 @@ from jaxpar.aot.compile import compile_for_topology, compile_step  # noqa: E402
 from jaxpar.aot.report import format_report  # noqa: E402
 from jaxpar.config import load_config  # noqa: E402
 from jaxpar.pallas_kernels.attention.layout import SequenceSplit  # noqa: E402
-from jaxpar.trainer import Trainer  # noqa: E402
+from jaxpar.train.trainer import Trainer  # noqa: E402
 
 STRATEGIES = ("ring", "all_gather")
 _MiB = 1 << 20

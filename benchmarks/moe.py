@@ -21,7 +21,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxpar.config import load_config  # noqa: E402
-from jaxpar.trainer import Trainer  # noqa: E402
+from jaxpar.train.trainer import Trainer  # noqa: E402
 
 COMMON = ["checkpoint.enabled=false", "train.log_every=0", "train.peak_flops_per_device=1e12"]
 

@@ -34,11 +34,11 @@ import numpy as np
 from jaxpar.config import load_config, replace
 from jaxpar.data.sources import read_documents
 from jaxpar.data.tokenizer import ByteTokenizer
-from jaxpar.evaluate import logits, perplexity, split_heldout, token_windows
+from jaxpar.train.evaluate import logits, perplexity, split_heldout, token_windows
 from jaxpar.models import kv_quant
-from jaxpar.quantize import quantization_section, quantize_params, quantized_kernels
+from jaxpar.convert.quantize import quantization_section, quantize_params, quantized_kernels
 from jaxpar.runtime import Runtime
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 
 _GiB = 1 << 30
 WEIGHT_MODES = [("int8", {}), ("int4", {"group": 32}), ("int4", {"group": 32, "zero_point": True}),

@@ -18,8 +18,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxpar.config import load_config  # noqa: E402
-from jaxpar.flops import measure_matmul_flops, train_flops_per_token  # noqa: E402
-from jaxpar.trainer import Trainer  # noqa: E402
+from jaxpar.train.flops import measure_matmul_flops, train_flops_per_token  # noqa: E402
+from jaxpar.train.trainer import Trainer  # noqa: E402
 
 LAYOUTS = [  # name, number of devices, mesh overrides, global batch multiplier
   ("1 device", 1, ["mesh.fsdp=1"], 1),

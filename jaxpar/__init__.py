@@ -11,8 +11,8 @@ import importlib
 
 _EXPORTS = {
   "Config": "jaxpar.config", "ConfigError": "jaxpar.config", "load_config": "jaxpar.config",
-  "Runtime": "jaxpar.runtime", "TrainState": "jaxpar.train_state",
-  "Trainer": "jaxpar.trainer", "TrainResult": "jaxpar.trainer", "train": "jaxpar.trainer",
+  "Runtime": "jaxpar.runtime", "TrainState": "jaxpar.train.state",
+  "Trainer": "jaxpar.train.trainer", "TrainResult": "jaxpar.train.trainer", "train": "jaxpar.train.trainer",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,7 +9,7 @@ import traceback
 from rich.console import Console
 from rich.markup import escape
 
-from jaxpar import distributed
+from jaxpar.cluster import distributed
 
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
@@ -30,7 +30,7 @@ def _cmd_config_show(ns):
 def _cmd_train(ns):
   import jax
   from jaxpar.config import load_config
-  from jaxpar.trainer import Trainer
+  from jaxpar.train.trainer import Trainer
   path, overrides = _split_args(ns.args)
   config = load_config(path, overrides)
   trainer = Trainer(config)
@@ -87,7 +87,7 @@ def _print_sample(trainer, state, tokenizer):
 
 
 def _cmd_convert_hf_to_jaxpar(ns):
-  from jaxpar.hf import hf_to_jaxpar
+  from jaxpar.convert.hf import hf_to_jaxpar
   config = hf_to_jaxpar(ns.hf_dir, ns.out)
   m = config.model
   console.print(f"[bold]converted[/bold] {ns.hf_dir} -> {ns.out} (step 0, parameters only): "
@@ -102,14 +102,14 @@ def _model_yaml(config) -> str:
 
 
 def _cmd_convert_jaxpar_to_hf(ns):
-  from jaxpar.hf import jaxpar_to_hf
+  from jaxpar.convert.hf import jaxpar_to_hf
   out = jaxpar_to_hf(ns.ckpt, ns.out, dtype=ns.dtype)
   console.print(f"[bold]converted[/bold] {ns.ckpt} -> {out}: load it with "
                 f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
 
 
 def _cmd_quantize(ns):
-  from jaxpar.quantize import quantize_checkpoint
+  from jaxpar.convert.quantize import quantize_checkpoint
   config, path = quantize_checkpoint(ns.ckpt, ns.out, ns.mode, ns.group_size, zero_point=ns.zero_point,
                                      outlier_channels=ns.outlier_channels)
   q = config.model.quantization
@@ -163,7 +163,7 @@ def _cmd_plan(ns):
 
 
 def _cmd_launch_local(ns) -> int:
-  from jaxpar.launch_local import launch_local
+  from jaxpar.cluster.launch_local import launch_local
   command = ns.launched or []
   if command and command[0] == "jaxpar":
     command = command[1:]
@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
   launch = commands.add_parser(
       "launch-local", help="run N processes of one job on this machine (simulated CPU devices)",
       description="Run COMMAND (a jaxpar subcommand, or any program calling "
-      "jaxpar.distributed.initialize()) as processes 0..N-1 of one jax.distributed job on this "
+      "jaxpar.cluster.distributed.initialize()) as processes 0..N-1 of one jax.distributed job on this "
       "machine: each with its own simulated CPU devices, gloo collectives, a coordinator on "
       "127.0.0.1. Example: jaxpar launch-local 2 -- train tiny mesh.fsdp=8",
       usage="jaxpar launch-local N [options] -- COMMAND ...")

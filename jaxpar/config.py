@@ -33,7 +33,7 @@ class MeshConfig(_Frozen):
   # A preset name or explicit [logical, mesh axes] pairs; None: the model family's preset.
   rules: str | list[tuple[str, str | list[str] | None]] | None = None
   topology: str | None = None  # the TPU slice this config is sized for, e.g. v6e-256
-  # XLA/libtpu compiler options: `default` (the chip generation's preset, jaxpar/xla_flags.py),
+  # XLA/libtpu compiler options: `default` (the chip generation's preset, jaxpar/cluster/xla_flags.py),
   # `none`, or a list of `xla_name=value` flags.
   xla_flags: Literal["default", "none"] | tuple[str, ...] = "default"
 

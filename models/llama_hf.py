@@ -1,6 +1,6 @@
 """Hugging Face names for the `llama` family: Llama 2/3 (rope scaling), Mistral, Qwen2/2.5
 (q/k/v biases), Qwen3 (qk-norm). Our RoPE rotates the two halves of head_dim like HF, so
-q/k need no permutation. The conversion machinery is jaxpar/hf.py."""
+q/k need no permutation. The conversion machinery is jaxpar/convert/hf.py."""
 
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.registry import HFMapping

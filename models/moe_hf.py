@@ -1,6 +1,6 @@
 """Hugging Face names for the MoE families: Mixtral and Qwen3-MoE. Attention and norms are
 the llama family's (llama_hf.py); experts are stored one tensor per expert (`{expert}` in
-a name), stacked here on the `experts` axis. The conversion machinery is jaxpar/hf.py."""
+a name), stacked here on the `experts` axis. The conversion machinery is jaxpar/convert/hf.py."""
 
 from jaxpar.models import llama_hf
 from jaxpar.models.moe_config import MoEConfig, MoEModelConfig

@@ -20,7 +20,7 @@ class HFMapping:
 
   `top` and `layer` list (our path, HF tensor name, layout) triples; layer names follow
   `model.layers.{i}.`. Layouts: same, transpose, heads_in, heads_out, heads_bias
-  (see jaxpar/hf.py). Entries whose parameter the model lacks are skipped.
+  (see jaxpar/convert/hf.py). Entries whose parameter the model lacks are skipped.
   """
   model_types: tuple[str, ...]
   config_from_hf: Callable[[dict], ModelConfig]

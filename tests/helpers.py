@@ -47,8 +47,8 @@ def gradient_temp_bytes(config, num_devices: int) -> int:
   chunks) on the first `num_devices` devices: what activation memory a change saves."""
   import jax
 
-  from jaxpar.train_step import make_gradients
-  from jaxpar.trainer import Trainer
+  from jaxpar.train.step import make_gradients
+  from jaxpar.train.trainer import Trainer
   trainer = Trainer(config, devices=jax.devices()[:num_devices])
   params = trainer.abstract_state().params
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)

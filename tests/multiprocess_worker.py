@@ -10,7 +10,7 @@ shards; process 0 then writes the gathered values and data positions.
 import json
 import sys
 
-from jaxpar import distributed
+from jaxpar.cluster import distributed
 
 distributed.initialize()  # from the JAX_* variables launch-local sets
 
@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 from jaxpar.checkpoint import Checkpointer  # noqa: E402
 from jaxpar.config import from_dict  # noqa: E402
-from jaxpar.trainer import Trainer  # noqa: E402
+from jaxpar.train.trainer import Trainer  # noqa: E402
 
 
 def main():

@@ -58,7 +58,7 @@ def test_bad_arguments_name_the_argument():
 
 
 def _train_losses(attention, steps=2):
-  from jaxpar.trainer import Trainer
+  from jaxpar.train.trainer import Trainer
   from tests.helpers import small_config, synthetic_batch
   config = small_config(model={"attention": attention, "head_dim": 64},
                         mesh={"fsdp": 2, "tensor": 2} if len(jax.devices()) == 8 else {"fsdp": 1})

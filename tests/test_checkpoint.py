@@ -17,7 +17,7 @@ import pytest
 
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import CheckpointConfig
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
 ROOT = Path(__file__).parent.parent

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jaxpar.checkpoint import Checkpointer
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "checkpoint_v1"

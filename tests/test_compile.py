@@ -14,7 +14,7 @@ from jaxpar.aot.compile import per_device_bytes
 from jaxpar.aot.report import format_report
 from jaxpar.cli import main
 from jaxpar.config import load_config
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None

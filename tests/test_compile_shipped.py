@@ -20,7 +20,7 @@ from jaxpar.aot import hlo
 from jaxpar.aot.chips import topology_devices
 from jaxpar.aot.compile import abstract_batch, compile_for_topology
 from jaxpar.config import load_config, replace
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 COMPILED = ["llama3.1-8b-v6e-256", "llama2-70b-v5p-512", "qwen2.5-7b",  # v6e, v5p, v5e

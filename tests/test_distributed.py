@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from jaxpar import distributed
-from jaxpar.peers import PeerWatch
-from jaxpar.preemption import Agreement
+from jaxpar.cluster import distributed
+from jaxpar.cluster.peers import PeerWatch
+from jaxpar.cluster.preemption import Agreement
 
 WAIT_S = 30  # bound on every wait here
 

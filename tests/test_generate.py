@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxpar.cli import main
-from jaxpar.hf import hf_to_jaxpar, jaxpar_to_hf
+from jaxpar.convert.hf import hf_to_jaxpar, jaxpar_to_hf
 from jaxpar.inference import Engine, SamplingParams
 from tests.test_data import _train_hf_tokenizer
 

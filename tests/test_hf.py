@@ -14,9 +14,9 @@ from safetensors.numpy import load_file
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.cli import main
 from jaxpar.config import replace
-from jaxpar.hf import hf_config_from_model, hf_to_jaxpar, jaxpar_to_hf, model_config_from_hf
+from jaxpar.convert.hf import hf_config_from_model, hf_to_jaxpar, jaxpar_to_hf, model_config_from_hf
 from jaxpar.runtime import abstract_model
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

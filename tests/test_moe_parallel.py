@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxpar.config import from_dict
-from jaxpar.train_step import make_gradients
-from jaxpar.trainer import Trainer
+from jaxpar.train.step import make_gradients
+from jaxpar.train.trainer import Trainer
 from tests.helpers import SMALL_MODEL, synthetic_batch
 
 MOE_MODEL = {**SMALL_MODEL, "family": "deepseek", "num_layers": 2, "first_dense_layers": 1,

@@ -12,7 +12,7 @@ import pytest
 
 from jaxpar.config import load_config
 from jaxpar.inference import Engine, SamplingParams
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 
 STEPS = 30
 SHORT = [f"train.steps={STEPS}", "train.warmup_steps=5", "train.log_every=0", "data.global_batch_size=16",

@@ -28,8 +28,8 @@ import pytest
 
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import replace, to_yaml
-from jaxpar.launch_local import free_port
-from jaxpar.trainer import Trainer
+from jaxpar.cluster.launch_local import free_port
+from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
 ROOT = Path(__file__).parent.parent
@@ -183,7 +183,7 @@ def test_sigterm_on_one_process_stops_all_after_the_same_step_with_one_checkpoin
   stopped = int(re.search(r"stopped by SIGTERM on process 1 at step (\d+): checkpoint "
                           rf"saved in {run_dir}/checkpoints/\1;", output).group(1))
   assert seen["resumed_from"] < stopped < STEPS
-  agreed = dict(re.findall(r"\[process (\d)\] WARNING jaxpar.trainer: SIGTERM on process 1: "
+  agreed = dict(re.findall(r"\[process (\d)\] WARNING jaxpar.train.trainer: SIGTERM on process 1: "
                            r"stopping after step (\d+), as all 2 processes do", output))
   assert agreed == {"0": str(stopped), "1": str(stopped)}, output[-3000:]
   assert f"resumed from step {stopped} " in seen["final_output"]

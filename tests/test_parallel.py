@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.train_step import make_gradients
-from jaxpar.trainer import Trainer
+from jaxpar.train.step import make_gradients
+from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config, synthetic_batch
 
 STRATEGIES = {

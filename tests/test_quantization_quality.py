@@ -15,11 +15,11 @@ import pytest
 from jaxpar.config import load_config, replace
 from jaxpar.data.sources import read_documents
 from jaxpar.data.tokenizer import ByteTokenizer
-from jaxpar.evaluate import logits, perplexity, split_heldout, token_windows
+from jaxpar.train.evaluate import logits, perplexity, split_heldout, token_windows
 from jaxpar.models.kv_quant import KVQuantization
-from jaxpar.quantize import quantization_section, quantize_params
+from jaxpar.convert.quantize import quantization_section, quantize_params
 from jaxpar.runtime import Runtime
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 
 STEPS, HELDOUT_DOCUMENTS, WINDOWS = 100, 2, 16  # the last two chapters: ~24k bytes
 WEIGHT_MODES = {"int8": (None, 0.01), "w8a8": (None, 0.02), "int4": (32, 0.04)}  # group, ppl bound

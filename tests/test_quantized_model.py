@@ -10,9 +10,9 @@ from jaxpar import cli
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.pallas_kernels import QuantizedWeight, dequantize_weight
 from jaxpar.config import ConfigError, replace
-from jaxpar.quantize import quantization_section, quantize_params
+from jaxpar.convert.quantize import quantization_section, quantize_params
 from jaxpar.runtime import Runtime
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
 MODEL = {"head_dim": 32}  # int4 groups of 32 divide embed (64), head_dim and mlp (128)

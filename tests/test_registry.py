@@ -10,11 +10,11 @@ from flax import nnx
 
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ModelConfig, from_dict
-from jaxpar.loss import causal_lm_loss
+from jaxpar.train.loss import causal_lm_loss
 from jaxpar.models import MLP, ModelFamily, Transformer, register_block, register_family
 from jaxpar.models.flops import dense_train_flops_per_token
-from jaxpar.train_step import make_gradients
-from jaxpar.trainer import Trainer
+from jaxpar.train.step import make_gradients
+from jaxpar.train.trainer import Trainer
 from tests.helpers import SMALL_MODEL, synthetic_batch
 
 

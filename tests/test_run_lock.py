@@ -12,8 +12,8 @@ import jax
 import pytest
 from rich.console import Console
 
-from jaxpar.run_lock import LOCK_NAME, RunLock
-from jaxpar.trainer import Trainer
+from jaxpar.cluster.run_lock import LOCK_NAME, RunLock
+from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
 
@@ -34,7 +34,7 @@ def test_a_second_holder_is_refused_with_the_first_named(tmp_path):
 
 def test_the_lock_of_a_dead_process_is_taken_over_with_a_note(tmp_path):
   # A process that wrote the lock file and died without removing it (kill -9, power loss).
-  code = (f"from jaxpar.run_lock import RunLock; import os; RunLock({str(tmp_path)!r}).acquire(); "
+  code = (f"from jaxpar.cluster.run_lock import RunLock; import os; RunLock({str(tmp_path)!r}).acquire(); "
           "print(os.getpid(), flush=True); os._exit(0)")
   dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
   assert dead.returncode == 0, dead.stderr

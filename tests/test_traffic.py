@@ -12,7 +12,7 @@ import pytest
 
 from jaxpar.aot import hlo, traffic
 from jaxpar.aot.compile import compile_step
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
 MODEL = dict(vocab_size=1024, embed_dim=256, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -6,9 +6,9 @@ import importlib.util
 import jax
 import pytest
 
-from jaxpar import xla_flags
+from jaxpar.cluster import xla_flags
 from jaxpar.aot.chips import topology_devices
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None

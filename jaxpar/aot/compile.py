@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jaxpar.aot import hlo, roofline, traffic
 from jaxpar.aot.chips import parse_slice, topology_devices
 from jaxpar.config import replace
-from jaxpar.flops import train_flops_per_token
-from jaxpar.trainer import BATCH_KEYS, Trainer
+from jaxpar.train.flops import train_flops_per_token
+from jaxpar.train.trainer import BATCH_KEYS, Trainer
 
 _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "HbmOom", "Ran out of memory")
 

@@ -29,7 +29,7 @@ T = tokens per device per microbatch, c = compute-dtype bytes, p = param-dtype b
 
 from dataclasses import dataclass
 
-from jaxpar.flops import train_flops_per_token
+from jaxpar.train.flops import train_flops_per_token
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 REMAT_FACTOR = {"none": 1.0, "save_dots": 1.0, "save_dots_no_batch": 1.0, "full": 4 / 3}

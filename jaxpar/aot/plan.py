@@ -21,10 +21,10 @@ from jaxpar.aot.chips import topology_devices
 from jaxpar.aot.compile import build_report, compile_step, memory_sizes
 from jaxpar.aot.cost_model import Hardware, Layout
 from jaxpar.config import replace, to_yaml
-from jaxpar.flops import measure_matmul_flops
+from jaxpar.train.flops import measure_matmul_flops
 from jaxpar.mesh import resolve_axis_sizes
 from jaxpar.runtime import abstract_model, count_params
-from jaxpar.trainer import Trainer
+from jaxpar.train.trainer import Trainer
 
 REMATS = ("none", "save_dots", "full")
 MICROBATCHES = (1, 2, 4, 8)

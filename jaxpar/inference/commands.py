@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from jaxpar import distributed
+from jaxpar.cluster import distributed
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 console = Console(soft_wrap=True)

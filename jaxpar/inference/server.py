@@ -229,7 +229,7 @@ def serve(engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
   """Serve until SIGTERM / Ctrl-C (uvicorn stops taking requests and drains)."""
   import uvicorn
 
-  from jaxpar.preemption import stop_on_signals
+  from jaxpar.cluster.preemption import stop_on_signals
   app = build_app(engine, model_name=model_name, max_queue=max_queue, grace_s=grace_s)
   # After draining, uvicorn re-raises the signal to the handler that was there before it;
   # ours only records it, so a drained server exits 0 instead of dying by the signal.

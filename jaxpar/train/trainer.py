@@ -15,16 +15,16 @@ from rich.console import Console
 from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer, resolve as resolve_checkpoint
 from jaxpar.config import Config, checkpoint_dir
 from jaxpar.data import TrainBatches, copy_tokenizer_files, load_tokenizer
-from jaxpar.flops import measure_matmul_flops, train_flops_per_token
+from jaxpar.train.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import logical_to_sharding
-from jaxpar.metrics import PROGRESS_EXTRAS, MetricsLogger, StepClock, scalars
-from jaxpar.optim import learning_rate_schedule, make_optimizer
-from jaxpar.preemption import stop_on_signals
-from jaxpar.run_lock import hold_run_dirs
+from jaxpar.train.metrics import PROGRESS_EXTRAS, MetricsLogger, StepClock, scalars
+from jaxpar.train.optim import learning_rate_schedule, make_optimizer
+from jaxpar.cluster.preemption import stop_on_signals
+from jaxpar.cluster.run_lock import hold_run_dirs
 from jaxpar.runtime import Runtime, with_shardings
-from jaxpar.train_state import TrainState
-from jaxpar.train_step import make_train_step
-from jaxpar.xla_flags import compiler_options
+from jaxpar.train.state import TrainState
+from jaxpar.train.step import make_train_step
+from jaxpar.cluster.xla_flags import compiler_options
 
 _log = logging.getLogger(__name__)
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")

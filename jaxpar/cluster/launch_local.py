@@ -2,7 +2,7 @@
 
 For trying multi-host behaviour without a cluster. Each process gets its own simulated CPU
 devices, gloo for the collectives between processes, and the `JAX_COORDINATOR_ADDRESS`,
-`JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` variables that `jaxpar.distributed.initialize` reads;
+`JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` variables that `jaxpar.cluster.distributed.initialize` reads;
 the coordinator listens on 127.0.0.1 only. The processes run in their own session, so a
 Ctrl-C reaches them through the launcher: the first Ctrl-C or SIGTERM is passed on as
 SIGTERM (a preemption notice: every process stops after the same step and saves), a second

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 
-from jaxpar import distributed
+from jaxpar.cluster import distributed
 
 _log = logging.getLogger(__name__)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)

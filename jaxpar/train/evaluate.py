@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.loss import causal_lm_loss
+from jaxpar.train.loss import causal_lm_loss
 
 
 def split_heldout(documents: list[str], count: int) -> tuple[list[str], str]:

@@ -22,7 +22,7 @@ import sys
 import threading
 from dataclasses import dataclass, fields
 
-from jaxpar.peers import PeerWatch  # jax itself is imported on use: the CLI's --help stays fast
+from jaxpar.cluster.peers import PeerWatch  # jax itself is imported on use: the CLI's --help stays fast
 
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
        "process_id": "JAX_PROCESS_ID"}
@@ -104,7 +104,7 @@ def initialize(options: DistributedOptions | None = None, **kwargs) -> bool:
   """Join the job if there is one (see the module doc); returns whether this process is part
   of a jax.distributed job. Call before anything touches a JAX device. Safe to call twice.
 
-      jaxpar.distributed.initialize(coordinator="10.0.0.2:8476", num_processes=4, process_id=i)
+      jaxpar.cluster.distributed.initialize(coordinator="10.0.0.2:8476", num_processes=4, process_id=i)
   """
   global _identity, _watch
   import jax
@@ -125,7 +125,7 @@ def initialize(options: DistributedOptions | None = None, **kwargs) -> bool:
   from jax._src import xla_bridge
   if xla_bridge.backends_are_initialized():
     raise ValueError("jax.distributed must start before JAX uses any device: call "
-                     "jaxpar.distributed.initialize() first thing in the program")
+                     "jaxpar.cluster.distributed.initialize() first thing in the program")
   where = options.coordinator or "the address JAX detected"
   timer = threading.Timer(options.init_timeout, abort, args=(
       f"the job did not form within --init-timeout={options.init_timeout:g} s (coordinator {where}, "

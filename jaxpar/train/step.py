@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar.loss import causal_lm_loss, fused_lm_loss
+from jaxpar.train.loss import causal_lm_loss, fused_lm_loss
 from jaxpar.mesh import num_shards
 from jaxpar.pallas_kernels import zigzag
-from jaxpar.train_state import TrainState
+from jaxpar.train.state import TrainState
 
 
 def _split_microbatches(batch, count: int):

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from jaxpar import distributed
+from jaxpar.cluster import distributed
 
 LOCK_NAME = "jaxpar.lock"
 _calls = itertools.count()  # one key-value key per fit() in this job (the same on every process)

@@ -1,0 +1,1 @@
+"""Checkpoints in other forms: Hugging Face import/export and post-training quantization."""

@@ -1,0 +1,1 @@
+"""Training: the trainer, the jitted step, its state, the loss, optimizers, metrics and FLOPs."""
