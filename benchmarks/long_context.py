@@ -47,7 +47,7 @@ _MiB = 1 << 20
 
 
 def _trainer(context, strategy, length, *extra):
-  overrides = [f"mesh.context={context}", "mesh.fsdp=1", f"model.context_parallel={strategy}",
+  overrides = [f"mesh.context={context}", "mesh.fsdp=1", f"parallel.context.attention={strategy}",
                f"data.seq_len={length}", f"model.max_seq_len={max(length, 1024)}",
                "checkpoint.enabled=false", *extra]
   return Trainer(load_config("tiny-long", overrides), devices=jax.devices()[:context])
@@ -141,7 +141,7 @@ def work_table(length):
 def _sp_temp(sequence_parallel, devices):
   model = ["model.embed_dim=512", "model.mlp_dim=2048", "model.num_heads=8", "model.num_kv_heads=2",
            "model.head_dim=64", "model.compute_dtype=bfloat16", "model.num_layers=2",
-           "model.max_seq_len=4096", "model.attention=auto", f"model.sequence_parallel={sequence_parallel}"]
+           "model.max_seq_len=4096", "model.attention=auto", f"parallel.sequence_parallel={sequence_parallel}"]
   config = load_config("tiny-long", model + ["mesh.context=1", "mesh.fsdp=4", "mesh.tensor=2",
                                              "data.seq_len=4096", "data.global_batch_size=8"])
   compiled, _ = compile_step(Trainer(config, devices=devices))
@@ -167,7 +167,7 @@ def tpu_table():
   for strategy in STRATEGIES:
     config = load_config("llama3-8b", ["mesh.context=8", "data.seq_len=131072",
                                        "data.global_batch_size=4",
-                                       f"model.context_parallel={strategy}"])
+                                       f"parallel.context.attention={strategy}"])
     print(f"llama3-8b, {strategy}:")
     print(format_report(compile_for_topology(config, "v5p-64")[0]), flush=True)
     print()

@@ -3,6 +3,7 @@
     import jaxpar
     config = jaxpar.load_config("tiny", ["train.steps=100"])
     result = jaxpar.Trainer(config).fit()
+    run = jaxpar.open_run(config.train.run_dir)     # the saved run: config, model, tokenizer
 
 Names are imported on first use, so `import jaxpar` (and the CLI's --help) stays fast.
 """
@@ -10,7 +11,10 @@ Names are imported on first use, so `import jaxpar` (and the CLI's --help) stays
 import importlib
 
 _EXPORTS = {
-  "Config": "jaxpar.config", "ConfigError": "jaxpar.config", "load_config": "jaxpar.config",
+  "Config": "jaxpar.config", "load_config": "jaxpar.config",
+  "UserError": "jaxpar.errors", "ConfigError": "jaxpar.errors", "CheckpointError": "jaxpar.errors",
+  "DataError": "jaxpar.errors", "ParallelPlan": "jaxpar.parallel",
+  "SavedRun": "jaxpar.saved_run", "open_run": "jaxpar.saved_run",
   "Runtime": "jaxpar.runtime", "TrainState": "jaxpar.train.state",
   "Trainer": "jaxpar.train.trainer", "TrainResult": "jaxpar.train.trainer", "train": "jaxpar.train.trainer",
 }

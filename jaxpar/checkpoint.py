@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxpar.config import CheckpointConfig
+from jaxpar.errors import CheckpointError
 
 _ARRAYS = ("params", "opt_state", "model_state")
 # Beside the step directories: the tokenizer files the model was trained or imported with.
@@ -66,17 +67,6 @@ def _shapes(tree) -> dict[str, tuple]:
   return {_leaf_name(path): tuple(leaf.shape) for path, leaf in leaves}
 
 
-def resolve(path) -> tuple[Path, int | None]:
-  """A checkpoint root (latest step) or one step directory in it -> (root, step or None)."""
-  path = Path(path)
-  if not path.exists():
-    raise ValueError(f"checkpoint path {path} does not exist: give a checkpoint directory "
-                     "(e.g. runs/NAME/checkpoints) or one step directory in it")
-  if path.name.isdigit() and (path / "_CHECKPOINT_METADATA").exists():
-    return path.parent, int(path.name)
-  return path, None
-
-
 class Checkpointer:
   """One run's checkpoint directory: scheduled async saves, restores onto any mesh.
 
@@ -87,7 +77,7 @@ class Checkpointer:
   def __init__(self, directory, options: CheckpointConfig = CheckpointConfig(), *, read_only=False):
     self.directory = Path(directory).absolute()
     if read_only and not self.directory.is_dir():
-      raise ValueError(f"checkpoint directory {self.directory} does not exist: check the path "
+      raise CheckpointError(f"checkpoint directory {self.directory} does not exist: check the path "
                        "(checkpoints live in <train.run_dir>/checkpoints unless checkpoint.dir is set)")
     # What a killed save left behind (Orbax removes it below; listed so the user hears of it).
     self.leftovers = [] if read_only else sorted(
@@ -142,15 +132,16 @@ class Checkpointer:
     self.manager.wait_until_finished()
     self.manager.close()
 
-  def _pick_step(self, step: int | None) -> int:
+  def pick_step(self, step: int | None = None) -> int:
+    """`step` if this directory holds it complete; None: the latest."""
     steps = self.all_steps()
     if not steps:
-      raise ValueError(f"{self.directory} holds no complete checkpoint: train first, or point "
+      raise CheckpointError(f"{self.directory} holds no complete checkpoint: train first, or point "
                        "at a directory with numbered step subdirectories")
     if step is None:
       return steps[-1]
     if step not in steps:
-      raise ValueError(f"{self.directory} has no checkpoint at step {step}; it has steps {steps}")
+      raise CheckpointError(f"{self.directory} has no checkpoint at step {step}; it has steps {steps}")
     return step
 
   def _check_shapes(self, step: int, item: str, target):
@@ -160,14 +151,14 @@ class Checkpointer:
     where = f"checkpoint {self.path(step)}"
     for name, shape in wanted.items():
       if name not in stored:
-        raise ValueError(f"{where} has no {item} entry {name!r}: it was written for a different "
+        raise CheckpointError(f"{where} has no {item} entry {name!r}: it was written for a different "
                          f"model or optimizer; restore with the config it was saved with ({where}/config)")
       if stored[name] != shape:
-        raise ValueError(f"{where}: {item} {name!r} has shape {stored[name]} but this model expects "
+        raise CheckpointError(f"{where}: {item} {name!r} has shape {stored[name]} but this model expects "
                          f"{shape}; restore with the model config it was saved with ({where}/config)")
     extra = sorted(set(stored) - set(wanted))
     if extra:
-      raise ValueError(f"{where} has {item} entry {extra[0]!r} that this model lacks: it was written "
+      raise CheckpointError(f"{where} has {item} entry {extra[0]!r} that this model lacks: it was written "
                        f"for a different model or optimizer ({where}/config)")
 
   def _read(self, step: int, fn):
@@ -175,16 +166,16 @@ class Checkpointer:
       return fn()
     except Exception as e:  # orbax/tensorstore raise many types for unreadable files
       first = str(e).splitlines()[0] if str(e) else ""
-      raise ValueError(f"checkpoint {self.path(step)} is unreadable ({type(e).__name__}: {first}): "
+      raise CheckpointError(f"checkpoint {self.path(step)} is unreadable ({type(e).__name__}: {first}): "
                        f"it is corrupt or incomplete; restore another step of {self.all_steps()}") from e
 
   def restore(self, abstract_state: dict, step: int | None = None) -> tuple[dict, dict]:
     """(train state placed per `abstract_state`'s shardings, data iterator state) of `step`
     (default: the latest complete one). A params-only checkpoint gives `opt_state` None."""
-    step = self._pick_step(step)
+    step = self.pick_step(step)
     wanted_state = jax.tree.leaves(abstract_state.get("model_state", {}))
     if wanted_state and not (self.path(step) / "model_state").is_dir():
-      raise ValueError(f"checkpoint {self.path(step)} has no model_state but this model has "
+      raise CheckpointError(f"checkpoint {self.path(step)} has no model_state but this model has "
                        "non-parameter variables: it was written for a different model")
     arrays = [k for k in _ARRAYS if k == "params" or (self.path(step) / k).is_dir()
               and (k != "model_state" or wanted_state)]
@@ -205,11 +196,11 @@ class Checkpointer:
 
   def restore_item(self, item: str, abstract: dict, step: int | None = None) -> dict:
     """One array item (`params`, `model_state`) of `step`, placed per `abstract`'s shardings."""
-    step = self._pick_step(step)
+    step = self.pick_step(step)
     if not jax.tree.leaves(abstract):
       return {}
     if not (self.path(step) / item).is_dir():
-      raise ValueError(f"checkpoint {self.path(step)} has no {item}: it was written for a different model")
+      raise CheckpointError(f"checkpoint {self.path(step)} has no {item}: it was written for a different model")
     self._check_shapes(step, item, abstract)
     restored = self._read(step, lambda: self.manager.restore(
         step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract)})))
@@ -217,6 +208,6 @@ class Checkpointer:
 
   def saved_config(self, step: int | None = None) -> dict:
     """The resolved config the checkpoint was written with, as a dict."""
-    step = self._pick_step(step)
+    step = self.pick_step(step)
     return self._read(step, lambda: self.manager.restore(
         step, args=ocp.args.Composite(config=ocp.args.JsonRestore())))["config"]

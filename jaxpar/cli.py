@@ -70,11 +70,10 @@ def _print_sample(trainer, state, tokenizer):
   from jaxpar.runtime import Runtime
   t, runtime = trainer.config.train, trainer.runtime
   params, model_state = state.params, state.model_state
-  sizes = runtime.mesh.shape
-  if sizes["context"] > 1:
-    # Generation does not split sequences: sample on the same devices with context folded into fsdp.
-    folded = trainer.config.mesh.model_copy(update={"context": 1, "fsdp": sizes["fsdp"] * sizes["context"]})
-    runtime = Runtime(trainer.config.model, folded, runtime.mesh.devices.flat)
+  sizes = runtime.plan.generation_sizes()
+  if sizes != runtime.plan.sizes:  # generation lays the same devices out its own way
+    mesh = trainer.config.mesh.model_copy(update=sizes)
+    runtime = Runtime(trainer.config.model, mesh, runtime.mesh.devices.flat, parallel=trainer.config.parallel)
     params, model_state = jax.device_put((params, model_state),
                                          (runtime.param_shardings, runtime.model_state_shardings))
   engine = Engine(runtime, params, tokenizer, model_state=model_state, slots=1, prefill_chunks=(64,))
@@ -189,9 +188,27 @@ def _accelerator_device_files() -> bool:
   return any(glob.glob(pattern) for pattern in patterns)
 
 
+class _Parser(argparse.ArgumentParser):
+  """Every (sub)command's parser: options are never abbreviated (`--restor` is an error, not
+  `--restore`)."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, allow_abbrev=False, **kwargs)
+
+
+def _version() -> str:
+  from importlib.metadata import PackageNotFoundError, version
+  try:
+    return version("jaxpar")
+  except PackageNotFoundError:
+    return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="jaxpar", description="Train and serve LLMs on device meshes.")
-  parser.add_argument("--debug", action="store_true", help="show full tracebacks")
+  parser = _Parser(prog="jaxpar", description="Train and serve LLMs on device meshes.")
+  parser.add_argument("--debug", action="store_true",
+                      help="show full tracebacks (may come anywhere on the command line)")
+  parser.add_argument("--version", action="version", version=f"jaxpar {_version()}")
   commands = parser.add_subparsers(dest="command", required=True)
 
   train = commands.add_parser("train", help="train a model from a config",
@@ -313,7 +330,9 @@ def _parse(parser, argv):
   if "launch-local" in argv and "--" in argv[argv.index("launch-local"):]:
     cut = argv.index("--", argv.index("launch-local"))
     argv, launched = argv[:cut], argv[cut + 1:]
-  ns, extra = parser.parse_known_args(argv)
+  debug = "--debug" in argv  # a global option, accepted after the subcommand too
+  ns, extra = parser.parse_known_args([a for a in argv if a != "--debug"])
+  ns.debug = debug
   unknown = [a for a in extra if a.startswith("-") or not hasattr(ns, "args")]
   if unknown:
     parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -325,21 +344,35 @@ def _parse(parser, argv):
 
 
 def _run(ns) -> tuple[int, str | None]:
-  """(exit code, the one-line failure or None)."""
+  """(exit code, the one-line failure or None). A user's mistake (UserError, a missing file)
+  is one line and exit 2; anything else is a bug of ours: the last frames, a pointer to
+  --debug, exit 1."""
   try:
     if hasattr(ns, "coordinator"):  # a subcommand with the multi-process options
       distributed.initialize(distributed.options_from_args(ns))
       console.quiet = not distributed.is_primary()  # one voice: process 0's
     return ns.func(ns) or 0, None
-  except (ValueError, FileNotFoundError) as e:
-    if ns.debug:
-      raise
-    errors.print(f"{escape(distributed.label())}[bold red]error:[/bold red] {escape(str(e))}",
-                 markup=True, highlight=False)
-    return 2, str(e)
   except KeyboardInterrupt:
     console.print("interrupted")
     return 130, "interrupted"
+  except Exception as e:
+    if ns.debug:
+      raise
+    return _report(e)
+
+
+def _report(error: Exception) -> tuple[int, str]:
+  from jaxpar.errors import UserError
+  who = escape(distributed.label())
+  if isinstance(error, (UserError, FileNotFoundError)):
+    errors.print(f"{who}[bold red]error:[/bold red] {escape(str(error))}", markup=True, highlight=False)
+    return 2, str(error)
+  summary = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+  frames = "".join(traceback.format_list(traceback.extract_tb(error.__traceback__)[-3:]))
+  errors.print(f"{escape(frames.rstrip())}\n{who}[bold red]error:[/bold red] {escape(summary)}\n"
+               "this is a bug in jaxpar; run again with --debug for the full traceback",
+               markup=True, highlight=False)
+  return 1, summary
 
 
 def main(argv=None) -> int:
@@ -349,7 +382,7 @@ def main(argv=None) -> int:
   distributed.configure_logging()
   try:
     code, failure = _run(ns)
-  except Exception as e:
+  except Exception as e:  # --debug: the whole traceback
     if not distributed.is_multiprocess():
       raise
     traceback.print_exc()  # then tell the peers, which would otherwise wait for this process

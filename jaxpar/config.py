@@ -10,14 +10,12 @@ from typing import Literal
 import yaml
 from pydantic import Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
+from jaxpar.errors import ConfigError
 from jaxpar.mesh.build import AXES as MESH_AXES
 from jaxpar.models import get_block, get_family
 from jaxpar.models.config import Frozen as _Frozen
 from jaxpar.models.config import ModelConfig, RopeScaling  # noqa: F401  (the model section)
-
-
-class ConfigError(ValueError):
-  """A config problem the user can fix; the message is one line."""
+from jaxpar.parallel import ParallelConfig, ParallelPlan, migrate_model_keys
 
 
 class MeshConfig(_Frozen):
@@ -73,7 +71,9 @@ class DataConfig(_Frozen):
   shuffle_seed: int = 0
 
   @model_validator(mode="after")
-  def _paths_exist(self):
+  def _paths_exist(self, info):
+    if (info.context or {}).get("check_paths", True) is False:
+      return self  # a saved run's config: the weights carry their tokenizer
     if self.source != "bundled" and not Path(self.source).exists():
       raise ValueError(f"data.source={self.source!r} does not exist: give a .txt/.jsonl file, "
                        "a folder of them, or 'bundled'")
@@ -123,54 +123,27 @@ class CheckpointConfig(_Frozen):
 class Config(_Frozen):
   model: SerializeAsAny[ModelConfig] = ModelConfig()  # the family's own ModelConfig subclass
   mesh: MeshConfig = MeshConfig()
+  parallel: ParallelConfig = ParallelConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
 
   @model_validator(mode="after")
   def _consistent(self):
-    m, d, t = self.model, self.data, self.train
+    m, d = self.model, self.data
     if d.seq_len > m.max_seq_len:
       raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
                        "lower data.seq_len or raise model.max_seq_len")
-    if d.global_batch_size % t.microbatches:
-      raise ValueError(f"train.microbatches={t.microbatches} must divide "
-                       f"data.global_batch_size={d.global_batch_size}")
-    if self.mesh.tensor > 0 and m.num_heads % self.mesh.tensor:
-      raise ValueError(f"mesh.tensor={self.mesh.tensor} does not divide model.num_heads={m.num_heads}")
-    _check_sequence_split(m, d, self.mesh)
     get_block("feed_forward", m.mlp)
-    moe = getattr(m, "moe", None)
-    if m.mlp == "moe" and moe is None:
+    if m.mlp == "moe" and getattr(m, "moe", None) is None:
       raise ValueError(f"model.mlp='moe' needs a model.moe section, which model.family={m.family!r} "
                        "does not have: use a mixture-of-experts family (mixtral, qwen3_moe, deepseek)")
-    if moe is not None and self.mesh.expert > 1 and moe.num_experts % self.mesh.expert:
-      raise ValueError(f"mesh.expert={self.mesh.expert} does not divide model.moe.num_experts="
-                       f"{moe.num_experts}: each device must hold a whole number of experts")
+    self.plan().check(m, d, self.train)
     return self
 
-
-def _check_sequence_split(m, d, mesh):
-  """data.seq_len must split evenly where the mesh splits it (context parallelism, sequence
-  parallelism), and attention must have a form that runs split."""
-  context, tensor = mesh.context, mesh.tensor
-  if context > 1 and m.attention == "reference":
-    raise ValueError(f"model.attention='reference' with mesh.context={context}: the reference "
-                     "materialises whole score matrices and has no context-parallel form; use "
-                     "auto, chunked or flash")
-  if context > 1:
-    multiple = 2 * context if m.context_load_balance else context
-    if d.seq_len % multiple:
-      why = " (zig-zag load balancing: 2 chunks per device)" if m.context_load_balance else ""
-      raise ValueError(f"data.seq_len={d.seq_len} must be a multiple of {multiple} to split over "
-                       f"mesh.context={context}{why}")
-  if m.mlp_chunks > 1 and d.seq_len % (max(context, 1) * m.mlp_chunks):
-    raise ValueError(f"model.mlp_chunks={m.mlp_chunks} does not divide each device's "
-                     f"{d.seq_len // max(context, 1)} positions (data.seq_len={d.seq_len} over "
-                     f"mesh.context={max(context, 1)}): use a divisor of that")
-  if m.sequence_parallel and tensor > 1 and d.seq_len % (max(context, 1) * tensor):
-    raise ValueError(f"data.seq_len={d.seq_len} must be a multiple of mesh.context x mesh.tensor "
-                     f"= {max(context, 1) * tensor} for model.sequence_parallel")
+  def plan(self, mesh=None) -> ParallelPlan:
+    """What each mesh axis does: on `mesh` (a jax Mesh) when given, else as the sizes are written."""
+    return ParallelPlan.of(mesh if mesh is not None else self.mesh, self.parallel)
 
 
 def _set_dotted(tree: dict, key: str, value):
@@ -234,9 +207,11 @@ def model_from_dict(model: dict) -> ModelConfig:
     raise ConfigError(str(e)) from None
 
 
-def from_dict(tree: dict) -> Config:
-  """Validate a config tree; `mesh.rules` defaults to the model family's preset."""
-  tree = dict(tree)
+def from_dict(tree: dict, *, check_paths: bool = True) -> Config:
+  """Validate a config tree; `mesh.rules` defaults to the model family's preset. Keys that
+  moved (parallel.py: `migrate_model_keys`) are accepted at their old place with a note.
+  check_paths=False: data paths need not exist here (a saved run opened on another machine)."""
+  tree = migrate_model_keys(dict(tree))
   model = tree.get("model") or {}
   if not isinstance(model, ModelConfig):
     model = model_from_dict(model)
@@ -244,7 +219,8 @@ def from_dict(tree: dict) -> Config:
   if mesh.get("rules") is None:
     mesh["rules"] = get_family(model.family).rules
   try:
-    return Config.model_validate({**tree, "model": model, "mesh": mesh})
+    return Config.model_validate({**tree, "model": model, "mesh": mesh},
+                                 context={"check_paths": check_paths})
   except ValidationError as e:
     raise ConfigError(_describe(e)) from None
 
@@ -257,7 +233,7 @@ def load_config(path: str | None = None, overrides=()) -> Config:
   except yaml.YAMLError as e:
     raise ConfigError(f"{file}: not valid YAML ({str(e).splitlines()[0]})") from None
   if not isinstance(tree, dict):
-    raise ConfigError(f"{file}: expected a mapping of sections (model, mesh, data, train, checkpoint)")
+    raise ConfigError(f"{file}: expected a mapping of sections (model, mesh, parallel, data, train, checkpoint)")
   for key, value in parse_overrides(overrides):
     _set_dotted(tree, key, value)
   return from_dict(tree)
@@ -268,7 +244,9 @@ def replace(config: Config, **sections) -> Config:
   tree = config.model_dump()
   for section, updates in sections.items():
     tree[section].update(updates)
-  return from_dict(tree)
+  # Data paths are checked again only when the data section changes: a saved run's config
+  # (check_paths=False) stays usable elsewhere.
+  return from_dict(tree, check_paths="data" in sections)
 
 
 def checkpoint_dir(config: Config) -> Path:

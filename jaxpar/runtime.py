@@ -12,10 +12,9 @@ import contextlib
 import jax
 from flax import nnx
 
-from jaxpar.checkpoint import Checkpointer, resolve
-from jaxpar.mesh import build_mesh, resolve_rules, state_shardings
-from jaxpar.mesh.rules import sequence_parallel_rules, unused_mesh_axes
+from jaxpar.mesh import build_mesh, execution_options, resolve_rules, state_shardings
 from jaxpar.models import build_model, get_family
+from jaxpar.parallel import ParallelConfig, ParallelPlan
 
 
 def _split(model):
@@ -47,22 +46,27 @@ class Runtime:
   """A model config on a device mesh.
 
   mesh, rules: the named mesh and the logical-axis rules (the config's, else the family's
-  preset); graphdef + abstract_params / abstract_model_state: the model without memory;
+  preset, as the plan runs them); plan: what each mesh axis does (jaxpar/parallel.py);
+  graphdef + abstract_params / abstract_model_state: the model without memory;
   param_shardings / model_state_shardings: NamedShardings read from the axis names.
   """
 
-  def __init__(self, model_cfg, mesh_cfg, devices=None, *, seed: int = 0):
+  @classmethod
+  def from_config(cls, config, devices=None) -> "Runtime":
+    """The runtime of a whole config (model, mesh, parallel section, seed)."""
+    return cls(config.model, config.mesh, devices, seed=config.train.seed, parallel=config.parallel)
+
+  def __init__(self, model_cfg, mesh_cfg, devices=None, *, seed: int = 0,
+               parallel: ParallelConfig = ParallelConfig()):
     self.model_config = model_cfg
+    self.mesh_config = mesh_cfg
     self.family = get_family(model_cfg.family)
     self.mesh = build_mesh(mesh_cfg, devices)
-    self.rules = resolve_rules(mesh_cfg.rules or self.family.rules)
-    if model_cfg.sequence_parallel:
-      self.rules = sequence_parallel_rules(self.rules)
-    unused = unused_mesh_axes(self.rules, dict(self.mesh.shape))
-    if unused:
-      raise ValueError(f"mesh.{unused[0]}={self.mesh.shape[unused[0]]} but mesh.rules="
-                       f"{mesh_cfg.rules!r} never uses that axis: pick rules that do "
-                       "(e.g. fsdp_tp) or set it to 1")
+    self.plan = ParallelPlan.of(self.mesh, parallel)
+    self.plan.check(model_cfg)
+    self.plan.check_platform(model_cfg, self.mesh.devices.flat[0].platform)
+    self.rules = self.plan.rules(resolve_rules(mesh_cfg.rules or self.family.rules))
+    self.plan.check_rules(self.rules, mesh_cfg.rules)
     self.seed = seed
     self.graphdef, abstract_params, abstract_model_state = abstract_model(model_cfg, seed)
     self.num_params = count_params(abstract_params)
@@ -76,7 +80,8 @@ class Runtime:
   @contextlib.contextmanager
   def context(self):
     """The mesh and logical rules that tracing model code needs."""
-    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules):
+    with jax.set_mesh(self.mesh), nnx.logical_axis_rules(self.rules), \
+        execution_options(self.plan.execution_options):
       yield
 
   def create(self) -> tuple[dict, dict]:
@@ -99,12 +104,9 @@ class Runtime:
     """The module with these arrays (inside jit: rebuilds it for tracing)."""
     return nnx.merge(self.graphdef, params, model_state or {})
 
-  def restore(self, path, step: int | None = None) -> tuple[dict, dict]:
-    """(params, model_state) from a checkpoint (a checkpoint dir: its latest step; or one
-    step dir), read straight into this mesh's shardings: each device reads only its shard."""
-    root, found_step = resolve(path)
-    step = step if step is not None else found_step
+  def restore(self, checkpoints, step: int) -> tuple[dict, dict]:
+    """(params, model_state) of `step` of an open Checkpointer, read straight into this mesh's
+    shardings: each device reads only its shard, whatever mesh wrote it."""
     params, model_state = self.abstract_targets()
-    with Checkpointer(root, read_only=True) as checkpoints:
-      return (checkpoints.restore_item("params", params, step),
-              checkpoints.restore_item("model_state", model_state, step))
+    return (checkpoints.restore_item("params", params, step),
+            checkpoints.restore_item("model_state", model_state, step))

@@ -45,7 +45,6 @@ class Attention(nnx.Module):
     else:
       self.q_norm = self.k_norm = None
     self.implementation = cfg.attention
-    self.context_parallel = cfg.context_parallel
     self.dtype = compute_dtype
 
   def __call__(self, x, context, cache=None):
@@ -65,8 +64,7 @@ class Attention(nnx.Module):
       out = kv_quant.cached_attention(q, k, v, context.kv_quantization, context.segment_ids)
     elif cache is None:
       out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=context.segment_ids,
-                                     implementation=self.implementation,
-                                     context_parallel=self.context_parallel, zigzag=context.zigzag)
+                                     implementation=self.implementation, zigzag=context.zigzag)
     elif context.kv_quantization is not None:
       spec, rows = context.kv_quantization, context.tail_index
       cache = kv_cache_quantized.write(cache, k, v, positions, context.page_table, rows, spec)

@@ -111,15 +111,6 @@ class ModelConfig(Frozen):
   mlp_chunks: int = 1
   attention: Literal["auto", "flash", "reference", "chunked"] = "auto"
   quantization: QuantizationConfig | None = None  # None: float projections
-  # With mesh.context > 1: how attention crosses devices. all_gather: gather keys/values
-  # (cheap with few kv heads); ring: pass key/value blocks around the ring (less memory).
-  context_parallel: Literal["all_gather", "ring"] = "all_gather"
-  # Zig-zag order over the context devices (device i holds chunks i and 2N-1-i), so each
-  # does the same causal work; the train step reorders each batch once.
-  context_load_balance: bool = True
-  # Megatron sequence parallelism: with mesh.tensor > 1, split the residual stream (norms,
-  # residual adds) along length over `tensor` too, instead of repeating it on each device.
-  sequence_parallel: bool = False
 
   @model_validator(mode="after")
   def _heads(self):

@@ -11,10 +11,12 @@ SMALL_MODEL = dict(vocab_size=512, embed_dim=64, num_layers=2, num_heads=4, num_
                    head_dim=16, mlp_dim=128, max_seq_len=128)
 
 
-def small_config(mesh=None, model=None, data=None, train=None, tmp_path=None, checkpoint=None):
+def small_config(mesh=None, model=None, data=None, train=None, tmp_path=None, checkpoint=None,
+                 parallel=None):
   tree = {
     "model": {**SMALL_MODEL, **(model or {})},
     "mesh": {"fsdp": -1, "rules": "fsdp_tp", **(mesh or {})},
+    "parallel": parallel or {},
     "data": {"seq_len": 32, "global_batch_size": 8, **(data or {})},
     "train": {"steps": 3, "warmup_steps": 1, "log_every": 0,
               # Without a tmp_path, still one run dir per test process: a run dir belongs to

@@ -163,9 +163,9 @@ def test_config_errors_name_the_key():
   with pytest.raises(ConfigError, match=r"data.seq_len=36 must be a multiple of 8 to split over "
                                         r"mesh.context=4 \(zig-zag load balancing"):
     small_config(mesh={"context": 4}, data={"seq_len": 36})
-  small_config(mesh={"context": 4}, model={"context_load_balance": False}, data={"seq_len": 36})
+  small_config(mesh={"context": 4}, parallel={"context": {"load_balance": False}}, data={"seq_len": 36})
   with pytest.raises(ConfigError, match="model.attention='reference' with mesh.context=2"):
     small_config(mesh={"context": 2}, model={"attention": "reference"})
   with pytest.raises(ConfigError, match=r"data.seq_len=33 must be a multiple of mesh.context x "
-                                        r"mesh.tensor = 2 for model.sequence_parallel"):
-    small_config(mesh={"tensor": 2}, model={"sequence_parallel": True}, data={"seq_len": 33})
+                                        r"mesh.tensor = 2 for parallel.sequence_parallel"):
+    small_config(mesh={"tensor": 2}, parallel={"sequence_parallel": True}, data={"seq_len": 33})

@@ -15,14 +15,14 @@ from jaxpar.train.step import make_gradients
 from jaxpar.train.trainer import Trainer
 from tests.helpers import gradient_temp_bytes, small_config, synthetic_batch
 
+RING, ALL_GATHER = {"context": {"attention": "ring"}}, {"context": {"attention": "all_gather"}}
 STRATEGIES = {
-  # name: (mesh sizes, model options)
-  "c4_ring": ({"context": 4, "fsdp": 2}, {"context_parallel": "ring"}),
-  "c4_all_gather_microbatched": ({"context": 4, "fsdp": 2}, {"context_parallel": "all_gather"}),
+  # name: (mesh sizes, parallel section, model options)
+  "c4_ring": ({"context": 4, "fsdp": 2}, RING, {}),
+  "c4_all_gather_microbatched": ({"context": 4, "fsdp": 2}, ALL_GATHER, {}),
   "c2_f2_t2_ring_sp_remat_mlp2": ({"context": 2, "fsdp": 2, "tensor": 2},
-                                  {"context_parallel": "ring", "sequence_parallel": True,
-                                   "remat": "full", "mlp_chunks": 2}),
-  "f4_t2_sp": ({"fsdp": 4, "tensor": 2}, {"sequence_parallel": True}),
+                                  {**RING, "sequence_parallel": True}, {"remat": "full", "mlp_chunks": 2}),
+  "f4_t2_sp": ({"fsdp": 4, "tensor": 2}, {"sequence_parallel": True}, {}),
 }
 
 
@@ -46,9 +46,9 @@ def reference():
 
 @pytest.fixture(scope="module", params=sorted(STRATEGIES))
 def strategy(request):
-  mesh, model = STRATEGIES[request.param]
+  mesh, parallel, model = STRATEGIES[request.param]
   train = {"microbatches": 2} if "microbatched" in request.param else {}
-  return request.param, _gradients(small_config(mesh=mesh, model=model, train=train))
+  return request.param, _gradients(small_config(mesh=mesh, model=model, train=train, parallel=parallel))
 
 
 def test_same_loss_and_grads_as_one_device(strategy, reference):
@@ -81,9 +81,8 @@ def test_ring_passes_kv_blocks_and_all_gather_gathers_them(strategy):
 def _temp_bytes(context):
   """Compiled temporaries per device: activations kept for the backward (O(L / context))
   plus attention tiles (fixed size): wide enough layers for the first to dominate."""
-  model = dict(context_parallel="ring", num_layers=2, embed_dim=256, mlp_dim=1024, head_dim=64,
-               max_seq_len=4096)
-  config = small_config(mesh={"context": context, "fsdp": 1}, model=model,
+  model = dict(num_layers=2, embed_dim=256, mlp_dim=1024, head_dim=64, max_seq_len=4096)
+  config = small_config(mesh={"context": context, "fsdp": 1}, model=model, parallel=RING,
                         data={"seq_len": 4096, "global_batch_size": 1})
   return gradient_temp_bytes(config, context)
 
@@ -119,7 +118,7 @@ def test_llama3_8b_at_131k_tokens_fits_v5p_with_ring_attention():
   from jaxpar.aot.compile import compile_for_topology
   from jaxpar.config import load_config
   config = load_config("llama3-8b", ["model.num_layers=1", "mesh.context=8", "data.seq_len=131072",
-                                     "data.global_batch_size=4", "model.context_parallel=ring"])
+                                     "data.global_batch_size=4", "parallel.context.attention=ring"])
   report, compiled = compile_for_topology(config, "v5p-64")
   assert report["fits"] and report["mesh"] == {"fsdp": 4, "context": 8}, report
   assert {"collective-permute", "all-gather"} <= {row["kind"] for row in report["collectives"]}

@@ -18,10 +18,13 @@ GIB = 2 ** 30
 def test_layouts_cover_the_devices_and_respect_heads_and_batch():
   config = small_config(data={"global_batch_size": 8})  # 4 heads, 2 kv heads
   found = plan.layouts(config, 8)
-  assert found and all(l.data * l.fsdp * l.tensor == 8 for l in found)
+  assert found and all(l.devices == 8 for l in found)
   assert {l.tensor for l in found} == {1, 2}  # 4 and 8 do not divide 2 kv heads
-  assert all((8 // l.microbatches) % (l.data * l.fsdp) == 0 for l in found)
+  assert all((8 // l.microbatches) % (l.data * l.fsdp * l.expert) == 0 for l in found)
   assert Layout(1, 8, 1, "none", 1) in found and Layout(8, 1, 1, "full", 1) in found
+  # The plan lets a dense model split its 32-token sequences over context (zig-zag: 2
+  # chunks a device, so up to 16), never over expert (no experts to hold).
+  assert {l.context for l in found} == {1, 2, 4, 8} and {l.expert for l in found} == {1}
 
 
 def test_default_layout_resolves_the_rest_axis():

@@ -87,7 +87,8 @@ def test_quantize_command_restores_onto_any_mesh(float_checkpoint, tmp_path):
                               ({"fsdp": 1}, jax.devices()[:1], "xla")):
     target = replace(q_config, mesh=mesh, model={"quantization": {**saved, "implementation": impl}})
     runtime = Runtime(target.model, target.mesh, devices)
-    restored = runtime.restore(out)[0]
+    with Checkpointer(out, read_only=True) as checkpoints:
+      restored = runtime.restore(checkpoints, checkpoints.pick_step())[0]
     for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(want)):
       np.testing.assert_array_equal(a, b)
     results.append(_logits(target, restored, devices))

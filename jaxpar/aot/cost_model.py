@@ -1,7 +1,8 @@
 """The planner's analytic model: per-device memory and step time of a candidate layout,
 from the config alone (no tracing), to prune before anything is compiled.
 
-Per device, with P params, L layers, t = tensor, f = fsdp, d = data, m = microbatches,
+Per device, with P params, L layers, t = tensor, f = fsdp x expert x context (the devices
+FSDP presets split parameters over), d = data, x = context, e = expert, m = microbatches,
 T = tokens per device per microbatch, c = compute-dtype bytes, p = param-dtype bytes:
 
   state      = P x p x 3 / (f t)              params + Adam m, v (split over fsdp x tensor)
@@ -22,6 +23,10 @@ T = tokens per device per microbatch, c = compute-dtype bytes, p = param-dtype b
   comm bytes = FSDP: 3 m x P c/t x (f-1)/f (gather fwd + bwd, reduce-scatter grads)
              + DP:   2 x P p/(f t) x (d-1)/d (all-reduce of grads)
              + TP:   (4 or 6 with full remat) x L x m x 2 T E c x (t-1)/t (activation all-reduces)
+             + CP:   2 x L x m x 2 x T K D c/t x (x-1) (keys and values gathered forward,
+                     their gradients reduce-scattered backward)
+             + EP:   4 x L_moe x m x T k E c x (e-1)/e (tokens to and from their experts'
+                     devices, forward and backward; k experts per token)
   TPU step   = compute + comm / ICI bandwidth + 2 state / HBM bandwidth
   CPU step   = compute / host peak + devices x (comm + 2 state) / copy bandwidth: simulated
                devices share the host's cores and memory, so nothing overlaps.
@@ -70,22 +75,45 @@ class Layout:
   tensor: int
   remat: str | dict
   microbatches: int
+  context: int = 1
+  expert: int = 1
+
+  @property
+  def devices(self) -> int:
+    return self.data * self.fsdp * self.context * self.expert * self.tensor
+
+  @property
+  def batch_shards(self) -> int:
+    return self.data * self.fsdp * self.expert
+
+  @property
+  def state_shards(self) -> int:
+    """Devices the FSDP presets split each parameter's `embed` over."""
+    return self.fsdp * self.expert * self.context
 
   def overrides(self) -> dict:
-    return {"mesh": {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor,
-                     "rules": "fsdp_tp", "num_slices": 1},
+    """The config sections this layout sets (the rules stay the config's)."""
+    return {"mesh": {"data": self.data, "fsdp": self.fsdp, "context": self.context, "expert": self.expert,
+                     "tensor": self.tensor, "num_slices": 1},
             "model": {"remat": self.remat}, "train": {"microbatches": self.microbatches}}
 
   def __str__(self):
-    return (f"data={self.data} fsdp={self.fsdp} tensor={self.tensor} remat={self.remat} "
+    extra = "".join(f" {a}={getattr(self, a)}" for a in ("context", "expert") if getattr(self, a) > 1)
+    return (f"data={self.data} fsdp={self.fsdp}{extra} tensor={self.tensor} remat={self.remat} "
             f"microbatches={self.microbatches}")
 
 
+def tokens_per_device(config, layout: Layout) -> int:
+  """Tokens one device holds in one microbatch."""
+  d = config.data
+  return d.global_batch_size // layout.microbatches // layout.batch_shards * d.seq_len // layout.context
+
+
 def memory_bytes(config, layout: Layout, num_params: int) -> float:
-  m, d = config.model, config.data
-  t, f = layout.tensor, layout.fsdp
+  m = config.model
+  t, f = layout.tensor, layout.state_shards
   p, c = _BYTES[m.param_dtype], _BYTES[m.compute_dtype]
-  tokens = d.global_batch_size // layout.microbatches // (layout.data * f) * d.seq_len
+  tokens = tokens_per_device(config, layout)
   qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim / t
   state = num_params * p * 3 / (f * t)
   grads = num_params * p / (f * t)
@@ -98,16 +126,22 @@ def memory_bytes(config, layout: Layout, num_params: int) -> float:
 
 def step_seconds(config, layout: Layout, num_params: int, hw: Hardware) -> float:
   m, d = config.model, config.data
-  t, f, dp, mb = layout.tensor, layout.fsdp, layout.data, layout.microbatches
-  devices = t * f * dp
+  t, f, dp, mb = layout.tensor, layout.state_shards, layout.data, layout.microbatches
+  x, e = layout.context, layout.expert
+  devices = layout.devices
   p, c = _BYTES[m.param_dtype], _BYTES[m.compute_dtype]
   flops = train_flops_per_token(m, d.seq_len) * d.global_batch_size * d.seq_len
   flops *= remat_factor(layout.remat)
-  tokens = d.global_batch_size // mb // (dp * f) * d.seq_len
+  tokens = tokens_per_device(config, layout)
   comm = 3 * mb * num_params * c / t * (f - 1) / f
   comm += 2 * num_params * p / (f * t) * (dp - 1) / dp
   comm += (6 if layout.remat == "full" else 4) * m.num_layers * mb * 2 * tokens * m.embed_dim * c \
       * (t - 1) / t
+  comm += 2 * m.num_layers * mb * 2 * tokens * m.num_kv_heads * m.head_dim * c / t * (x - 1)
+  moe = getattr(m, "moe", None)
+  if moe is not None and m.mlp == "moe":
+    moe_layers = m.num_layers - m.first_dense_layers
+    comm += 4 * moe_layers * mb * tokens * moe.experts_per_token * m.embed_dim * c * (e - 1) / e
   state = num_params * p * 3 / (f * t)
   if hw.shared_host:
     return flops / hw.peak_flops + devices * (comm + 2 * state) / hw.link_bandwidth

@@ -38,7 +38,7 @@ def compile_inference(config, topology: str, *, slots: int, context: int, page_s
   `slots` x `context` tokens."""
   chip, devices = topology_devices(topology, num_slices)
   model = config.model.model_copy(update={"param_dtype": param_dtype, "compute_dtype": param_dtype})
-  runtime = Runtime(model, config.mesh, devices)
+  runtime = Runtime(model, config.mesh, devices, parallel=config.parallel)
   params, model_state = runtime.abstract_targets()
   pages_per_seq = -(-context // page_size)
   cache = abstract_cache(runtime, slots * pages_per_seq, page_size, param_dtype)

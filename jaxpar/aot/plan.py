@@ -1,5 +1,7 @@
-"""`jaxpar plan`: enumerate data x fsdp x tensor meshes, remat policies and microbatch counts,
-prune with the analytic model (cost_model.py), compile the best K, rank what compiled.
+"""`jaxpar plan`: enumerate meshes over the axes the parallel plan says this model can use
+(data, fsdp, tensor; context where attention splits; expert for MoE layers), remat policies
+and microbatch counts; prune with the analytic model (cost_model.py), compile the best K,
+rank what compiled. A candidate is kept only if the plan's own checks accept it.
 
 On a TPU topology the ranking uses the compiled program (HBM fit + roofline.py); on this
 host's devices (simulated CPU devices) it can also run the candidates and rank by measured
@@ -21,9 +23,11 @@ from jaxpar.aot.chips import topology_devices
 from jaxpar.aot.compile import build_report, compile_step, memory_sizes
 from jaxpar.aot.cost_model import Hardware, Layout
 from jaxpar.config import replace, to_yaml
-from jaxpar.train.flops import measure_matmul_flops
-from jaxpar.mesh import resolve_axis_sizes
+from jaxpar.errors import ConfigError, UserError
+from jaxpar.mesh import AXES, resolve_axis_sizes, resolve_rules
+from jaxpar.parallel import ParallelPlan
 from jaxpar.runtime import abstract_model, count_params
+from jaxpar.train.flops import measure_matmul_flops
 from jaxpar.train.trainer import Trainer
 
 REMATS = ("none", "save_dots", "full")
@@ -41,25 +45,41 @@ class Candidate:
   measured_s: float | None = None
 
 
+def layout_axes(config) -> tuple[str, ...]:
+  """The mesh axes a layout may give devices to: those the parallel plan allows for this
+  model that the config's rules use."""
+  plan = config.plan()
+  used = {axis for _, axes in plan.rules(resolve_rules(config.mesh.rules)) for axis in axes}
+  return tuple(a for a in plan.layout_axes(config.model, config.data.seq_len) if a in used)
+
+
 def layouts(config, num_devices: int) -> list[Layout]:
-  """Every data x fsdp x tensor = num_devices split the model and batch allow."""
-  m, batch = config.model, config.data.global_batch_size
+  """Every split of num_devices over `layout_axes` (x remat x microbatches) that the parallel
+  plan's checks accept; tensor sizes that do not divide the kv heads are left out (they
+  would replicate the keys and values)."""
+  m = config.model
+  axes = layout_axes(config)
+  rules = config.plan().rules(resolve_rules(config.mesh.rules))
   found = []
-  for tensor in _divisors(num_devices):
-    if m.num_heads % tensor or m.num_kv_heads % tensor:
+  for split in _factorizations(num_devices, len(axes)):
+    sizes = {**dict.fromkeys(AXES, 1), **dict(zip(axes, split))}
+    if m.num_kv_heads % sizes["tensor"]:
       continue
-    for data in _divisors(num_devices // tensor):
-      fsdp = num_devices // tensor // data
-      for remat, micro in itertools.product(REMATS, MICROBATCHES):
-        if batch % micro == 0 and (batch // micro) % (data * fsdp) == 0:
-          found.append(Layout(data, fsdp, tensor, remat, micro))
+    for remat, micro in itertools.product(REMATS, MICROBATCHES):
+      train = config.train.model_copy(update={"microbatches": micro})
+      try:
+        ParallelPlan(sizes, config.parallel).check_training(m, config.data, train, rules)
+      except ConfigError:
+        continue
+      found.append(Layout(sizes["data"], sizes["fsdp"], sizes["tensor"], remat, micro,
+                          context=sizes["context"], expert=sizes["expert"]))
   return found
 
 
 def default_layout(config, num_devices: int) -> Layout:
   sizes = resolve_axis_sizes(config.mesh.axis_sizes(), num_devices)
   return Layout(sizes["data"], sizes["fsdp"], sizes["tensor"], config.model.remat,
-                config.train.microbatches)
+                config.train.microbatches, context=sizes["context"], expert=sizes["expert"])
 
 
 def host_hardware(config) -> Hardware:
@@ -124,7 +144,7 @@ def plan(config, topology: str | None = None, top: int = 3, measure: bool = Fals
   """(candidates that compiled and fit, best first; all compiled candidates; the winner as a
   config; Spearman rho of predicted vs measured step times, or None without `measure`)."""
   if measure and topology:
-    raise ValueError("--measure runs candidates on this host: drop --topology to plan for it")
+    raise UserError("--measure runs candidates on this host: drop --topology to plan for it")
   if topology:
     chip, devices = topology_devices(topology)
     hw = chip_hardware(chip)
@@ -146,7 +166,7 @@ def plan(config, topology: str | None = None, top: int = 3, measure: bool = Fals
     _compile_one(config, candidate, devices, chip, topology, measure)
   ok = [c for c in chosen if c.compiled.get("fits")]
   if not ok:
-    raise ValueError("no candidate fits: use a bigger topology or a smaller global batch")
+    raise UserError("no candidate fits: use a bigger topology or a smaller global batch")
   key = ((lambda c: c.measured_s) if measure else
          (lambda c: c.compiled["estimate_s"]) if chip else (lambda c: c.predicted_s))
   ok.sort(key=key)
@@ -158,7 +178,7 @@ def plan(config, topology: str | None = None, top: int = 3, measure: bool = Fals
 def _compile_one(config, candidate, devices, chip, topology, measure):
   try:
     trainer = Trainer(replace(config, **candidate.layout.overrides()), devices)
-  except ValueError as e:  # a split the model's shapes reject
+  except UserError as e:  # a split the model's shapes reject
     candidate.compiled = {"fits": False, "error": str(e)}
     return
   compiled, oom = compile_step(trainer)
@@ -210,5 +230,11 @@ def run_plan(config, topology=None, top=3, measure=False, output="plan.yaml", ec
   return ok, rho
 
 
-def _divisors(n: int) -> list[int]:
-  return [k for k in range(1, n + 1) if n % k == 0]
+def _factorizations(n: int, parts: int):
+  """Every ordered tuple of `parts` positive integers whose product is n."""
+  if parts == 1:
+    yield (n,)
+    return
+  for first in (k for k in range(1, n + 1) if n % k == 0):
+    for rest in _factorizations(n // first, parts - 1):
+      yield (first, *rest)

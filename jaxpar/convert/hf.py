@@ -18,11 +18,13 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer, resolve
-from jaxpar.config import Config, DataConfig, MeshConfig, ModelConfig, from_dict, model_from_dict
+from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
+from jaxpar.config import Config, DataConfig, MeshConfig, ModelConfig, from_dict
 from jaxpar.data import copy_tokenizer_files
+from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models import family_names, get_family
 from jaxpar.runtime import Runtime
+from jaxpar.saved_run import SavedRun
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
@@ -217,19 +219,15 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
   """Write a jaxpar checkpoint's parameters as an HF directory that `transformers` loads
   (config.json + safetensors, sharded with an index past `max_shard_bytes`). `dtype`
   defaults to the checkpoint's model.param_dtype."""
-  root, step = resolve(ckpt)
-  with Checkpointer(root, read_only=True) as checkpoints:
-    saved = checkpoints.saved_config(step)
-    if not saved:
-      raise ValueError(f"checkpoint {root} has no saved config: it was not written by jaxpar")
-    cfg = model_from_dict(saved["model"])
+  with SavedRun(ckpt) as run:
+    cfg = run.config.model
     if cfg.quantization is not None:
-      raise ValueError(f"checkpoint {root} is quantized (model.quantization.mode="
-                       f"{cfg.quantization.mode}): export the float checkpoint it came from")
+      raise CheckpointError(f"checkpoint {run.directory} is quantized (model.quantization.mode="
+                            f"{cfg.quantization.mode}): export the float checkpoint it came from")
     dtype = dtype or cfg.param_dtype
     if dtype not in DTYPES:
-      raise ValueError(f"dtype={dtype!r} is not one of {list(DTYPES)}")
-    params = checkpoints.restore_params(Runtime(cfg, MeshConfig()).abstract_targets()[0], step)
+      raise ConfigError(f"dtype={dtype!r} is not one of {list(DTYPES)}")
+    params, root = run.load().params, run.directory
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   copy_tokenizer_files(root / TOKENIZER_DIR, out)

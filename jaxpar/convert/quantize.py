@@ -11,11 +11,13 @@ it from that config.
 import jax
 from flax import nnx
 
-from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer, resolve
-from jaxpar.config import ConfigError, from_dict, replace
+from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
+from jaxpar.config import replace
 from jaxpar.data import copy_tokenizer_files
+from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models.dense import QuantizedKernel, quantized_arrays
 from jaxpar.runtime import Runtime
+from jaxpar.saved_run import SavedRun
 
 
 def quantization_section(mode: str, group_size=None, zero_point=False, outlier_channels=0) -> dict:
@@ -66,30 +68,24 @@ def quantize_params(params: dict, quant_runtime: Runtime) -> dict:
 
 def quantize_checkpoint(ckpt, out, mode: str, group_size=None, *, zero_point=False,
                         outlier_channels=0, devices=None):
-  """Quantize the checkpoint at `ckpt` (a checkpoint dir: its latest step; or one step dir)
-  into a new checkpoint directory `out` -> (quantized Config, path of the written step)."""
-  root, step = resolve(ckpt)
-  with Checkpointer(root, read_only=True) as source:
-    step = source.latest_step() if step is None else step
-    saved = source.saved_config(step)
-  if not saved:
-    raise ValueError(f"checkpoint {ckpt} has no saved config: quantize a checkpoint written by "
-                     "`jaxpar train` or `jaxpar convert hf-to-jaxpar`")
-  config = from_dict(saved)
-  if config.model.quantization is not None:
-    raise ValueError(f"checkpoint {ckpt} is already quantized (model.quantization.mode="
-                     f"{config.model.quantization.mode}): quantize the float checkpoint instead")
-  quant_config = replace(config, model={"quantization": quantization_section(
-      mode, group_size, zero_point, outlier_channels)})
-  with Checkpointer(out) as target:
-    if target.all_steps():
-      raise ValueError(f"{out} already holds checkpoints {target.all_steps()}: give an empty "
-                       "or new directory (nothing is overwritten)")
-    float_runtime = Runtime(config.model, config.mesh, devices)
-    params = float_runtime.restore(root, step)[0]
-    quantized = quantize_params(params, Runtime(quant_config.model, quant_config.mesh, devices))
-    target.save(step, {"params": quantized}, config=quant_config, force=True)
-    target.wait()
-    # The tokenizer travels with the weights, so the quantized model generates with no flags.
-    copy_tokenizer_files(root / TOKENIZER_DIR, target.directory / TOKENIZER_DIR)
-    return quant_config, target.path(step)
+  """Quantize the saved run at `ckpt` (a run dir, its checkpoints/ dir, or one step dir) into a
+  new checkpoint directory `out` -> (quantized Config, path of the written step)."""
+  with SavedRun(ckpt) as source:
+    config = source.config
+    if config.model.quantization is not None:
+      raise CheckpointError(f"checkpoint {ckpt} is already quantized (model.quantization.mode="
+                            f"{config.model.quantization.mode}): quantize the float checkpoint instead")
+    quant_config = replace(config, model={"quantization": quantization_section(
+        mode, group_size, zero_point, outlier_channels)})
+    with Checkpointer(out) as target:
+      if target.all_steps():
+        raise CheckpointError(f"{out} already holds checkpoints {target.all_steps()}: give an empty "
+                              "or new directory (nothing is overwritten)")
+      source.load(devices=devices)
+      quantized = quantize_params(source.params, Runtime(quant_config.model, source.runtime.mesh_config,
+                                                         devices, parallel=quant_config.parallel))
+      target.save(source.step, {"params": quantized}, config=quant_config, force=True)
+      target.wait()
+      # The tokenizer travels with the weights, so the quantized model generates with no flags.
+      copy_tokenizer_files(source.directory / TOKENIZER_DIR, target.directory / TOKENIZER_DIR)
+      return quant_config, target.path(source.step)

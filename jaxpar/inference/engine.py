@@ -18,7 +18,6 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from jaxpar.inference.loading import load_checkpoint
 from jaxpar.inference.pages import PagePool, page_table_rows
 from jaxpar.inference.programs import Programs
 from jaxpar.inference.requests import Completion, Request, TokenEvent
@@ -47,9 +46,7 @@ class Engine:
                prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
                kv_cache: str | None = None, echo=None):
     cfg = runtime.model_config
-    if runtime.mesh.shape["context"] > 1:
-      raise ValueError(f"mesh.context={runtime.mesh.shape['context']}: generation does not split "
-                       "sequences over devices; use mesh.context=1 (tensor or data parallelism instead)")
+    runtime.plan.check_generation()
     self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
     self.model_state = model_state if model_state is not None else {}
     self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
@@ -76,10 +73,13 @@ class Engine:
   @classmethod
   def from_checkpoint(cls, path, *, mesh=None, devices=None, step: int | None = None, tokenizer=None,
                       **options) -> "Engine":
-    """An engine for a jaxpar checkpoint (a train run's, or `jaxpar convert hf-to-jaxpar`'s)
-    on `mesh` (a MeshConfig or a dict of axis sizes), with the tokenizer that goes with it."""
-    runtime, params, model_state, found = load_checkpoint(path, mesh=mesh, devices=devices, step=step)
-    return cls(runtime, params, tokenizer or found, model_state=model_state, **options)
+    """An engine for a saved run (a train run's, or `jaxpar convert hf-to-jaxpar`'s) on `mesh`
+    (a MeshConfig or a dict of axis sizes; default: data parallel, every device holding the
+    whole model, which suits models that fit one device; larger ones set `tensor`), with the
+    tokenizer that goes with it."""
+    from jaxpar.saved_run import open_run
+    with open_run(path, mesh or {"data": -1, "fsdp": 1}, step, devices=devices) as run:
+      return run.engine(tokenizer=tokenizer, **options)
 
   # -- construction ------------------------------------------------------------------
 

@@ -1,7 +1,6 @@
 """The trainer: runtime + sharded train state + jitted step + data + metrics, from one Config."""
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +11,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
-from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer, resolve as resolve_checkpoint
+from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import Config, checkpoint_dir
 from jaxpar.data import TrainBatches, copy_tokenizer_files, load_tokenizer
 from jaxpar.train.flops import measure_matmul_flops, train_flops_per_token
@@ -21,7 +20,9 @@ from jaxpar.train.metrics import PROGRESS_EXTRAS, MetricsLogger, StepClock, scal
 from jaxpar.train.optim import learning_rate_schedule, make_optimizer
 from jaxpar.cluster.preemption import stop_on_signals
 from jaxpar.cluster.run_lock import hold_run_dirs
+from jaxpar.errors import ConfigError
 from jaxpar.runtime import Runtime, with_shardings
+from jaxpar.saved_run import SavedRun
 from jaxpar.train.state import TrainState
 from jaxpar.train.step import make_train_step
 from jaxpar.cluster.xla_flags import compiler_options
@@ -43,17 +44,12 @@ class Trainer:
   def __init__(self, config: Config, devices=None, *, console: Console | None = None):
     self.config = config
     if config.model.quantization is not None:
-      raise ValueError(f"model.quantization.mode={config.model.quantization.mode}: quantized "
-                       "weights are for inference; train the float model, then `jaxpar quantize` "
-                       "its checkpoint")
-    self.runtime = Runtime(config.model, config.mesh, devices, seed=config.train.seed)
+      raise ConfigError(f"model.quantization.mode={config.model.quantization.mode}: quantized "
+                        "weights are for inference; train the float model, then `jaxpar quantize` "
+                        "its checkpoint")
+    self.runtime = Runtime.from_config(config, devices)
+    self.runtime.plan.check_training(config.model, config.data, config.train, self.rules)
     self.console = console or Console()
-    batch = config.data.global_batch_size // config.train.microbatches
-    batch_shards = math.prod(self.mesh.shape[a] for a in dict(self.rules)["batch"])
-    if batch % batch_shards:
-      raise ValueError(f"data.global_batch_size={config.data.global_batch_size} "
-                       f"(/ train.microbatches={config.train.microbatches}) must divide over the "
-                       f"{batch_shards} batch shards of the mesh")
     self.optimizer = make_optimizer(config.train, self.runtime.decay_mask)
     self.schedule = learning_rate_schedule(config.train)
     self.state_shardings = self._state_shardings()
@@ -61,7 +57,7 @@ class Trainer:
     step = make_train_step(self.graphdef, self.optimizer, self.schedule,
                            z_loss=config.train.z_loss, microbatches=config.train.microbatches,
                            logits_chunk_len=config.train.logits_chunk_len,
-                           load_balance=config.model.context_load_balance)
+                           load_balance=self.runtime.plan.load_balance)
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
     self.xla_options, self.xla_notes = compiler_options(config.mesh.xla_flags, self.mesh.devices.flat)
     self.train_step = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),
@@ -107,7 +103,7 @@ class Trainer:
   def batches(self, tokenizer=None) -> TrainBatches:
     tokenizer = tokenizer or self.tokenizer()
     if tokenizer.vocab_size > self.config.model.vocab_size:
-      raise ValueError(f"model.vocab_size={self.config.model.vocab_size} is smaller than the "
+      raise ConfigError(f"model.vocab_size={self.config.model.vocab_size} is smaller than the "
                        f"tokenizer's {tokenizer.vocab_size} tokens: raise model.vocab_size")
     return TrainBatches(self.config.data, tokenizer, self.batch_sharding)
 
@@ -171,10 +167,9 @@ class Trainer:
 
   def _start_state(self, checkpointer, batches, restore) -> TrainState:
     if restore is not None:
-      root, step = resolve_checkpoint(restore)
-      with Checkpointer(root, read_only=True) as source:
-        items, data_state = source.restore(self.abstract_state().items(), step)
-        where = source.path(int(items["step"]))
+      with SavedRun(restore) as source:
+        items, data_state = source.restore_train_state(self.abstract_state().items())
+        where = source.path
     elif checkpointer is not None and checkpointer.latest_step() is not None:
       items, data_state = checkpointer.restore(self.abstract_state().items())
       where = checkpointer.path(int(items["step"]))

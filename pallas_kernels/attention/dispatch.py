@@ -8,7 +8,8 @@ implementation: "auto" | "flash" | "reference" | "chunked" (the config's `attent
   chunked    XLA loops with online softmax: O(L) memory, any head_dim, any backend.
 Kernels run per device inside `jax.shard_map` over the current mesh. When the mesh splits
 the sequence length (mesh.context > 1), `context_parallel` picks all-gather or ring
-attention around the same kernels (context_parallel.py).
+attention around the same kernels (context_parallel.py); by default the one the runtime's
+parallel plan set (`mesh.execution_options`).
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ import functools
 
 import jax.numpy as jnp
 
-from jaxpar.mesh import logical_shard_map
+from jaxpar.mesh import current_execution_options, logical_shard_map
 from jaxpar.pallas_kernels.attention import context_parallel as cp
 from jaxpar.pallas_kernels.attention import validation
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
@@ -58,19 +59,21 @@ def choose_implementation(implementation, platform, head_dim, kv_len):
 
 def attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
               logit_soft_cap=None, scale=None, implementation="auto", block_sizes=None,
-              context_parallel="all_gather", zigzag=False):
+              context_parallel=None, zigzag=False):
   """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] -> [B, Lq, Hq, D].
 
   Hq % Hkv == 0 (GQA/MQA); segment_ids: int [B, Lk] for packed sequences (queries are
   the last Lq positions); sliding_window: keys at most this far back (incl. self);
   logit_soft_cap: cap * tanh(logits / cap); block_sizes: kernel tiles (BlockSizes).
-  On a mesh that splits `length`: context_parallel "all_gather" | "ring"; zigzag: the
-  length axis is in zig-zag order (layout.zigzag), else contiguous.
+  On a mesh that splits `length`: context_parallel "all_gather" | "ring" (None: the current
+  execution options'); zigzag: the length axis is in zig-zag order (layout.zigzag), else
+  contiguous.
   """
   platform = current_platform()
   split = cp.length_split(zigzag)
   if split is not None:
-    return _context_parallel(q, k, v, segment_ids, split, platform, context_parallel,
+    strategy = context_parallel or current_execution_options().context_attention
+    return _context_parallel(q, k, v, segment_ids, split, platform, strategy,
                              implementation, block_sizes,
                              AttentionOptions(causal=causal, sliding_window=sliding_window,
                                               logit_soft_cap=logit_soft_cap, scale=scale))

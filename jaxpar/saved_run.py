@@ -1,0 +1,120 @@
+"""The one door to a saved run: open it once, then generate, evaluate, export or fine-tune.
+
+    run = jaxpar.open_run("runs/tiny")            # a run dir, its checkpoints/ dir, or one step dir
+    print(run.step, run.config.model.num_layers)
+    logits, _ = run.model(tokens)                 # the NNX module with the saved weights
+    engine = run.engine(slots=4)                  # generation with the run's tokenizer
+    text = engine.generate(["The "])[0].text
+
+The path is resolved, Orbax opened (read only) and the step chosen once; the saved config is
+validated (keys that moved since are migrated) and the tokenizer found beside the weights.
+`load` restores the weights onto the mesh asked for, each device reading only its shards.
+"""
+
+from pathlib import Path
+
+from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
+from jaxpar.config import MeshConfig, from_dict
+from jaxpar.data import load_tokenizer
+from jaxpar.errors import CheckpointError
+from jaxpar.runtime import Runtime
+
+
+def resolve_run(path) -> tuple[Path, int | None]:
+  """A run dir (holding checkpoints/), a checkpoint dir (its latest step) or one step dir
+  in it -> (checkpoint dir, step or None)."""
+  path = Path(path)
+  if not path.exists():
+    raise CheckpointError(f"checkpoint path {path} does not exist: give a run directory (runs/NAME), "
+                          "its checkpoints/ directory, or one step directory in it")
+  if path.name.isdigit() and (path / "_CHECKPOINT_METADATA").exists():
+    return path.parent, int(path.name)
+  if (path / "checkpoints").is_dir() and not any(p.name.isdigit() for p in path.iterdir()):
+    return path / "checkpoints", None
+  return path, None
+
+
+class SavedRun:
+  """A saved run, opened once (use `open_run` to open and load it).
+
+  directory, step: the checkpoint directory and the step opened; config: the validated
+  config it was saved with; tokenizer: the one it was trained or imported with.
+  After `load`: runtime (model config on a mesh), params and model_state (sharded arrays).
+  """
+
+  def __init__(self, path, step: int | None = None):
+    self.directory, found = resolve_run(path)
+    self._checkpoints = Checkpointer(self.directory, read_only=True)
+    self.step = self._checkpoints.pick_step(step if step is not None else found)
+    saved = self._checkpoints.saved_config(self.step)
+    if not saved:
+      raise CheckpointError(f"checkpoint {self.path} has no saved config: it was not written by jaxpar")
+    self.config = from_dict(saved, check_paths=False)
+    self._tokenizer = None
+    self.runtime = self.params = self.model_state = None
+
+  @property
+  def path(self) -> Path:
+    """The step directory opened."""
+    return self._checkpoints.path(self.step)
+
+  @property
+  def has_optimizer_state(self) -> bool:
+    return (self.path / "opt_state").is_dir()
+
+  @property
+  def tokenizer(self):
+    """The checkpoint's own tokenizer files, else the one its config trained with."""
+    if self._tokenizer is None:
+      bundled = self.directory / TOKENIZER_DIR
+      spec = str(bundled) if (bundled / "tokenizer.json").is_file() else self.config.data.tokenizer
+      try:
+        self._tokenizer = load_tokenizer(spec)
+      except ValueError:
+        raise CheckpointError(f"checkpoint {self.directory} has no {TOKENIZER_DIR}/tokenizer.json and "
+                              f"its config's tokenizer {spec!r} is not there any more: pass a tokenizer") from None
+    return self._tokenizer
+
+  def load(self, mesh=None, devices=None) -> "SavedRun":
+    """Restore the weights onto `mesh`: a MeshConfig, a dict of axis sizes, or None (FSDP over
+    every device: each holds 1/N of the weights, so whatever fits the devices together opens)."""
+    if not isinstance(mesh, MeshConfig):
+      mesh = MeshConfig(**(mesh or {"fsdp": -1}))
+    self.runtime = Runtime(self.config.model, mesh, devices, seed=self.config.train.seed,
+                           parallel=self.config.parallel)
+    self.params, self.model_state = self.runtime.restore(self._checkpoints, self.step)
+    return self
+
+  @property
+  def model(self):
+    """The NNX module holding the restored weights (after `load`)."""
+    if self.runtime is None:
+      raise CheckpointError("this saved run is not loaded yet: call .load(mesh) or use jaxpar.open_run")
+    return self.runtime.merge(self.params, self.model_state)
+
+  def engine(self, *, tokenizer=None, **options):
+    """A generation engine (jaxpar.inference.Engine) over the loaded weights."""
+    from jaxpar.inference import Engine
+    self.model  # noqa: B018  (the loaded check)
+    return Engine(self.runtime, self.params, tokenizer or self.tokenizer, model_state=self.model_state,
+                  **options)
+
+  def restore_train_state(self, abstract_state: dict) -> tuple[dict, dict]:
+    """(train state items placed per `abstract_state`'s shardings, data iterator state): to
+    continue training from this step (a params-only checkpoint gives opt_state None)."""
+    return self._checkpoints.restore(abstract_state, self.step)
+
+  def close(self):
+    self._checkpoints.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def open_run(path, mesh=None, step: int | None = None, *, devices=None) -> SavedRun:
+  """Open a saved run and restore its weights onto `mesh` (see `SavedRun.load`); `step`
+  defaults to the latest complete one."""
+  return SavedRun(path, step).load(mesh, devices)
