@@ -138,7 +138,7 @@ def _cmd_compile(ns):
   config = load_config(path, overrides)
   topology = ns.topology or config.mesh.topology
   if topology is None:
-    raise ValueError("no TPU topology: pass --topology (e.g. v6e-256) or set mesh.topology")
+    raise UserError("no TPU topology: pass --topology (e.g. v6e-256) or set mesh.topology")
   if ns.inference:
     from jaxpar.aot.inference import compile_inference, format_inference_report
     report = compile_inference(config, topology, slots=ns.slots, context=ns.context, page_size=ns.page_size,

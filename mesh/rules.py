@@ -17,6 +17,8 @@ FSDP presets also split parameters over `context` (after `fsdp` and `expert`): t
 so they share the storage like any other data-parallel replica.
 """
 
+from jaxpar.errors import ConfigError
+
 # Batch is split over every axis that holds different data.
 _BATCH = ("data", "fsdp", "expert")
 
@@ -63,7 +65,7 @@ def resolve_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
   """A preset name or an explicit list of (logical, mesh axes) -> normalized rules."""
   if isinstance(rules, str):
     if rules not in PRESETS:
-      raise ValueError(f"mesh.rules={rules!r} is not a preset; use one of {sorted(PRESETS)} "
+      raise ConfigError(f"mesh.rules={rules!r} is not a preset; use one of {sorted(PRESETS)} "
                        "or a list of [logical_name, mesh_axes] pairs")
     rules = PRESETS[rules]
   normalized = []
