@@ -18,6 +18,7 @@ from typing import Iterator
 import jax
 import numpy as np
 
+from jaxpar.errors import ConfigError, UserError
 from jaxpar.inference.pages import PagePool, page_table_rows
 from jaxpar.inference.programs import Programs
 from jaxpar.inference.requests import Completion, Request, TokenEvent
@@ -53,7 +54,7 @@ class Engine:
     self.pages_per_seq = -(-self.max_seq_len // page_size)
     num_pages = num_pages or slots * self.pages_per_seq
     if num_pages < self.pages_per_seq:
-      raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len="
+      raise ConfigError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len="
                        f"{self.max_seq_len} ({self.pages_per_seq} pages of {page_size}): raise it")
     self.pool = PagePool(num_pages, page_size)
     self.chunks = sorted({min(c, self.max_seq_len) for c in prefill_chunks})
@@ -117,13 +118,13 @@ class Engine:
     """A checked Request for a prompt (text or token ids), not yet queued."""
     ids = self.encode(prompt)
     if not ids:
-      raise ValueError("the prompt is empty: give at least one token")
+      raise UserError("the prompt is empty: give at least one token")
     if len(ids) >= self.max_seq_len:
-      raise ValueError(f"the prompt has {len(ids)} tokens but the context holds {self.max_seq_len}: "
+      raise UserError(f"the prompt has {len(ids)} tokens but the context holds {self.max_seq_len}: "
                        "shorten the prompt or raise max_seq_len")
     vocab = self.runtime.model_config.vocab_size
     if max(ids) >= vocab or min(ids) < 0:
-      raise ValueError(f"prompt token ids must be in [0, {vocab}): got {min(ids)}..{max(ids)}")
+      raise UserError(f"prompt token ids must be in [0, {vocab}): got {min(ids)}..{max(ids)}")
     stops = sampling.stop_token_ids
     if stops is None:
       stops = () if self.tokenizer is None else (self.tokenizer.eos_id,)

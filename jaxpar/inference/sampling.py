@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.errors import UserError
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -33,7 +35,7 @@ class SamplingParams:
               (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"))
     for ok, message in checks:
       if not ok:
-        raise ValueError(message)
+        raise UserError(message)
 
 
 GREEDY = SamplingParams()
