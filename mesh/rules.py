@@ -10,7 +10,7 @@ devices holding its experts. Outside the experts it acts as more FSDP where FSDP
 
 `length` is split over `context` (context parallelism). `residual_length` is the length
 of the residual stream between blocks: split like `length`, and with Megatron sequence
-parallelism (`model.sequence_parallel`, `sequence_parallel_rules`) over `tensor` too, so
+parallelism (`parallel.sequence_parallel`, `sequence_parallel_rules`) over `tensor` too, so
 norms and residual adds are not repeated on every tensor device; XLA all-gathers it
 before the column-parallel matmuls and reduce-scatters after the row-parallel ones.
 FSDP presets also split parameters over `context` (after `fsdp` and `expert`): those devices hold the same weights,

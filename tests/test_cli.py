@@ -84,3 +84,9 @@ def test_version_and_no_abbreviated_options(capsys):
   with pytest.raises(SystemExit) as done:  # --restor is not --restore
     main(["train", "tiny", "--restor", "runs/x"])
   assert done.value.code == 2 and "unrecognized arguments: --restor" in capsys.readouterr().err
+
+
+def test_compile_without_a_topology_is_a_user_error(capsys):
+  from jaxpar.cli import main
+  assert main(["compile", "tiny"]) == 2
+  assert "no TPU topology: pass --topology" in capsys.readouterr().err
