@@ -85,7 +85,7 @@ class DataConfig(_Frozen):
 
 class TrainConfig(_Frozen):
   steps: int = 300
-  learning_rate: float = 3e-3
+  learning_rate: float = Field(3e-3, gt=0)
   warmup_steps: int = 20
   min_lr_ratio: float = 0.1
   weight_decay: float = 0.1
