@@ -141,3 +141,15 @@ def test_an_hf_model_without_a_tokenizer_is_named_at_convert_and_refused_at_gene
   assert not (tmp_path / "x").exists()  # refused before anything was written
   assert main(["convert", "hf-to-jaxpar", str(tmp_path / "hf"), str(tmp_path / "bytes"), "--tokenizer", "byte"]) == 0
   assert open_run(tmp_path / "bytes").tokenizer.encode("hi") == [104, 105]
+
+
+def test_launch_local_passes_the_output_on_without_gloo_connection_banners(capfd):
+  from jaxpar.cluster.launch_local import launch_local
+  job = ("from jaxpar.cluster import distributed; distributed.initialize()\n"
+         "import jax.numpy as jnp; from jax.experimental import multihost_utils\n"
+         "total = multihost_utils.process_allgather(jnp.ones(1)).sum()\n"
+         "import jax; print(f'process {jax.process_index()} sees {total:.0f}')")
+  assert launch_local(2, [sys.executable, "-c", job], devices_per_process=2, echo=lambda _: None) == 0
+  out = capfd.readouterr().out
+  assert "process 0 sees 2" in out and "process 1 sees 2" in out, out
+  assert "[Gloo]" not in out, out  # gloo prints one per connection it makes: nothing to act on
