@@ -27,9 +27,12 @@ class Phases:
   @contextlib.contextmanager
   def __call__(self, name: str):
     started = time.perf_counter()
-    spinner = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                       console=self.console, transient=True)
-    with spinner:
-      spinner.add_task(name, total=None)
+    if self.console.is_terminal or self.console.is_jupyter:  # elsewhere (a log file) a spinner is noise
+      spinner = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                         console=self.console, transient=True)
+      with spinner:
+        spinner.add_task(name, total=None)
+        yield
+    else:
       yield
     self.console.print(f"{name}: {seconds(time.perf_counter() - started)}", markup=False, highlight=False)
