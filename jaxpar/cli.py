@@ -38,7 +38,9 @@ def _cmd_train(ns):
   processes = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
   console.print(f"[bold]jaxpar train[/bold]: {trainer.num_params:,} parameters, {processes}mesh "
                 f"{dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or 'single device'}, "
-                f"{config.train.steps} steps of {config.data.global_batch_size} x {config.data.seq_len} tokens")
+                f"{config.train.steps} steps of {config.data.global_batch_size} x {config.data.seq_len} tokens; "
+                f"{config.train.optimizer} ({trainer.optimizer_bytes_per_param:.1f} bytes of optimizer state "
+                f"per parameter), {config.train.schedule} schedule")
   tokenizer = trainer.tokenizer()
   result = trainer.fit(batches=trainer.batches(tokenizer), show_progress=not ns.no_progress,
                        restore=ns.restore)

@@ -85,13 +85,18 @@ class DataConfig(_Frozen):
 
 class TrainConfig(_Frozen):
   steps: int = 300
+  # jaxpar/train/optim.py says what each optimizer and schedule does with these keys.
+  optimizer: Literal["adamw", "adafactor", "lion", "sgd", "muon"] = "adamw"
+  schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
   learning_rate: float = 3e-3
   warmup_steps: int = 20
   min_lr_ratio: float = 0.1
+  decay_fraction: float = Field(0.2, gt=0, le=1)  # wsd: the last fraction of the steps decays
   weight_decay: float = 0.1
-  b1: float = 0.9
+  b1: float = 0.9  # adamw, lion, muon's AdamW part
   b2: float = 0.95
   eps: float = 1e-8
+  momentum: float | None = Field(None, ge=0, lt=1)  # sgd (default 0.9), muon (default 0.95)
   grad_clip: float | None = 1.0
   z_loss: float = 0.0
   microbatches: int = 1

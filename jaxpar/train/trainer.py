@@ -7,7 +7,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
@@ -17,7 +16,8 @@ from jaxpar.data import TrainBatches, copy_tokenizer_files, load_tokenizer
 from jaxpar.train.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.train.metrics import PROGRESS_EXTRAS, MetricsLogger, StepClock, scalars
-from jaxpar.train.optim import learning_rate_schedule, make_optimizer
+from jaxpar.train.optim import (learning_rate_schedule, make_optimizer, opt_state_shardings,
+                                state_bytes_per_param)
 from jaxpar.cluster.preemption import stop_on_signals
 from jaxpar.cluster.run_lock import hold_run_dirs
 from jaxpar.errors import ConfigError
@@ -50,7 +50,7 @@ class Trainer:
     self.runtime = Runtime.from_config(config, devices)
     self.runtime.plan.check_training(config.model, config.data, config.train, self.rules)
     self.console = console or Console()
-    self.optimizer = make_optimizer(config.train, self.runtime.decay_mask)
+    self.optimizer = make_optimizer(config.train, self.runtime.decay_mask, self.runtime.axis_names)
     self.schedule = learning_rate_schedule(config.train)
     self.state_shardings = self._state_shardings()
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
@@ -73,13 +73,17 @@ class Trainer:
     """The mesh and logical rules that tracing model code needs."""
     return self.runtime.context()
 
+  @property
+  def optimizer_bytes_per_param(self) -> float:
+    """Optimizer-state bytes per parameter (AdamW in float32: 8; SGD with momentum: 4)."""
+    abstract_opt = jax.eval_shape(self.optimizer.init, self.runtime.abstract_params)
+    return state_bytes_per_param(abstract_opt, self.num_params)
+
   def _state_shardings(self) -> TrainState:
     params = self.runtime.param_shardings
-    replicated = NamedSharding(self.mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(self.optimizer.init, self.runtime.abstract_params)
-    opt = optax.tree_map_params(self.optimizer, lambda _, s: s, abstract_opt, params,
-                                transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=params, opt_state=opt,
+    opt = opt_state_shardings(abstract_opt, self.runtime.abstract_params, params, self.mesh)
+    return TrainState(step=NamedSharding(self.mesh, PartitionSpec()), params=params, opt_state=opt,
                       model_state=self.runtime.model_state_shardings)
 
   def _create_state(self) -> TrainState:
