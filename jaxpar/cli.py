@@ -53,6 +53,11 @@ def _cmd_train(ns):
   else:
     console.print(f"[bold]done[/bold]: already at step {int(result.state.step)} of "
                   f"train.steps={config.train.steps}; raise train.steps to train on")
+  if "data_proportions" in s:
+    weights = {n: src.weight for n, src in config.data.named_sources().items() if src.weight > 0}
+    total = sum(weights.values())
+    console.print("data drawn: " + ", ".join(f"{name} {share:.1%} (weight {weights[name] / total:.1%})"
+                                             for name, share in s["data_proportions"].items()))
   if s["stopped_by"]:
     saved = (f"checkpoint saved in {s['checkpoint']}; run the same command to resume"
              if "checkpoint" in s else "nothing saved (checkpoint.enabled=false)")
@@ -298,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
 
   from jaxpar.inference.commands import add_parsers as add_inference_parsers
   add_inference_parsers(commands)
+  from jaxpar.data.commands import add_parsers as add_data_parsers
+  add_data_parsers(commands)
 
   launch = commands.add_parser(
       "launch-local", help="run N processes of one job on this machine (simulated CPU devices)",

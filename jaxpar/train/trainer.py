@@ -232,6 +232,8 @@ class Trainer:
                "final_loss": history[-1]["loss"] if history else None,
                "wall_s": time.perf_counter() - started, "stopped_by": stop.signal if stop else None,
                **{k: history[-1][k] for k in PROGRESS_EXTRAS if history and k in history[-1]}}
+    if len(getattr(batches, "names", ())) > 1:  # a mixture: what it drew, beside its weights
+      summary["data_proportions"] = batches.proportions()
     if timed:
       step_time = sum(h["step_time_s"] for h in timed) / len(timed)
       summary.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
