@@ -53,6 +53,9 @@ def _cmd_train(ns):
   else:
     console.print(f"[bold]done[/bold]: already at step {int(result.state.step)} of "
                   f"train.steps={config.train.steps}; raise train.steps to train on")
+  if "eval" in s:
+    from jaxpar.train.metrics import eval_line
+    console.print(f"eval at step {s['eval_step']}: {eval_line(s['eval'])}", markup=False, highlight=False)
   if "data_proportions" in s:
     weights = {n: src.weight for n, src in config.data.named_sources().items() if src.weight > 0}
     total = sum(weights.values())
@@ -305,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
   add_inference_parsers(commands)
   from jaxpar.data.commands import add_parsers as add_data_parsers
   add_data_parsers(commands)
+  from jaxpar.train.eval_command import add_parsers as add_eval_parsers
+  add_eval_parsers(commands)
 
   launch = commands.add_parser(
       "launch-local", help="run N processes of one job on this machine (simulated CPU devices)",

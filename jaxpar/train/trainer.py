@@ -15,6 +15,7 @@ from jaxpar.config import Config, checkpoint_dir
 from jaxpar.data import TrainBatches, copy_tokenizer_files, load_tokenizer
 from jaxpar.train.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import logical_to_sharding
+from jaxpar.train.evaluator import Evaluator, flat_metrics
 from jaxpar.train.metrics import PROGRESS_EXTRAS, MetricsLogger, StepClock, scalars
 from jaxpar.train.optim import (learning_rate_schedule, make_optimizer, opt_state_shardings,
                                 state_bytes_per_param)
@@ -111,6 +112,12 @@ class Trainer:
                        f"tokenizer's {tokenizer.vocab_size} tokens: raise model.vocab_size")
     return TrainBatches(self.config.data, tokenizer, self.batch_sharding)
 
+  def evaluator(self, tokenizer=None, sources=None, **options) -> Evaluator:
+    """The config's eval sets on this trainer's mesh and shardings (jaxpar/train/evaluator.py);
+    `sources`: the training loader's, so nothing is read twice."""
+    return Evaluator(self.config, self.runtime, tokenizer or self.tokenizer(), self.state_shardings.params,
+                     self.state_shardings.model_state, self.batch_sharding, sources=sources, **options)
+
   def step(self, state, batch):
     with self.context():
       return self.train_step(state, batch)
@@ -157,8 +164,10 @@ class Trainer:
         start_step = int(state.step)
         steps = max(cfg.train.steps - start_step, 0) if steps is None else steps
         stop.begin(start_step)
+        evaluator = self.evaluator(getattr(batches, "tokenizer", None), getattr(batches, "sources", None)) \
+            if cfg.eval.every_steps and steps else None
         state, history, summary = self._loop(state, batches, start_step, steps, show_progress,
-                                             checkpointer, stop)
+                                             checkpointer, stop, evaluator)
       if checkpointer is not None and history:
         last = start_step + len(history)
         checkpointer.save(last, state.items(), data_state=_data_state(batches), config=cfg, force=True)
@@ -196,7 +205,7 @@ class Trainer:
     if jax.process_index() == 0:
       self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
-  def _loop(self, state, batches, start_step, steps, show_progress, checkpointer, stop):
+  def _loop(self, state, batches, start_step, steps, show_progress, checkpointer, stop, evaluator=None):
     cfg = self.config
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     flops_per_step = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
@@ -214,6 +223,10 @@ class Trainer:
           checkpointer.save(step, state.items(), data_state=_data_state(batches), config=cfg)
         if pending is not None:  # read the previous step's metrics: keeps dispatch async
           self._log(logger, clock, pending, tokens_per_step, flops_per_step, peak)
+        every = cfg.eval.every_steps
+        if evaluator is not None and not stopping and (step % every == 0 or step == start_step + steps):
+          metrics = {**metrics, **flat_metrics(evaluator.run(state.params, state.model_state))}
+          clock.pause_after(step)  # the evaluation is not part of the next step's time
         pending = (step, metrics)
         if stopping:
           if stop.agreed:
@@ -232,6 +245,10 @@ class Trainer:
                "final_loss": history[-1]["loss"] if history else None,
                "wall_s": time.perf_counter() - started, "stopped_by": stop.signal if stop else None,
                **{k: history[-1][k] for k in PROGRESS_EXTRAS if history and k in history[-1]}}
+    evals = [h for h in history if any(k.startswith("eval/") for k in h)]
+    if evals:
+      summary["eval_step"] = evals[-1]["step"]
+      summary["eval"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
     if len(getattr(batches, "names", ())) > 1:  # a mixture: what it drew, beside its weights
       summary["data_proportions"] = batches.proportions()
     if timed:
@@ -247,7 +264,7 @@ class Trainer:
     if dt is not None:
       values.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt, mfu=flops_per_step / dt / peak)
     every = self.config.train.log_every
-    logger.log(step, values, echo=every > 0 and (step % every == 0 or step == 1))
+    logger.log(step, values, echo=every > 0 and (step % every == 0 or step == 1), echo_eval=every > 0)
 
 
 def _data_state(batches) -> dict | None:
