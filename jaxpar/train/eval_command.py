@@ -57,7 +57,14 @@ def evaluate_saved_run(path, sources=None, *, step=None, mesh=None, steps=None, 
 
 def _cmd_eval(ns):
   if ns.tasks:
-    from jaxpar.train.harness import run_tasks
+    try:
+      from jaxpar.train.harness import run_tasks
+    except ModuleNotFoundError as e:
+      if not (e.name or "").startswith("lm_eval"):
+        raise
+      from jaxpar.errors import ConfigError
+      raise ConfigError("--tasks runs EleutherAI's lm-evaluation-harness, which is not installed: "
+                        "pip install 'jaxpar[eval]'") from None
     results = run_tasks(ns.run, ns.tasks.split(","), step=ns.step, limit=ns.limit, batch_size=ns.batch_size,
                         include_path=ns.include_path, num_fewshot=ns.num_fewshot)
     console.print(results["table"], markup=False, highlight=False)
