@@ -53,14 +53,9 @@ def _cmd_train(ns):
   else:
     console.print(f"[bold]done[/bold]: already at step {int(result.state.step)} of "
                   f"train.steps={config.train.steps}; raise train.steps to train on")
-  if "eval" in s:
-    from jaxpar.train.metrics import eval_line
-    console.print(f"eval at step {s['eval_step']}: {eval_line(s['eval'])}", markup=False, highlight=False)
-  if "data_proportions" in s:
-    weights = {n: src.weight for n, src in config.data.named_sources().items() if src.weight > 0}
-    total = sum(weights.values())
-    console.print("data drawn: " + ", ".join(f"{name} {share:.1%} (weight {weights[name] / total:.1%})"
-                                             for name, share in s["data_proportions"].items()))
+  from jaxpar.train.metrics import summary_lines
+  for line in summary_lines(s, config):  # the final eval, what a data mixture drew
+    console.print(line, markup=False, highlight=False)
   if s["stopped_by"]:
     saved = (f"checkpoint saved in {s['checkpoint']}; run the same command to resume"
              if "checkpoint" in s else "nothing saved (checkpoint.enabled=false)")

@@ -131,3 +131,17 @@ def test_cli_eval_prints_the_training_numbers_and_bad_sources_are_one_line(train
   last = bad.stderr.strip().splitlines()[-1]
   assert bad.returncode == 2 and last.startswith("error: data source") and "none-*.jsonl" in last, bad.stderr
   assert "Traceback" not in bad.stderr
+
+
+def test_end_of_run_lines_report_the_final_eval_and_what_a_mixture_drew(tmp_path):
+  from jaxpar.train.metrics import summary_lines
+  (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+  config = small_config(data={"sources": {"web": {"path": str(tmp_path / "a.jsonl"), "weight": 3},
+                                          "books": {"path": str(tmp_path / "a.jsonl"), "weight": 1},
+                                          "wiki": {"path": str(tmp_path / "a.jsonl"), "weight": 0}}})
+  summary = {"eval_step": 40, "eval": {"eval/wiki/loss": 2.5, "eval/wiki/perplexity": math.exp(2.5),
+                                       "eval/wiki/bits_per_byte": 3.6, "eval/wiki/tokens": 100.0},
+             "data_proportions": {"web": 0.7421875, "books": 0.2578125}}
+  assert summary_lines(summary, config) == [
+      "eval at step 40: wiki loss 2.500 ppl 12.18 bpb 3.600",
+      "data drawn: web 74.2% (weight 75.0%), books 25.8% (weight 25.0%)"]

@@ -96,6 +96,19 @@ def eval_line(record: dict) -> str:
                    f"bpb {record[f'eval/{n}/bits_per_byte']:.3f}" for n in names)
 
 
+def summary_lines(summary: dict, config) -> list[str]:
+  """The end-of-run lines beyond loss and speed: the final eval, and what a mixture drew."""
+  lines = []
+  if "eval" in summary:
+    lines.append(f"eval at step {summary['eval_step']}: {eval_line(summary['eval'])}")
+  if "data_proportions" in summary:
+    weights = {n: s.weight for n, s in config.data.named_sources().items() if s.weight > 0}
+    total = sum(weights.values())
+    lines.append("data drawn: " + ", ".join(f"{name} {share:.1%} (weight {weights[name] / total:.1%})"
+                                            for name, share in summary["data_proportions"].items()))
+  return lines
+
+
 class StepClock:
   """When each dispatched step finished, seen from a background thread.
 
