@@ -92,11 +92,11 @@ def main():
       rows.append((f"load {kind} ({'memory map' if kind == 'cache' else 'in memory'})", label,
                    loader_rate(str(source), tokenizer, args.batches)))
   trains = {name: train_rate(name) for name in ("tiny", "bench-20m")}
-  print(f"\n{'what':<34} {'tokenizer':<9} {'tokens/s':>12} " + " ".join(f"{'x ' + n:>12}" for n in trains))
+  print(f"\n{'what':<38} {'tokenizer':<9} {'tokens/s':>12} " + " ".join(f"{'x ' + n:>12}" for n in trains))
   for what, label, rate in rows:
-    print(f"{what:<34} {label:<9} {rate:>12,.0f} " + " ".join(f"{rate / t:>12.1f}" for t in trains.values()))
+    print(f"{what:<38} {label:<9} {rate:>12,.0f} " + " ".join(f"{rate / t:>12.1f}" for t in trains.values()))
   for name, rate in trains.items():
-    print(f"{'train step ' + name + ' (1 CPU device)':<34} {'byte':<9} {rate:>12,.0f}")
+    print(f"{'train step ' + name + ' (1 CPU device)':<38} {'byte':<9} {rate:>12,.0f}")
   print("\nx NAME: how many times faster than NAME's train step consumes tokens (must stay > 1).")
 
 
