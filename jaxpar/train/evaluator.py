@@ -35,6 +35,15 @@ def make_eval_step(graphdef, *, logits_chunk_len: int = 0, load_balance: bool = 
   return eval_step
 
 
+def jit_eval_step(runtime, logits_chunk_len: int, params_sharding, model_state_sharding, batch_sharding):
+  """The eval step jitted with the train step's shardings: build it once per mesh and reuse it."""
+  step = make_eval_step(runtime.graphdef, logits_chunk_len=logits_chunk_len,
+                        load_balance=runtime.plan.load_balance)
+  batch = {k: batch_sharding for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask",
+                                       "target_bytes")}
+  return jax.jit(step, in_shardings=(params_sharding, model_state_sharding, batch))
+
+
 def summarize(sums: dict) -> dict:
   """Summed cross-entropy, tokens and bytes -> loss, perplexity, bits per byte."""
   loss = sums["ce_sum"] / max(sums["tokens"], 1.0)
@@ -45,13 +54,13 @@ def summarize(sums: dict) -> dict:
 class Evaluator:
   """The config's eval sets (or `names`: set names, source names or paths) on a runtime.
 
-  state_shardings: the train state's (TrainState or dict with params and model_state);
-  batch_sharding: the train step's batch sharding. `sources`: data sources already opened
-  (the training loader's), so nothing is read or tokenized twice.
+  params_sharding, model_state_sharding, batch_sharding: the train step's. `sources`: data
+  sources already opened (the training loader's), so nothing is read or tokenized twice;
+  `step`: a `jit_eval_step` already built for these shardings (the trainer keeps one).
   """
 
   def __init__(self, config, runtime, tokenizer, params_sharding, model_state_sharding, batch_sharding, *,
-               names=None, sources=None, steps=None, batch_size=None):
+               names=None, sources=None, steps=None, batch_size=None, step=None):
     e, d = config.eval, config.data
     self.batch_size = batch_size or e.batch_size or d.global_batch_size
     table = byte_lengths(tokenizer)
@@ -59,11 +68,8 @@ class Evaluator:
                                    steps=steps or e.steps)
                  for name, stream in eval_streams(config, tokenizer, names, sources).items()}
     self.runtime = runtime
-    step = make_eval_step(runtime.graphdef, logits_chunk_len=config.train.logits_chunk_len,
-                          load_balance=runtime.plan.load_balance)
-    batch_shardings = {k: batch_sharding for k in ("inputs", "targets", "segment_ids", "positions",
-                                                   "loss_mask", "target_bytes")}
-    self._step = jax.jit(step, in_shardings=(params_sharding, model_state_sharding, batch_shardings))
+    self._step = step or jit_eval_step(runtime, config.train.logits_chunk_len, params_sharding,
+                                       model_state_sharding, batch_sharding)
 
   def run(self, params, model_state=None) -> dict[str, dict]:
     """{set name: {"loss", "perplexity", "bits_per_byte", "tokens"}}."""

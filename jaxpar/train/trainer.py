@@ -15,7 +15,7 @@ from jaxpar.config import Config, checkpoint_dir
 from jaxpar.data import TrainBatches, copy_tokenizer_files, load_tokenizer
 from jaxpar.train.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import logical_to_sharding
-from jaxpar.train.evaluator import Evaluator, flat_metrics
+from jaxpar.train.evaluator import Evaluator, flat_metrics, jit_eval_step
 from jaxpar.train.metrics import PROGRESS_EXTRAS, MetricsLogger, StepClock, scalars
 from jaxpar.train.optim import (learning_rate_schedule, make_optimizer, opt_state_shardings,
                                 state_bytes_per_param)
@@ -61,6 +61,7 @@ class Trainer:
                            load_balance=self.runtime.plan.load_balance)
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
     self.xla_options, self.xla_notes = compiler_options(config.mesh.xla_flags, self.mesh.devices.flat)
+    self._eval_step = None  # built with the first evaluator
     self.train_step = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),
                               out_shardings=(self.state_shardings, None), donate_argnums=0,
                               compiler_options=self.xla_options or None)
@@ -114,9 +115,13 @@ class Trainer:
 
   def evaluator(self, tokenizer=None, sources=None, **options) -> Evaluator:
     """The config's eval sets on this trainer's mesh and shardings (jaxpar/train/evaluator.py);
-    `sources`: the training loader's, so nothing is read twice."""
-    return Evaluator(self.config, self.runtime, tokenizer or self.tokenizer(), self.state_shardings.params,
-                     self.state_shardings.model_state, self.batch_sharding, sources=sources, **options)
+    `sources`: the training loader's, so nothing is read twice. Every evaluator of a trainer
+    shares one eval step, so it compiles once."""
+    shardings = (self.state_shardings.params, self.state_shardings.model_state, self.batch_sharding)
+    if self._eval_step is None:
+      self._eval_step = jit_eval_step(self.runtime, self.config.train.logits_chunk_len, *shardings)
+    return Evaluator(self.config, self.runtime, tokenizer or self.tokenizer(), *shardings, sources=sources,
+                     step=self._eval_step, **options)
 
   def step(self, state, batch):
     with self.context():
