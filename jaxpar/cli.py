@@ -36,7 +36,9 @@ def _cmd_train(ns):
   processes = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
   console.print(f"[bold]jaxpar train[/bold]: {trainer.num_params:,} parameters, {processes}mesh "
                 f"{dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or 'single device'}, "
-                f"{config.train.steps} steps of {config.data.global_batch_size} x {config.data.seq_len} tokens")
+                f"{config.train.steps} steps of {config.data.global_batch_size} x {config.data.seq_len} tokens; "
+                f"{config.train.optimizer} ({trainer.optimizer_bytes_per_param:.1f} bytes of optimizer state "
+                f"per parameter), {config.train.schedule} schedule")
   tokenizer = trainer.tokenizer()
   result = trainer.fit(batches=trainer.batches(tokenizer), show_progress=not ns.no_progress,
                        restore=ns.restore)
@@ -49,6 +51,9 @@ def _cmd_train(ns):
   else:
     console.print(f"[bold]done[/bold]: already at step {int(result.state.step)} of "
                   f"train.steps={config.train.steps}; raise train.steps to train on")
+  from jaxpar.train.metrics import summary_lines
+  for line in summary_lines(s, config):  # the final eval, what a data mixture drew
+    console.print(line, markup=False, highlight=False)
   if s["stopped_by"]:
     saved = (f"checkpoint saved in {s['checkpoint']}; run the same command to resume"
              if "checkpoint" in s else "nothing saved (checkpoint.enabled=false)")
@@ -285,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
   add_inference_parsers(commands)
   from jaxpar.plot import add_parser as add_plot_parser
   add_plot_parser(commands)
+  from jaxpar.data.commands import add_parsers as add_data_parsers
+  add_data_parsers(commands)
+  from jaxpar.train.eval_command import add_parsers as add_eval_parsers
+  add_eval_parsers(commands)
 
   launch = commands.add_parser(
       "launch-local", help="run N processes of one job on this machine (simulated CPU devices)",
