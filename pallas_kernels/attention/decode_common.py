@@ -23,9 +23,12 @@ def visible_pages(page_table, q_positions, page_size, sliding_window):
   valid = q_positions >= 0
   lowest = jnp.min(jnp.where(valid, q_positions, jnp.iinfo(jnp.int32).max), axis=1)
   lowest = jnp.where(jnp.any(valid, axis=1), lowest, 0)
-  first = jnp.minimum(jnp.maximum(lowest - sliding_window + 1, 0) // page_size, width - span)
-  table = jnp.take_along_axis(page_table, first[:, None] + jnp.arange(span), axis=1)
-  return table, (first * page_size).astype(jnp.int32)
+  highest = jnp.max(jnp.where(valid, q_positions, 0), axis=1)
+  first = jnp.maximum(lowest - sliding_window + 1, 0) // page_size
+  # Columns past the newest page repeat it (their keys lie after every query: masked), so
+  # nothing outside the row's window is ever fetched, not even as padding.
+  columns = jnp.minimum(first[:, None] + jnp.arange(span), (highest // page_size)[:, None])
+  return jnp.take_along_axis(page_table, columns, axis=1), (first * page_size).astype(jnp.int32)
 
 
 def live_pages(length, page_size, sliding_window):

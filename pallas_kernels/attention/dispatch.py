@@ -125,11 +125,15 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
   Contiguous cache: k/v [B, S, Hkv, D]; always the XLA path (a bandwidth-bound
   matrix-vector product). Paged cache: k/v [Hkv, num_pages, page_size, D] with
   page_table int [B, pages_per_seq]; "auto"/"flash" use the Pallas kernel on
-  TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode).
+  TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode). With a sliding window every
+  implementation gets only the pages inside it (`visible_pages`).
   """
   _check_implementation(implementation)
   platform = current_platform()
   options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale)
+  if page_table is not None:
+    page_table, start = visible_pages(page_table, lengths[:, None] - 1, k_cache.shape[2], sliding_window)
+    lengths = jnp.where(lengths > 0, lengths - start, 0)
   use_kernel = page_table is not None and (
       implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")))
   if not use_kernel:
