@@ -10,6 +10,7 @@ from flax import nnx
 from jaxpar.config import ConfigError, ModelConfig, RopeScaling, from_dict
 from jaxpar.models.config import REMAT_NAMES
 from jaxpar.models import Rope, build_model, kv_reach, layer_options
+from jaxpar.models.flops import causal_attention_flops
 from jaxpar.models.layer_pattern import unit_options
 from jaxpar.models.rope import rope_frequencies
 from tests.helpers import SMALL_MODEL
@@ -136,6 +137,10 @@ def test_layer_pattern_resolves_per_layer_and_saves_as_given():
   dumped = cfg.model_dump(mode="json")  # keys left out stay left out: `{}` is the model's layer
   assert dumped["layer_pattern"][0] == {"sliding_window": 6, "rope_theta": 1e4, "rope_scaling": None}
   assert dumped["layer_pattern"][5] == {} and ModelConfig.model_validate(dumped) == cfg
+  # MFU counts the keys each layer sees: with a window of half a 12-token sequence, 3/4 of
+  # the causal keys, on 7 of the 8 layers.
+  full = causal_attention_flops(cfg.model_copy(update={"layer_pattern": ()}), 12)
+  assert causal_attention_flops(cfg, 12) == full * (7 * 0.75 + 1) / 8
   with pytest.raises(ConfigError, match="model.layer_pattern.0.sliding_window=0"):
     from_dict({"model": {"layer_pattern": [{"sliding_window": 0}]}})
   with pytest.raises(ConfigError, match="unknown config key 'model.layer_pattern.0.window'"):
