@@ -1,6 +1,6 @@
-"""A Mistral-style sliding window shorter than the sequence, end to end: the same logits in
-the training forward (context-parallel ring, zig-zag), the chunked kernel and a full
-forward; the engine's paged decode (float and int8 pages) greedy past the window equal to
+"""A Mistral-style sliding window shorter than the sequence (with a Gemma-style logit
+soft-cap), end to end: the same logits in the training forward (context-parallel ring,
+zig-zag), the chunked kernel and a full forward; the engine's paged decode (float and int8 pages) greedy past the window equal to
 full recomputation while each sequence holds about window / page_size + 1 pages; and a
 Hugging Face Mistral with a window imported, generated from and exported exactly."""
 
@@ -21,7 +21,7 @@ from jaxpar.train.evaluate import logits as forward_logits
 from tests.helpers import SMALL_MODEL
 
 WINDOW, PAGE, LENGTH = 12, 4, 128
-MODEL = ModelConfig(**{**SMALL_MODEL, "max_seq_len": LENGTH, "sliding_window": WINDOW})
+MODEL = ModelConfig(**{**SMALL_MODEL, "max_seq_len": LENGTH, "sliding_window": WINDOW, "attn_logit_soft_cap": 2.0})
 NO_STOP = dict(stop_token_ids=())
 
 
@@ -41,12 +41,12 @@ def test_training_forward_chunked_and_full_forward_agree(run):
   runtime, params, _ = run
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 258, (2, 64)), jnp.int32)
   want = _logits(runtime, params, tokens)
-  unwindowed = Runtime(MODEL.model_copy(update={"sliding_window": None}), MeshConfig(fsdp=1), jax.devices()[:1])
-  full = _logits(unwindowed, params, tokens)
+  variant = lambda **update: Runtime(MODEL.model_copy(update=update), MeshConfig(fsdp=1), jax.devices()[:1])
+  full = _logits(variant(sliding_window=None), params, tokens)
   np.testing.assert_allclose(full[:, :WINDOW], want[:, :WINDOW], rtol=1e-5, atol=1e-5)
   assert not np.allclose(full[:, WINDOW:], want[:, WINDOW:], atol=1e-3)  # the window matters
-  chunked = Runtime(MODEL.model_copy(update={"attention": "chunked"}), MeshConfig(fsdp=1), jax.devices()[:1])
-  np.testing.assert_allclose(_logits(chunked, params, tokens), want, rtol=1e-5, atol=1e-5)
+  assert not np.allclose(_logits(variant(attn_logit_soft_cap=None), params, tokens), want, atol=1e-3)
+  np.testing.assert_allclose(_logits(variant(attention="chunked"), params, tokens), want, rtol=1e-5, atol=1e-5)
   # As the train step runs it: the sequence split over 4 context devices in zig-zag order, ring attention.
   ring = Runtime(MODEL, MeshConfig(context=4, fsdp=2), jax.devices(),
                  parallel=ParallelConfig(context={"attention": "ring", "load_balance": True}))
