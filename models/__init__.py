@@ -24,8 +24,8 @@ from jaxpar.models.registry import (HFMapping, ModelFamily, block_names, build_m
 from jaxpar.models.transformer import Transformer
 
 __all__ = ["Attention", "AttentionOptions", "DecoderLayer", "HFMapping", "KVQuantization", "LayerContext",
-           "LayerKind", "LayerOptions", "MLP", "ModelConfig", "ModelFamily", "MoE", "MoEConfig", "MoEModelConfig",
-           "NoCache", "PagedCache", "QuantizationConfig", "QuantizedKernel", "QuantizedPagedCache", "Rope",
-           "RopeScaling", "SimulatedKVQuantization", "Transformer", "block_names", "build_model", "check_blocks",
-           "family_names", "get_block", "get_family", "kv_reach", "layer_options", "register_block",
-           "register_family"]
+           "LayerKind", "LayerOptions", "MLP", "ModelConfig", "ModelFamily", "MoE", "MoEConfig",
+           "MoEModelConfig", "NoCache", "PagedCache", "QuantizationConfig", "QuantizedKernel",
+           "QuantizedPagedCache", "Rope", "RopeScaling", "SimulatedKVQuantization", "Transformer",
+           "block_names", "build_model", "check_blocks", "family_names", "get_block", "get_family",
+           "kv_reach", "layer_options", "register_block", "register_family"]

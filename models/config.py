@@ -6,7 +6,8 @@ by subclassing `ModelConfig` and naming the subclass in its registry entry.
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer,
+                      model_validator)
 
 
 class Frozen(BaseModel):

@@ -67,8 +67,8 @@ class Transformer(nnx.Module):
                            out_sharding=("vocab", "embed"))
     make_layer = get_block("decoder_layer", cfg.layer_block)
     for group in layer_groups(cfg):
-      setattr(self, group.name, create_layers(lambda r, block=group.feed_forward: make_layer(cfg, r, feed_forward=block),
-                                              group.count, rngs, scan=cfg.scan_layers))
+      layer = lambda r, block=group.feed_forward: make_layer(cfg, r, feed_forward=block)  # noqa: E731
+      setattr(self, group.name, create_layers(layer, group.count, rngs, scan=cfg.scan_layers))
     self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=param_dtype,
                               compute_dtype=compute_dtype)
     if not cfg.tie_embeddings:

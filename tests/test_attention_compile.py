@@ -102,7 +102,8 @@ def test_tpu_windowed_paged_decode_compiles_on_the_window_pages():
     decode = jax.jit(lambda q, k, v, n, t: pallas_kernels.decode_attention(q, k, v, n, page_table=t,
                                                                            sliding_window=256))
     compiled = decode.lower(sds((batch, 8, 128), jnp.bfloat16, P("data", "tensor")), pages, pages,
-                            sds((batch,), jnp.int32, P("data")), sds((batch, 16), jnp.int32, P("data"))).compile()
+                            sds((batch,), jnp.int32, P("data")),
+                            sds((batch, 16), jnp.int32, P("data"))).compile()
   hlo = compiled.as_text()
   assert "tpu_custom_call" in hlo
   assert "s32[1,3]" in hlo or "s32[3]" in hlo, "the kernel's page table is the window's 3 pages"

@@ -1,8 +1,9 @@
 """A Mistral-style sliding window shorter than the sequence (with a Gemma-style logit
 soft-cap), end to end: the same logits in the training forward (context-parallel ring,
-zig-zag), the chunked kernel and a full forward; the engine's paged decode (float and int8 pages) greedy past the window equal to
-full recomputation while each sequence holds about window / page_size + 1 pages; and a
-Hugging Face Mistral with a window imported, generated from and exported exactly."""
+zig-zag), the chunked kernel and a full forward; the engine's paged decode (float and int8
+pages) greedy past the window equal to full recomputation while each sequence holds about
+window / page_size + 1 pages; and a Hugging Face Mistral with a window imported, generated
+from and exported exactly."""
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ from jaxpar.train.evaluate import logits as forward_logits
 from tests.helpers import SMALL_MODEL
 
 WINDOW, PAGE, LENGTH = 12, 4, 128
-MODEL = ModelConfig(**{**SMALL_MODEL, "max_seq_len": LENGTH, "sliding_window": WINDOW, "attn_logit_soft_cap": 2.0})
+MODEL = ModelConfig(**{**SMALL_MODEL, "max_seq_len": LENGTH, "sliding_window": WINDOW,
+                       "attn_logit_soft_cap": 2.0})
 NO_STOP = dict(stop_token_ids=())
 
 
@@ -34,7 +36,8 @@ def run():
 
 def _logits(runtime, params, tokens, kv_quantization=None):
   with runtime.context():
-    return np.asarray(jax.jit(lambda p, t: forward_logits(runtime.merge(p), t, kv_quantization))(params, tokens))
+    run = jax.jit(lambda p, t: forward_logits(runtime.merge(p), t, kv_quantization))
+    return np.asarray(run(params, tokens))
 
 
 def test_training_forward_chunked_and_full_forward_agree(run):
