@@ -12,6 +12,8 @@ functions. Non-parameter variables a layer changes (router biases, statistics) a
 written back into the stack after the scan.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -73,19 +75,30 @@ def run_layers(layers, layer_fns, carry, inputs=None, *, scan: bool, unroll: int
   count = jax.tree.leaves(params)[0].shape[0]
   units, rest = divmod(count, period)
 
+  def one_layer(fn, carry, layer_xs):
+    layer_params, layer_others, layer_inputs = layer_xs
+    layer = nnx.merge(graphdef, layer_params, layer_others)
+    carry, outputs = fn(layer, carry, layer_inputs)
+    return carry, (outputs, nnx.state(layer, nnx.Not(nnx.Param)))
+
+  if period == 1:  # one layer per step, over the stacked arrays as they are
+    carry, (outputs, updated) = jax.lax.scan(functools.partial(one_layer, layer_fns[0]), carry, stacked,
+                                             unroll=unroll)
+    nnx.update(layers, updated)
+    return carry, outputs
+
   def unit(fns):
-    """Body over one unit: xs' leaves are [len(fns), ...]."""
+    """The body over one unit: xs' leaves are [len(fns), ...]."""
     def body(carry, xs):
-      per_layer, updated = [], []
+      per_layer = []
       for i, fn in enumerate(fns):
-        layer_params, layer_others, layer_inputs = jax.tree.map(lambda x: x[i], xs)
-        layer = nnx.merge(graphdef, layer_params, layer_others)
-        carry, outputs = fn(layer, carry, layer_inputs)
-        per_layer.append(outputs)
-        updated.append(nnx.state(layer, nnx.Not(nnx.Param)))
-      return carry, (_stack(per_layer), _stack(updated))
+        carry, results = one_layer(fn, carry, jax.tree.map(lambda x: x[i], xs))
+        per_layer.append(results)
+      return carry, _stack(per_layer)
     return body
 
+  # [units * period, ...] -> [units, period, ...] is free; a [count, 1, ...] view would not
+  # be (XLA copies every weight to add the unit axis), hence the plain scan above.
   results = []
   if units:
     head = jax.tree.map(lambda x: x[:units * period].reshape(units, period, *x.shape[1:]), stacked)
