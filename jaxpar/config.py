@@ -12,7 +12,7 @@ from pydantic import Field, SerializeAsAny, ValidationError, field_validator, mo
 
 from jaxpar.errors import ConfigError
 from jaxpar.mesh.build import AXES as MESH_AXES
-from jaxpar.models import get_block, get_family
+from jaxpar.models import check_blocks, get_family
 from jaxpar.models.config import Frozen as _Frozen
 from jaxpar.models.config import ModelConfig, RopeScaling  # noqa: F401  (the model section)
 from jaxpar.parallel import ParallelConfig, ParallelPlan, migrate_model_keys
@@ -188,7 +188,7 @@ class Config(_Frozen):
     if d.seq_len > m.max_seq_len:
       raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
                        "lower data.seq_len or raise model.max_seq_len")
-    get_block("feed_forward", m.mlp)
+    check_blocks(m)
     if m.mlp == "moe" and getattr(m, "moe", None) is None:
       raise ValueError(f"model.mlp='moe' needs a model.moe section, which model.family={m.family!r} "
                        "does not have: use a mixture-of-experts family (mixtral, qwen3_moe, deepseek)")

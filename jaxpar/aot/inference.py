@@ -16,7 +16,7 @@ from jaxpar.aot.compile import memory_sizes, per_device_bytes
 from jaxpar.aot.phases import silent
 from jaxpar.inference.programs import Programs
 from jaxpar.mesh import logical_to_sharding
-from jaxpar.models import kv_cache
+from jaxpar.models import caches, kv_cache
 from jaxpar.models.transformer import layer_groups
 from jaxpar.runtime import Runtime
 
@@ -24,12 +24,10 @@ from jaxpar.runtime import Runtime
 def abstract_cache(runtime, num_pages: int, page_size: int, dtype) -> dict:
   """The paged KV cache as sharded ShapeDtypeStructs (nothing allocated)."""
   cfg = runtime.model_config
-  cache = {}
-  for name, count, _ in layer_groups(cfg):
-    shape = (count,) + kv_cache.page_shape(cfg, num_pages, page_size)
-    sharding = logical_to_sharding(kv_cache.STACKED_NAMES, shape, runtime.mesh, runtime.rules)
-    cache[name] = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding) for k in ("k", "v")}
-  return cache
+  shapes = jax.eval_shape(lambda: {g.name: caches.init(cfg, g.count, num_pages, page_size, jnp.dtype(dtype))
+                                   for g in layer_groups(cfg)})
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=logical_to_sharding(
+      kv_cache.STACKED_NAMES, s.shape, runtime.mesh, runtime.rules)), shapes)
 
 
 def compile_inference(config, topology: str, *, slots: int, context: int, page_size: int = 128,
