@@ -3,7 +3,8 @@
 Queries stay split over the devices; keys and values (and the keys' segment ids) are
 all-gathered, put back in sequence order, and each of the device's query pieces (two in
 zig-zag order, one at a time) attends to all of them with the blockwise kernel at its own
-offset, whose causal tile skipping keeps the work to the keys it can see. Cheap when there are few kv heads (GQA): the
+offset, whose causal tile skipping keeps the work to the keys it can see (and its sinks,
+since each piece meets every key in one call). Cheap when there are few kv heads (GQA): the
 gathered K/V are Hkv/Hq of what the queries would be.
 
 The backward gathers K/V again rather than keeping the gathered copy alive between the
@@ -35,14 +36,14 @@ def _scatter_sum(split, x):
   return lax.psum_scatter(x, split.axes, scatter_dimension=1, tiled=True)
 
 
-def _forward(st, q, k, v, q_seg, kv_seg):
+def _forward(st, q, k, v, sinks, q_seg, kv_seg):
   split, kernel, opts = st
   k_all, v_all, kv_seg_all = _gather(split, k), _gather(split, v), _gather(split, kv_seg)
   qs, q_segs = split.split(q), split.split(q_seg)
   starts = split.starts(lax.axis_index(split.axes), qs.shape[2])
 
   def one(a, out):  # one query piece at a time: one kernel in the program
-    o, lse = kernel.forward(opts, qs[a], k_all, v_all, piece(q_segs, a), kv_seg_all, starts[a])
+    o, lse = kernel.forward(opts, qs[a], k_all, v_all, sinks, piece(q_segs, a), kv_seg_all, starts[a])
     return out[0].at[a].set(o), out[1].at[a].set(lse)
 
   batch, n, heads, _ = qs.shape[1:]
@@ -72,6 +73,6 @@ def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
           _scatter_sum(split, dv).astype(v.dtype))
 
 
-# all_gather_attention(st, q, k, v, q_seg, kv_seg) -> o,
+# all_gather_attention(st, q, k, v, sinks, q_seg, kv_seg) -> o,
 # st = (SequenceSplit, Blockwise, AttentionOptions).
 all_gather_attention = with_lse_vjp(_forward, _backward)

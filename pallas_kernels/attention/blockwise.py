@@ -2,7 +2,7 @@
 
 Each one is a `Blockwise` pair in the public layout, q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]:
 
-  forward(opts, q, k, v, q_seg, kv_seg, q_offset) -> (o [B, Lq, Hq, D], lse f32 [B, Hq, Lq])
+  forward(opts, q, k, v, sinks, q_seg, kv_seg, q_offset) -> (o [B, Lq, Hq, D], lse f32 [B, Hq, Lq])
   backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do) -> (dq, dk, dv)
 
 Query i sits at key position `q_offset + i` (an int32 scalar, traced or not): plain
@@ -10,7 +10,9 @@ attention passes `Lk - Lq`; context parallelism passes where a query chunk lies 
 to a key chunk that lives on another device. `backward` recomputes probabilities from the
 `lse` it is given, so with the log-sum-exp of *all* keys it returns this key block's share
 of the gradient: the ring sums those shares. Rows that see no key get o = 0 and a very
-negative lse, which weighs nothing when blocks are combined.
+negative lse, which weighs nothing when blocks are combined. `sinks` ([Hq] or None) start
+each row's online softmax at (max = sink, sum = 1): a key block of its own whose value is
+zero. Context parallelism passes None per block and folds the sinks in once (`add_sinks`).
 """
 
 import dataclasses
@@ -67,6 +69,16 @@ def out_struct(shape, dtype, like):
   """A kernel output's shape that varies over the same manual mesh axes as `like` (inside
   `shard_map`, Pallas must be told)."""
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).mat)
+
+
+def add_sinks(o, lse, sinks):
+  """A finished attention (o [B, L, H, D], lse [B, H, L]) with the sinks [H] folded in as
+  one more key of value zero -> (o in float32, lse); sinks None: as it is."""
+  if sinks is None:
+    return o, lse
+  new_lse = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
+  keep = jnp.exp(lse - new_lse).transpose(0, 2, 1)[..., None]  # [B, L, H, 1]
+  return o.astype(jnp.float32) * keep, new_lse
 
 
 def merge_partials(a, b):

@@ -64,8 +64,9 @@ def _kv_range(st, i, q_offset):
                                 sliding_window=st.sliding_window, kv_len=st.kv_len)
 
 
-def _forward(st, q, k, v, q_seg, kv_seg, q_offset):
-  """q: [nq, B, bq, Hkv, G, D]; k, v: [nk, B, bk, Hkv, D] -> o like q, lse [nq, B, Hkv, G, bq]."""
+def _forward(st, q, k, v, sinks, q_seg, kv_seg, q_offset):
+  """q: [nq, B, bq, Hkv, G, D]; k, v: [nk, B, bk, Hkv, D]; sinks [Hq] or None -> o like q,
+  lse [nq, B, Hkv, G, bq]."""
   batch, bq, num_kv_heads, group, head_dim = q.shape[1:]
 
   def q_block(args):
@@ -84,8 +85,11 @@ def _forward(st, q, k, v, q_seg, kv_seg, q_offset):
       return m_next, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
 
     stats = (batch, num_kv_heads, group, bq)
-    init = (full_like_varying(stats, masking.MASK_VALUE, qi), full_like_varying(stats, 0.0, qi),
-            full_like_varying(stats + (head_dim,), 0.0, qi))
+    m, l = full_like_varying(stats, masking.MASK_VALUE, qi), full_like_varying(stats, 0.0, qi)
+    if sinks is not None:  # the sink is a first key of value 0: max = sink, sum = 1
+      m = full_like_varying(stats, 0.0, qi) + sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1)
+      l = l + 1.0
+    init = (m, l, full_like_varying(stats + (head_dim,), 0.0, qi))
     m, l, acc = lax.fori_loop(first, last + 1, step, init)
     l = jnp.where(l == 0.0, 1.0, l)  # rows that saw only padding stay finite
     o = jnp.einsum("bhgqd->bqhgd", acc / l[..., None]).astype(qi.dtype)
@@ -167,11 +171,11 @@ def _q_unblock(x, q_len):
   return x.reshape(*x.shape[:2], -1, x.shape[-1])[:, :q_len]
 
 
-def forward(opts, q, k, v, q_seg, kv_seg, q_offset):
+def forward(opts, q, k, v, sinks, q_seg, kv_seg, q_offset):
   """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, D], lse [B, Hq, Lq])."""
   st = _static(opts, q, k)
   q_len = q.shape[1]
-  o, lse = _forward(st, _q_blocks(st, q), _kv_blocks(st, k), _kv_blocks(st, v),
+  o, lse = _forward(st, _q_blocks(st, q), _kv_blocks(st, k), _kv_blocks(st, v), sinks,
                     *_seg_blocks(st, q_seg, kv_seg, q_len), q_offset)
   lse = jnp.moveaxis(lse, 0, 3)  # [B, Hkv, G, nq, bq]
   return _q_unblock(o, q_len), lse.reshape(lse.shape[0], -1, lse.shape[3] * lse.shape[4])[..., :q_len]
@@ -195,10 +199,11 @@ _chunked = with_lse_vjp(forward, backward)
 
 
 def chunked_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
-                      logit_soft_cap=None, scale=None, block_sizes=None):
-  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] -> [B, Lq, Hq, D], without an Lq x Lk buffer."""
+                      logit_soft_cap=None, scale=None, sinks=None, block_sizes=None):
+  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; sinks [Hq] or None -> [B, Lq, Hq, D],
+  without an Lq x Lk buffer."""
   validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap,
-                                  head_dims=None)
+                                  head_dims=None, sinks=sinks)
   opts = AttentionOptions(causal=causal, sliding_window=sliding_window,
                           logit_soft_cap=logit_soft_cap, scale=scale, block_sizes=block_sizes)
-  return _chunked(opts, q, k, v, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))
+  return _chunked(opts, q, k, v, sinks, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))

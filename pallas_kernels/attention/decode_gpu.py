@@ -3,7 +3,8 @@
 Grid (batch, kv_head). Each program walks only the live pages of its sequence
 through the page table; all query heads of the kv head share each loaded page
 (GQA). Decode is memory-bound, so the [group, page] products use vector units,
-which also lifts Triton's 16-row minimum for matmuls.
+which also lifts Triton's 16-row minimum for matmuls. Attention sinks (one logit per query
+head) start each row's online softmax at (max = sink, sum = 1).
 """
 
 import dataclasses
@@ -27,7 +28,7 @@ class _Static:
   page_size: int
 
 
-def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, st):
+def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *, st):
   length = lengths_ref[0]
   q = q_ref[...].astype(jnp.float32)  # [group, D]
 
@@ -49,17 +50,21 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, st):
 
   group = q.shape[0]
   first, last = decode_common.live_pages(length, st.page_size, st.sliding_window)
-  init = (jnp.full((group,), masking.MASK_VALUE, jnp.float32), jnp.zeros((group,), jnp.float32),
-          jnp.zeros(q.shape, jnp.float32))
-  _, l, acc = lax.fori_loop(first, last + 1, step, init)
+  if sinks_ref is None:
+    m, l = jnp.full((group,), masking.MASK_VALUE, jnp.float32), jnp.zeros((group,), jnp.float32)
+  else:  # the sink: a first key of value zero
+    m, l = sinks_ref[...].astype(jnp.float32), jnp.ones((group,), jnp.float32)
+  _, l, acc = lax.fori_loop(first, last + 1, step, (m, l, jnp.zeros(q.shape, jnp.float32)))
   o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
 def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, sliding_window=None,
-                               logit_soft_cap=None, scale=None, interpret=False):
-  """q: [B, Hq, D]; k/v_pages: [Hkv, num_pages, page_size, D]; lengths: [B]; page_table: [B, n]."""
+                               logit_soft_cap=None, scale=None, sinks=None, interpret=False):
+  """q: [B, Hq, D]; k/v_pages: [Hkv, num_pages, page_size, D]; lengths: [B]; page_table: [B, n];
+  sinks: [Hq] or None."""
   decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table,
                                   validation.SUPPORTED_HEAD_DIMS)
+  validation.check_sinks(sinks, q.shape[1])
   batch, num_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
@@ -76,11 +81,13 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, slid
       grid=(batch, num_kv_heads),
       in_specs=[pl.BlockSpec((1,), lambda b, h: (b,)),
                 pl.BlockSpec((None, page_table.shape[1]), lambda b, h: (b, 0)),
-                q_spec, pages_spec, pages_spec],
+                q_spec, pages_spec, pages_spec,
+                None if sinks is None else pl.BlockSpec((group,), lambda b, h: (h,))],  # kv head h's
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype, manual_axis_type=jax.typeof(q).mat),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
       name="paged_decode_attention",
-  )(lengths.astype(jnp.int32), page_table.astype(jnp.int32), qg, k_pages, v_pages)
+  )(lengths.astype(jnp.int32), page_table.astype(jnp.int32), qg, k_pages, v_pages,
+    None if sinks is None else sinks.astype(jnp.float32))
   return out.reshape(batch, num_heads, head_dim)

@@ -3,7 +3,8 @@
 Grid (batch, kv_head, page). The page table and lengths are scalar-prefetched into
 SMEM so the K/V index maps can fetch the right page; steps past a sequence's end
 re-use the last live page (no DMA) and skip compute. All query heads of a kv head
-form one [group, head_dim] tile, so GQA reads each page once.
+form one [group, head_dim] tile, so GQA reads each page once. Attention sinks (one logit
+per query head, in SMEM) start each row's online softmax at (max = sink, sum = 1).
 """
 
 import dataclasses
@@ -31,15 +32,25 @@ class _Static:
   pages_per_seq: int
 
 
-def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *, st):
-  b, j = pl.program_id(0), pl.program_id(2)
+def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, m_scr, l_scr, acc_scr, *, st):
+  b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = lengths_ref[b]
 
   @pl.when(j == 0)
   def _init():
-    m_scr[...] = jnp.full(m_scr.shape, masking.MASK_VALUE, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    if sinks_ref is None:
+      m_scr[...] = jnp.full(m_scr.shape, masking.MASK_VALUE, jnp.float32)
+      l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+      return
+    # The sink: a first key of value zero. Row g of the tile is query head h * group + g.
+    group = m_scr.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, m_scr.shape, 0)
+    sink = jnp.zeros(m_scr.shape, jnp.float32)
+    for g in range(group):
+      sink = jnp.where(row == g, sinks_ref[h * group + g], sink)
+    m_scr[...] = sink
+    l_scr[...] = jnp.ones(l_scr.shape, jnp.float32)
 
   first, last = decode_common.live_pages(length, st.page_size, st.sliding_window)
 
@@ -79,10 +90,12 @@ def _cost(q, k_pages, pages_per_seq):
 
 
 def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, sliding_window=None,
-                               logit_soft_cap=None, scale=None, interpret=False):
-  """q: [B, Hq, D]; k/v_pages: [Hkv, num_pages, page_size, D]; lengths: [B]; page_table: [B, n]."""
+                               logit_soft_cap=None, scale=None, sinks=None, interpret=False):
+  """q: [B, Hq, D]; k/v_pages: [Hkv, num_pages, page_size, D]; lengths: [B]; page_table: [B, n];
+  sinks: [Hq] or None."""
   decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table,
                                   validation.SUPPORTED_HEAD_DIMS)
+  validation.check_sinks(sinks, q.shape[1])
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   if page_size % 8:
@@ -105,7 +118,8 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, slid
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
           grid=(batch, num_kv_heads, pages_per_seq),
-          in_specs=[q_spec, page_spec, page_spec],
+          in_specs=[q_spec, page_spec, page_spec,
+                    None if sinks is None else pl.BlockSpec(memory_space=pltpu.SMEM)],
           out_specs=q_spec,
           scratch_shapes=[pltpu.VMEM((group, _LANES), jnp.float32),
                           pltpu.VMEM((group, _LANES), jnp.float32),
@@ -116,5 +130,6 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, slid
       cost_estimate=_cost(q, k_pages, pages_per_seq),
       interpret=interpret,
       name="paged_decode_attention",
-  )(lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages)
+  )(lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages,
+    None if sinks is None else sinks.astype(jnp.float32))
   return out.reshape(batch, num_heads, head_dim)

@@ -60,22 +60,23 @@ def choose_implementation(implementation, platform, head_dim, kv_len):
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
-              logit_soft_cap=None, scale=None, implementation="auto", block_sizes=None,
+              logit_soft_cap=None, scale=None, sinks=None, implementation="auto", block_sizes=None,
               context_parallel=None, zigzag=False):
   """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] -> [B, Lq, Hq, D].
 
   Hq % Hkv == 0 (GQA/MQA); segment_ids: int [B, Lk] for packed sequences (queries are
   the last Lq positions); sliding_window: keys at most this far back (incl. self);
-  logit_soft_cap: cap * tanh(logits / cap); block_sizes: kernel tiles (BlockSizes).
-  On a mesh that splits `length`: context_parallel "all_gather" | "ring" (None: the current
-  execution options'); zigzag: the length axis is in zig-zag order (layout.zigzag), else
-  contiguous.
+  logit_soft_cap: cap * tanh(logits / cap); sinks: [Hq] logits, one per query head, that
+  join each row's softmax with a zero value (GPT-OSS; differentiable); block_sizes: kernel
+  tiles (BlockSizes). On a mesh that splits `length`: context_parallel "all_gather" | "ring"
+  (None: the current execution options'); zigzag: the length axis is in zig-zag order
+  (layout.zigzag), else contiguous.
   """
   platform = current_platform()
   split = cp.length_split(zigzag)
   if split is not None:
     strategy = context_parallel or current_execution_options().context_attention
-    return _context_parallel(q, k, v, segment_ids, split, platform, strategy,
+    return _context_parallel(q, k, v, segment_ids, sinks, split, platform, strategy,
                              implementation, block_sizes,
                              AttentionOptions(causal=causal, sliding_window=sliding_window,
                                               logit_soft_cap=logit_soft_cap, scale=scale))
@@ -84,20 +85,21 @@ def attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
                  scale=scale)
   if impl == "reference":
     validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap,
-                                    head_dims=None)
-    return attention_reference(q, k, v, segment_ids=segment_ids, **options)
+                                    head_dims=None, sinks=sinks)
+    return attention_reference(q, k, v, segment_ids=segment_ids, sinks=sinks, **options)
   if impl == "chunked":
-    return chunked_attention(q, k, v, segment_ids=segment_ids, block_sizes=block_sizes, **options)
-  validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap)
+    return chunked_attention(q, k, v, segment_ids=segment_ids, sinks=sinks, block_sizes=block_sizes,
+                             **options)
+  validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap, sinks=sinks)
   kernel = flash_attention_gpu if platform == "gpu" else flash_attention_tpu
   blocks = block_sizes or default_block_sizes(platform, current_device_kind())
   run = functools.partial(kernel, block_sizes=blocks, interpret=interpret(platform), **options)
-  return logical_shard_map(lambda q, k, v, seg: run(q, k, v, segment_ids=seg),
-                           (_SEQUENCE, _SEQUENCE, _SEQUENCE, ("batch", None)),
-                           _SEQUENCE)(q, k, v, segment_ids)
+  return logical_shard_map(lambda q, k, v, seg, sinks: run(q, k, v, segment_ids=seg, sinks=sinks),
+                           (_SEQUENCE, _SEQUENCE, _SEQUENCE, ("batch", None), (_HEADS,)),
+                           _SEQUENCE)(q, k, v, segment_ids, sinks)
 
 
-def _context_parallel(q, k, v, segment_ids, split, platform, strategy, implementation,
+def _context_parallel(q, k, v, segment_ids, sinks, split, platform, strategy, implementation,
                       block_sizes, opts):
   """Per-piece kernel: flash where `implementation` resolves to it, else chunked."""
   _check_implementation(implementation)
@@ -109,16 +111,16 @@ def _context_parallel(q, k, v, segment_ids, split, platform, strategy, implement
                      "'chunked' or 'auto' when the mesh splits the sequence length")
   head_dims = validation.SUPPORTED_HEAD_DIMS if impl == "flash" else None
   validation.check_attention_args(q, k, v, segment_ids, opts.sliding_window, opts.logit_soft_cap,
-                                  head_dims=head_dims)
+                                  head_dims=head_dims, sinks=sinks)
   if impl == "flash":
     block_sizes = block_sizes or default_block_sizes(platform, current_device_kind())
   opts = dataclasses.replace(opts, block_sizes=block_sizes, interpret=interpret(platform))
-  return cp.context_parallel_attention(q, k, v, segment_ids, split=split, strategy=strategy,
+  return cp.context_parallel_attention(q, k, v, segment_ids, sinks, split=split, strategy=strategy,
                                        kernel=cp.blockwise_kernel(impl, platform), opts=opts)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_window=None,
-                     logit_soft_cap=None, scale=None, implementation="auto"):
+                     logit_soft_cap=None, scale=None, sinks=None, implementation="auto"):
   """One new token per sequence against a KV cache with ragged `lengths` -> [B, Hq, D].
 
   q: [B, Hq, D]; lengths: int [B] valid entries (the new token's key included).
@@ -126,9 +128,11 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
   matrix-vector product). Paged cache: k/v [Hkv, num_pages, page_size, D] with
   page_table int [B, pages_per_seq]; "auto"/"flash" use the Pallas kernel on
   TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode). With a sliding window every
-  implementation gets only the pages inside it (`visible_pages`).
+  implementation gets only the pages inside it (`visible_pages`). sinks: [Hq] or None, as
+  `attention` takes them.
   """
   _check_implementation(implementation)
+  validation.check_sinks(sinks, q.shape[1])
   platform = current_platform()
   options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale)
   if page_table is not None:
@@ -138,16 +142,17 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
       implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")))
   if not use_kernel:
     return decode_attention_reference(q, k_cache, v_cache, lengths, page_table=page_table,
-                                      **options)
+                                      sinks=sinks, **options)
   kernel = paged_decode_attention_gpu if platform == "gpu" else paged_decode_attention_tpu
   run = functools.partial(kernel, interpret=interpret(platform), **options)
   token = ("batch", _HEADS, "head_dim")
-  return logical_shard_map(run, (token, _PAGES, _PAGES, ("batch",), ("batch", None)),
-                           token)(q, k_cache, v_cache, lengths, page_table)
+  return logical_shard_map(lambda q, k, v, n, t, sinks: run(q, k, v, n, t, sinks=sinks),
+                           (token, _PAGES, _PAGES, ("batch",), ("batch", None), (_HEADS,)),
+                           token)(q, k_cache, v_cache, lengths, page_table, sinks)
 
 
 def paged_attention(q, k_pages, v_pages, q_positions, page_table, *, sliding_window=None,
-                    logit_soft_cap=None, scale=None, implementation="auto"):
+                    logit_soft_cap=None, scale=None, sinks=None, implementation="auto"):
   """New tokens against a paged KV cache that already holds their keys -> [B, T, Hq, D].
 
   q: [B, T, Hq, D] at q_positions int [B, T] (negative: padding, output 0); each query
@@ -157,7 +162,7 @@ def paged_attention(q, k_pages, v_pages, q_positions, page_table, *, sliding_win
   (only those inside a sliding window: positions contiguous per row).
   """
   _check_implementation(implementation)
-  options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale)
+  options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale, sinks=sinks)
   if q.shape[1] == 1:
     lengths = jnp.maximum(q_positions[:, 0] + 1, 0)
     return decode_attention(q[:, 0], k_pages, v_pages, lengths, page_table=page_table,

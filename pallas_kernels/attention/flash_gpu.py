@@ -4,6 +4,8 @@ backward as a dK/dV kernel and a dQ kernel that recompute from the log-sum-exp.
 Works on [batch, length, heads, head_dim] directly (Triton loads strided tiles).
 A query tile is one head; the K/V index map sends query head h to kv head
 h // group, and the dK/dV kernel loops over the group, so K/V are never repeated.
+Attention sinks start each row's online softmax at (max = sink, sum = 1); the backward
+kernels see them through the saved log-sum-exp.
 """
 
 import dataclasses
@@ -50,7 +52,7 @@ def _kv_range(st, offset, i, bq, bk):
                                 sliding_window=st.sliding_window, kv_len=st.kv_len)
 
 
-def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, o_ref, lse_ref, *, st):
+def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, sink_ref, o_ref, lse_ref, *, st):
   bq, bk = st.block_q, st.block_k
   i, offset = pl.program_id(0), off_ref[0]
   q = q_ref[...]
@@ -71,9 +73,11 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, o_ref, lse_re
     return m_next, alpha * l + p.sum(axis=1), acc
 
   first, last = _kv_range(st, offset, i, bq, bk)
-  init = (jnp.full((bq,), masking.MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
-          jnp.zeros(q.shape, jnp.float32))
-  m, l, acc = lax.fori_loop(first, last + 1, step, init)
+  if sink_ref is None:
+    m, l = jnp.full((bq,), masking.MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32)
+  else:  # the sink: a first key of value zero
+    m, l = jnp.full((bq,), sink_ref[0], jnp.float32), jnp.ones((bq,), jnp.float32)
+  m, l, acc = lax.fori_loop(first, last + 1, step, (m, l, jnp.zeros(q.shape, jnp.float32)))
   l = jnp.where(l == 0.0, 1.0, l)  # rows that saw only padding stay finite
   o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
   lse_ref[...] = m + jnp.log(l)
@@ -153,23 +157,24 @@ def _seg_specs(seg, kv_seg, q_block, q_index):
 _OFFSET_SPEC = pl.BlockSpec((1,), lambda *grid: (0,))
 
 
-def _forward(q, k, v, q_seg, kv_seg, offset, st):
+def _forward(q, k, v, sinks, q_seg, kv_seg, offset, st):
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
   group, bq = num_heads // num_kv_heads, st.block_q
   q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
   kv_spec = pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+  sink_spec = None if sinks is None else pl.BlockSpec((1,), lambda i, b, h: (h,))  # this head's
   o, lse = pl.pallas_call(
       functools.partial(_fwd_kernel, st=st),
       grid=(q_len // bq, batch, num_heads),
       in_specs=[_OFFSET_SPEC, q_spec, kv_spec, kv_spec,
-                *_seg_specs(q_seg, kv_seg, bq, lambda i, b, h: (b, i))],
+                *_seg_specs(q_seg, kv_seg, bq, lambda i, b, h: (b, i)), sink_spec],
       out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
       out_shape=[out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, q_len), jnp.float32, q)],
       compiler_params=_params(head_dim),
       interpret=st.interpret,
       name="flash_attention_fwd",
-  )(offset, q, k, v, q_seg, kv_seg)
+  )(offset, q, k, v, q_seg, kv_seg, None if sinks is None else sinks.astype(jnp.float32))
   return o, lse
 
 
@@ -232,13 +237,13 @@ def _offset(q_offset):
   return jnp.reshape(q_offset, (1,)).astype(jnp.int32)
 
 
-def forward(opts, q, k, v, q_seg, kv_seg, q_offset):
+def forward(opts, q, k, v, sinks, q_seg, kv_seg, q_offset):
   """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, D], lse [B, Hq, Lq])."""
   q_len, kv_len = q.shape[1], k.shape[1]
   st, q_pad, kv_pad = _static(opts, q_len, kv_len, q.shape[-1])
   q_seg, kv_seg = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
   pad = tiling.pad_axis
-  o, lse = _forward(pad(q, 1, q_pad), pad(k, 1, kv_pad), pad(v, 1, kv_pad), q_seg, kv_seg,
+  o, lse = _forward(pad(q, 1, q_pad), pad(k, 1, kv_pad), pad(v, 1, kv_pad), sinks, q_seg, kv_seg,
                     _offset(q_offset), st)
   return o[:, :q_len], lse[:, :, :q_len]
 
@@ -260,10 +265,10 @@ _flash = with_lse_vjp(forward, backward)
 
 
 def flash_attention_gpu(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
-                        logit_soft_cap=None, scale=None, block_sizes=None, interpret=False):
-  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] -> [B, Lq, Hq, D] (Triton kernel)."""
-  validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap)
+                        logit_soft_cap=None, scale=None, sinks=None, block_sizes=None, interpret=False):
+  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; sinks [Hq] or None -> [B, Lq, Hq, D] (Triton kernel)."""
+  validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap, sinks=sinks)
   opts = AttentionOptions(causal=causal, sliding_window=sliding_window,
                           logit_soft_cap=logit_soft_cap, scale=scale, block_sizes=block_sizes,
                           interpret=interpret)
-  return _flash(opts, q, k, v, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))
+  return _flash(opts, q, k, v, sinks, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))

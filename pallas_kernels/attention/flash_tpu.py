@@ -6,7 +6,9 @@ VMEM block. One grid step handles all `group` query heads of one kv head, so K/V
 tiles are loaded once per group and never repeated in HBM (GQA/MQA), and dK/dV
 accumulate over the group without a cross-step reduction. The query offset is a
 prefetched scalar (SMEM), so context parallelism can pair blocks whose relative position
-is only known on the device; tiles it masks entirely are skipped, DMA included.
+is only known on the device; tiles it masks entirely are skipped, DMA included. Attention
+sinks (one logit per query head, in SMEM) start each row's online softmax at (max = sink,
+sum = 1); the backward kernels read them through the saved log-sum-exp.
 """
 
 import dataclasses
@@ -73,17 +75,22 @@ def _live(index, first, last, count):
   return jnp.clip(jnp.clip(index, first, last), 0, count - 1)
 
 
-def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, o_ref, lse_ref, m_scr, l_scr,
-                acc_scr, *, st, group):
+def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, qseg_ref, kseg_ref, sinks_ref, o_ref, lse_ref, m_scr,
+                l_scr, acc_scr, *, st, group):
   bq, bk = st.block_q, st.block_k
-  i, j = pl.program_id(2), pl.program_id(3)
+  h, i, j = pl.program_id(1), pl.program_id(2), pl.program_id(3)
   offset = off_ref[0]
 
   @pl.when(j == 0)
   def _init():
-    m_scr[...] = jnp.full(m_scr.shape, masking.MASK_VALUE, jnp.float32)
-    l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    if sinks_ref is None:
+      m_scr[...] = jnp.full(m_scr.shape, masking.MASK_VALUE, jnp.float32)
+      l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+      return
+    for g in range(group):  # the sink: a first key of value zero
+      m_scr[g] = jnp.full(m_scr.shape[1:], sinks_ref[h * group + g], jnp.float32)
+      l_scr[g] = jnp.ones(l_scr.shape[1:], jnp.float32)
 
   first, last = _kv_range(st, offset, i, bq, bk)
 
@@ -204,8 +211,9 @@ def _call(kernel, st, group, grid, in_specs, out_specs, out_shape, scratch, cost
                         interpret=st.interpret, name=name)
 
 
-def _forward(q, k, v, q_seg, kv_seg, offset, st):
-  """Kernel layout: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D] -> (o, lse [B, Hq, Lq])."""
+def _forward(q, k, v, sinks, q_seg, kv_seg, offset, st):
+  """Kernel layout: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], sinks f32 [Hq] or None ->
+  (o, lse [B, Hq, Lq])."""
   batch, num_heads, q_len, head_dim = q.shape
   num_kv_heads, kv_len = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
@@ -222,14 +230,16 @@ def _forward(q, k, v, q_seg, kv_seg, offset, st):
     seg_specs = [tpu_segments.column_spec(bq, lambda b, h, i, j, off: i),
                  tpu_segments.row_spec(bk, lambda b, h, i, j, off: kv_block(i, j, off))]
   lse_spec = pl.BlockSpec((None, group, 1, bq), lambda b, h, i, j, off: (b, h, 0, i))
+  sinks_spec = None if sinks is None else pl.BlockSpec(memory_space=pltpu.SMEM)
   o, lse = _call(
       _fwd_kernel, st, group, (batch, num_kv_heads, q_len // bq, kv_len // bk),
-      [q_spec, kv_spec, kv_spec, *seg_specs], [q_spec, lse_spec],
+      [q_spec, kv_spec, kv_spec, *seg_specs, sinks_spec], [q_spec, lse_spec],
       [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, 1, q_len), jnp.float32, q)],
       [pltpu.VMEM((group, bq, _LANES), jnp.float32), pltpu.VMEM((group, bq, _LANES), jnp.float32),
        pltpu.VMEM((group, bq, head_dim), jnp.float32)],
       _cost(q, k, v, st, passes=2), "flash_attention_fwd",
-  )(offset, q, k, v, tpu_segments.layout(q_seg, True), tpu_segments.layout(kv_seg, False))
+  )(offset, q, k, v, tpu_segments.layout(q_seg, True), tpu_segments.layout(kv_seg, False),
+    None if sinks is None else sinks.astype(jnp.float32))
   return o, lse[:, :, 0]
 
 
@@ -308,10 +318,10 @@ def _from_kernel(x, length):
   return x.transpose(0, 2, 1, 3)[:, :length]
 
 
-def forward(opts, q, k, v, q_seg, kv_seg, q_offset):
+def forward(opts, q, k, v, sinks, q_seg, kv_seg, q_offset):
   """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, D], lse [B, Hq, Lq])."""
   st, pad_q, pad_kv, segs, offset = _prepare(opts, q, k, q_seg, kv_seg, q_offset)
-  o, lse = _forward(pad_q(q), pad_kv(k), pad_kv(v), *segs, offset, st)
+  o, lse = _forward(pad_q(q), pad_kv(k), pad_kv(v), sinks, *segs, offset, st)
   return _from_kernel(o, q.shape[1]), lse[:, :, :q.shape[1]]
 
 
@@ -328,17 +338,18 @@ _flash = with_lse_vjp(forward, backward)
 
 
 def flash_attention_tpu(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
-                        logit_soft_cap=None, scale=None, block_sizes=None, interpret=False):
-  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] -> [B, Lq, Hq, D] (Mosaic TPU kernel).
+                        logit_soft_cap=None, scale=None, sinks=None, block_sizes=None, interpret=False):
+  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; sinks [Hq] or None -> [B, Lq, Hq, D]
+  (Mosaic TPU kernel).
 
   Sequences that are not a multiple of the tile are zero-padded; padded keys are
   masked and padded queries are dropped, so their gradients vanish.
   """
-  validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap)
+  validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap, sinks=sinks)
   opts = AttentionOptions(causal=causal, sliding_window=sliding_window,
                           logit_soft_cap=logit_soft_cap, scale=scale, block_sizes=block_sizes,
                           interpret=interpret)
-  return _flash(opts, q, k, v, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))
+  return _flash(opts, q, k, v, sinks, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))
 
 
 def _device_kind():

@@ -1,4 +1,8 @@
-"""Pure-jnp attention: the readable definition every kernel is tested against."""
+"""Pure-jnp attention: the readable definition every kernel is tested against.
+
+Attention sinks (GPT-OSS): one learned logit per query head that joins every row's
+softmax as an extra column whose value is zero, so a query may put weight on nothing.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -24,12 +28,24 @@ def attention_mask(q_len, kv_len, *, causal, segment_ids=None, sliding_window=No
   return mask
 
 
+def softmax(logits, sinks=None):
+  """Softmax over the last axis of logits [B, Hkv, G, ..., K]; with sinks [Hq] (Hq = Hkv * G)
+  each row gets one more column, its head's sink, which is dropped after normalising."""
+  if sinks is None:
+    return jax.nn.softmax(logits, axis=-1)
+  num_kv_heads, group = logits.shape[1:3]
+  column = sinks.astype(jnp.float32).reshape(1, num_kv_heads, group, *[1] * (logits.ndim - 3))
+  column = jnp.broadcast_to(column, logits.shape[:-1] + (1,))
+  return jax.nn.softmax(jnp.concatenate([logits, column], axis=-1), axis=-1)[..., :-1]
+
+
 def attention_reference(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
-                        logit_soft_cap=None, scale=None):
+                        logit_soft_cap=None, scale=None, sinks=None):
   """Softmax attention. q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; Hq % Hkv == 0 (GQA).
 
   segment_ids: optional int [B, Lk]; tokens attend only within their own segment
-  (packed sequences). Returns [B, Lq, Hq, D] in q's dtype; softmax runs in float32.
+  (packed sequences). sinks: optional [Hq] logits (module doc). Returns [B, Lq, Hq, D] in
+  q's dtype; softmax runs in float32.
   """
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
@@ -43,7 +59,7 @@ def attention_reference(q, k, v, *, causal=True, segment_ids=None, sliding_windo
   mask = attention_mask(q_len, kv_len, causal=causal, segment_ids=segment_ids,
                         sliding_window=sliding_window)
   logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1)
+  probs = softmax(logits, sinks)
   out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
@@ -58,7 +74,7 @@ def gather_pages(pages, page_table):
 
 
 def decode_attention_reference(q, k_cache, v_cache, lengths, *, page_table=None,
-                               sliding_window=None, logit_soft_cap=None, scale=None):
+                               sliding_window=None, logit_soft_cap=None, scale=None, sinks=None):
   """One new query token per sequence against a KV cache with ragged lengths.
 
   q: [B, Hq, D]; lengths: int [B], the valid cache entries per sequence (the new
@@ -80,14 +96,14 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, page_table=None,
   if sliding_window is not None:
     mask &= lengths[:, None] - 1 - k_pos < sliding_window
   logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
-  probs = jnp.where(mask[:, None, None], jax.nn.softmax(logits, axis=-1), 0.0)
+  probs = jnp.where(mask[:, None, None], softmax(logits, sinks), 0.0)
   out = jnp.einsum("bhgk,bkhd->bhgd", probs.astype(v_cache.dtype), v_cache,
                    preferred_element_type=jnp.float32)
   return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
 
 
 def paged_attention_reference(q, k_pages, v_pages, q_positions, page_table, *,
-                              sliding_window=None, logit_soft_cap=None, scale=None):
+                              sliding_window=None, logit_soft_cap=None, scale=None, sinks=None):
   """Several new query tokens per sequence against a paged cache holding their keys.
 
   q: [B, T, Hq, D] at q_positions int [B, T]; a query at position p sees the cached keys
@@ -109,6 +125,6 @@ def paged_attention_reference(q, k_pages, v_pages, q_positions, page_table, *,
     mask &= q_pos - k_pos < sliding_window
   mask = mask[:, None, None]  # [B, 1, 1, T, S]
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  probs = jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
+  probs = jnp.where(mask, softmax(logits, sinks), 0.0)
   out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
   return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)

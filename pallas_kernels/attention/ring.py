@@ -17,12 +17,14 @@ Pieces: under zig-zag order a device's tokens are two chunks at different places
 sequence, so each step pairs every query piece with every key piece, one pair at a time
 (a loop: one kernel in the program, one tile in flight), each with the pair's relative
 offset. The kernels skip pairs the causal mask hides, so work stays balanced.
+
+Attention sinks join once, after the last block: one more partial with no keys.
 """
 
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpar.pallas_kernels.attention.blockwise import full_like_varying, merge_partials
+from jaxpar.pallas_kernels.attention.blockwise import add_sinks, full_like_varying, merge_partials
 from jaxpar.pallas_kernels.attention.layout import piece
 from jaxpar.pallas_kernels.attention.lse_vjp import with_lse_vjp
 
@@ -38,7 +40,7 @@ def _pairs(split):
   return count * count, lambda i: (i // count, i % count)
 
 
-def _forward(st, q, k, v, q_seg, kv_seg):
+def _forward(st, q, k, v, sinks, q_seg, kv_seg):
   split, kernel, opts = st
   index = lax.axis_index(split.axes)
   qs, q_segs = split.split(q), split.split(q_seg)
@@ -52,7 +54,7 @@ def _forward(st, q, k, v, q_seg, kv_seg):
 
     def one(i, acc):
       a, b = pair(i)
-      block = kernel.forward(opts, qs[a], ks[b], vs[b], piece(q_segs, a), piece(k_segs, b),
+      block = kernel.forward(opts, qs[a], ks[b], vs[b], None, piece(q_segs, a), piece(k_segs, b),
                              q_starts[a] - k_starts[b])
       o, lse = merge_partials((acc[0][a], acc[1][a]), block)
       return acc[0].at[a].set(o), acc[1].at[a].set(lse)
@@ -69,7 +71,8 @@ def _forward(st, q, k, v, q_seg, kv_seg):
            full_like_varying((split.pieces, batch, heads, n), -jnp.inf, q))
   (acc, kv), _ = lax.scan(step, (empty, (k, v, kv_seg)), jnp.arange(split.shards - 1))
   o, lse = attend(acc, kv, (index + 1) % split.shards)  # the last block needs no onward send
-  return split.join(o).astype(q.dtype), jnp.concatenate(list(lse), axis=-1)
+  o, lse = add_sinks(split.join(o), jnp.concatenate(list(lse), axis=-1), sinks)
+  return o.astype(q.dtype), lse
 
 
 def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
@@ -110,5 +113,5 @@ def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
           split.join(dv).astype(v.dtype))
 
 
-# ring_attention(st, q, k, v, q_seg, kv_seg) -> o, st = (SequenceSplit, Blockwise, AttentionOptions).
+# ring_attention(st, q, k, v, sinks, q_seg, kv_seg) -> o, st = (SequenceSplit, Blockwise, AttentionOptions).
 ring_attention = with_lse_vjp(_forward, _backward)

@@ -6,8 +6,8 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
 def check_attention_args(q, k, v, segment_ids=None, sliding_window=None, logit_soft_cap=None,
-                         head_dims=SUPPORTED_HEAD_DIMS):
-  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; segment_ids: [B, Lk]."""
+                         head_dims=SUPPORTED_HEAD_DIMS, sinks=None):
+  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; segment_ids: [B, Lk]; sinks: [Hq]."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
       raise UserError(f"{name} must be [batch, length, heads, head_dim], got shape {x.shape}")
@@ -31,4 +31,10 @@ def check_attention_args(q, k, v, segment_ids=None, sliding_window=None, logit_s
     raise UserError(f"sliding_window={sliding_window} must be >= 1")
   if logit_soft_cap is not None and logit_soft_cap <= 0:
     raise UserError(f"logit_soft_cap={logit_soft_cap} must be > 0")
+  check_sinks(sinks, q.shape[2])
 
+
+def check_sinks(sinks, num_heads):
+  """Attention sinks are one logit per query head."""
+  if sinks is not None and sinks.shape != (num_heads,):
+    raise UserError(f"sinks must be [q heads] = ({num_heads},), got shape {sinks.shape}")
