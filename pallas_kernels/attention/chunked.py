@@ -65,8 +65,10 @@ def _kv_range(st, i, q_offset):
 
 
 def _forward(st, q, k, v, q_seg, kv_seg, q_offset):
-  """q: [nq, B, bq, Hkv, G, D]; k, v: [nk, B, bk, Hkv, D] -> o like q, lse [nq, B, Hkv, G, bq]."""
-  batch, bq, num_kv_heads, group, head_dim = q.shape[1:]
+  """q: [nq, B, bq, Hkv, G, D]; k: [nk, B, bk, Hkv, D]; v: [.., Dv] -> o [nq, B, bq, Hkv, G, Dv],
+  lse [nq, B, Hkv, G, bq]."""
+  batch, bq, num_kv_heads, group = q.shape[1:5]
+  value_dim = v.shape[-1]
 
   def q_block(args):
     i, qi, qsi = args
@@ -85,7 +87,7 @@ def _forward(st, q, k, v, q_seg, kv_seg, q_offset):
 
     stats = (batch, num_kv_heads, group, bq)
     init = (full_like_varying(stats, masking.MASK_VALUE, qi), full_like_varying(stats, 0.0, qi),
-            full_like_varying(stats + (head_dim,), 0.0, qi))
+            full_like_varying(stats + (value_dim,), 0.0, qi))
     m, l, acc = lax.fori_loop(first, last + 1, step, init)
     l = jnp.where(l == 0.0, 1.0, l)  # rows that saw only padding stay finite
     o = jnp.einsum("bhgqd->bqhgd", acc / l[..., None]).astype(qi.dtype)
@@ -120,8 +122,8 @@ def _backward(st, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
       dqi = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kj, preferred_element_type=jnp.float32)
       return dq.at[i].add(dqi), dkj, dvj
 
-    zeros = full_like_varying(kj.shape, 0.0, q)
-    dq, dkj, dvj = lax.fori_loop(first, last + 1, q_step, (dq, zeros, zeros))
+    zeros = lambda like: full_like_varying(like.shape, 0.0, q)  # noqa: E731
+    dq, dkj, dvj = lax.fori_loop(first, last + 1, q_step, (dq, zeros(kj), zeros(vj)))
     return dq, dk.at[j].set(dkj), dv.at[j].set(dvj)
 
   init = tuple(full_like_varying(x.shape, 0.0, q) for x in (q, k, v))
@@ -196,7 +198,8 @@ _chunked = with_lse_vjp(forward, backward)
 
 def chunked_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
                       logit_soft_cap=None, scale=None, block_sizes=None):
-  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] -> [B, Lq, Hq, D], without an Lq x Lk buffer."""
+  """q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv] -> [B, Lq, Hq, Dv], without an
+  Lq x Lk buffer."""
   validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap,
                                   head_dims=None)
   opts = AttentionOptions(causal=causal, sliding_window=sliding_window,

@@ -3,7 +3,9 @@
 Grid (batch, kv_head, page). The page table and lengths are scalar-prefetched into
 SMEM so the K/V index maps can fetch the right page; steps past a sequence's end
 re-use the last live page (no DMA) and skip compute. All query heads of a kv head
-form one [group, head_dim] tile, so GQA reads each page once.
+form one [group, head_dim] tile, so GQA reads each page once. Values may have their own
+head dim, or be the first `value_dim` entries of each key (multi-head latent attention's
+absorbed form: one latent page array holds both, read once).
 """
 
 import dataclasses
@@ -16,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxpar.errors import UserError
-from jaxpar.pallas_kernels.attention import decode_common, masking, validation
+from jaxpar.pallas_kernels.attention import decode_common, masking
 from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
 _LANES = 128
@@ -29,9 +31,12 @@ class _Static:
   scale: float
   page_size: int
   pages_per_seq: int
+  value_dim: int
+  shared_values: bool  # the values are the keys' first value_dim entries (no v pages)
 
 
-def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, acc_scr, *, st):
+def _kernel(lengths_ref, table_ref, q_ref, k_ref, *refs, st):
+  v_ref, o_ref, m_scr, l_scr, acc_scr = (None, *refs) if st.shared_values else refs
   b, j = pl.program_id(0), pl.program_id(2)
   length = lengths_ref[b]
 
@@ -45,7 +50,8 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, ac
 
   @pl.when((j >= first) & (j <= last))
   def _step():
-    k, v = k_ref[...], v_ref[...]
+    k = k_ref[...]
+    v = k[:, :st.value_dim] if st.shared_values else v_ref[...]
     s = mxu_dot(q_ref[...], k, trans_b=True) * st.scale
     k_pos = j * st.page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
     mask = masking.token_mask(length - 1, k_pos, causal=True, sliding_window=st.sliding_window,
@@ -66,23 +72,26 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_scr, l_scr, ac
     o_ref[...] = (acc_scr[...] / jnp.where(l == 0.0, 1.0, l)[:, :1]).astype(o_ref.dtype)
 
 
-def _cost(q, k_pages, pages_per_seq):
+def _cost(q, k_pages, pages_per_seq, value_dim, shared_values):
   """At full context (every page of the table live; shorter sequences skip pages): two
   matmuls over all cached keys, one exp per score, each K/V page read once per sequence."""
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   keys = pages_per_seq * page_size
   scores = batch * num_heads * keys
-  cache_bytes = 2 * batch * num_kv_heads * keys * head_dim * k_pages.dtype.itemsize
-  return pl.CostEstimate(flops=2 * 2 * scores * head_dim, transcendentals=scores,
-                         bytes_accessed=cache_bytes + 2 * q.size * q.dtype.itemsize)
+  per_key = head_dim + (0 if shared_values else value_dim)
+  cache_bytes = batch * num_kv_heads * keys * per_key * k_pages.dtype.itemsize
+  return pl.CostEstimate(flops=2 * scores * (head_dim + value_dim), transcendentals=scores,
+                         bytes_accessed=cache_bytes + q.size * q.dtype.itemsize
+                         + batch * num_heads * value_dim * q.dtype.itemsize)
 
 
 def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, sliding_window=None,
-                               logit_soft_cap=None, scale=None, interpret=False):
-  """q: [B, Hq, D]; k/v_pages: [Hkv, num_pages, page_size, D]; lengths: [B]; page_table: [B, n]."""
-  decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table,
-                                  validation.SUPPORTED_HEAD_DIMS)
+                               logit_soft_cap=None, scale=None, value_dim=None, interpret=False):
+  """q: [B, Hq, D]; k_pages: [Hkv, num_pages, page_size, D]; v_pages: [.., Dv], or None with
+  `value_dim` (the keys' first value_dim entries); lengths: [B]; page_table: [B, n]
+  -> [B, Hq, Dv]."""
+  value_dim = decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim)
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   if page_size % 8:
@@ -91,30 +100,36 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, slid
   pages_per_seq = page_table.shape[1]
   st = _Static(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                scale=head_dim ** -0.5 if scale is None else scale, page_size=page_size,
-               pages_per_seq=pages_per_seq)
+               pages_per_seq=pages_per_seq, value_dim=value_dim, shared_values=v_pages is None)
 
   def page_index(b, h, j, lengths_ref, table_ref):
     page = decode_common.clamp_page(j, lengths_ref[b], page_size, sliding_window)
     return (h, table_ref[b * pages_per_seq + page], 0, 0)
 
-  q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, j, *_: (b, h, 0, 0))
-  page_spec = pl.BlockSpec((None, None, page_size, head_dim), page_index)
+  q_spec, o_spec = (pl.BlockSpec((None, None, group, d), lambda b, h, j, *_: (b, h, 0, 0))
+                    for d in (head_dim, value_dim))
+  page_specs = [pl.BlockSpec((None, None, page_size, head_dim), page_index)]
+  pages = [k_pages]
+  if v_pages is not None:
+    page_specs.append(pl.BlockSpec((None, None, page_size, value_dim), page_index))
+    pages.append(v_pages)
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
   out = pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
           grid=(batch, num_kv_heads, pages_per_seq),
-          in_specs=[q_spec, page_spec, page_spec],
-          out_specs=q_spec,
+          in_specs=[q_spec, *page_specs],
+          out_specs=o_spec,
           scratch_shapes=[pltpu.VMEM((group, _LANES), jnp.float32),
                           pltpu.VMEM((group, _LANES), jnp.float32),
-                          pltpu.VMEM((group, head_dim), jnp.float32)]),
-      out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype, manual_axis_type=jax.typeof(q).mat),
+                          pltpu.VMEM((group, value_dim), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, group, value_dim), q.dtype,
+                                     manual_axis_type=jax.typeof(q).mat),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
-      cost_estimate=_cost(q, k_pages, pages_per_seq),
+      cost_estimate=_cost(q, k_pages, pages_per_seq, value_dim, v_pages is None),
       interpret=interpret,
       name="paged_decode_attention",
-  )(lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages)
-  return out.reshape(batch, num_heads, head_dim)
+  )(lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), qg, *pages)
+  return out.reshape(batch, num_heads, value_dim)
