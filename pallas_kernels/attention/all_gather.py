@@ -47,7 +47,7 @@ def _forward(st, q, k, v, sinks, q_seg, kv_seg):
     return out[0].at[a].set(o), out[1].at[a].set(lse)
 
   batch, n, heads, _ = qs.shape[1:]
-  out = (full_like_varying(qs.shape, 0.0, q, q.dtype),
+  out = (full_like_varying((*qs.shape[:-1], v.shape[-1]), 0.0, q, q.dtype),  # values' head dim
          full_like_varying((split.pieces, batch, heads, n), 0.0, q))
   o, lse = lax.fori_loop(0, split.pieces, one, out)
   return split.join(o), jnp.concatenate(list(lse), axis=-1)

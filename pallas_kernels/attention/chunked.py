@@ -65,9 +65,10 @@ def _kv_range(st, i, q_offset):
 
 
 def _forward(st, q, k, v, sinks, q_seg, kv_seg, q_offset):
-  """q: [nq, B, bq, Hkv, G, D]; k, v: [nk, B, bk, Hkv, D]; sinks [Hq] or None -> o like q,
-  lse [nq, B, Hkv, G, bq]."""
-  batch, bq, num_kv_heads, group, head_dim = q.shape[1:]
+  """q: [nq, B, bq, Hkv, G, D]; k: [nk, B, bk, Hkv, D]; v: [.., Dv]; sinks [Hq] or None
+  -> o [nq, B, bq, Hkv, G, Dv], lse [nq, B, Hkv, G, bq]."""
+  batch, bq, num_kv_heads, group = q.shape[1:5]
+  value_dim = v.shape[-1]
 
   def q_block(args):
     i, qi, qsi = args
@@ -89,7 +90,7 @@ def _forward(st, q, k, v, sinks, q_seg, kv_seg, q_offset):
     if sinks is not None:  # the sink is a first key of value 0: max = sink, sum = 1
       m = full_like_varying(stats, 0.0, qi) + sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1)
       l = l + 1.0
-    init = (m, l, full_like_varying(stats + (head_dim,), 0.0, qi))
+    init = (m, l, full_like_varying(stats + (value_dim,), 0.0, qi))
     m, l, acc = lax.fori_loop(first, last + 1, step, init)
     l = jnp.where(l == 0.0, 1.0, l)  # rows that saw only padding stay finite
     o = jnp.einsum("bhgqd->bqhgd", acc / l[..., None]).astype(qi.dtype)
@@ -124,8 +125,8 @@ def _backward(st, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
       dqi = jnp.einsum("bhgqk,bkhd->bqhgd", ds, kj, preferred_element_type=jnp.float32)
       return dq.at[i].add(dqi), dkj, dvj
 
-    zeros = full_like_varying(kj.shape, 0.0, q)
-    dq, dkj, dvj = lax.fori_loop(first, last + 1, q_step, (dq, zeros, zeros))
+    zeros = lambda like: full_like_varying(like.shape, 0.0, q)  # noqa: E731
+    dq, dkj, dvj = lax.fori_loop(first, last + 1, q_step, (dq, zeros(kj), zeros(vj)))
     return dq, dk.at[j].set(dkj), dv.at[j].set(dvj)
 
   init = tuple(full_like_varying(x.shape, 0.0, q) for x in (q, k, v))
@@ -200,8 +201,8 @@ _chunked = with_lse_vjp(forward, backward)
 
 def chunked_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
                       logit_soft_cap=None, scale=None, sinks=None, block_sizes=None):
-  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; sinks [Hq] or None -> [B, Lq, Hq, D],
-  without an Lq x Lk buffer."""
+  """q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; sinks [Hq] or None
+  -> [B, Lq, Hq, Dv], without an Lq x Lk buffer."""
   validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap,
                                   head_dims=None, sinks=sinks)
   opts = AttentionOptions(causal=causal, sliding_window=sliding_window,

@@ -45,19 +45,27 @@ def clamp_page(j, length, page_size, sliding_window):
   return jnp.minimum(jnp.maximum(j, first), jnp.maximum(last, 0))
 
 
-def check_decode_args(q, k_pages, v_pages, lengths, page_table, head_dims):
-  """q [B, Hq, D]; pages [Hkv, num_pages, page_size, D]; lengths [B]; page_table [B, n]."""
+def check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim=None) -> int:
+  """q [B, Hq, D]; k pages [Hkv, num_pages, page_size, D]; v pages [.., Dv], or None when
+  the values are the keys' first `value_dim` entries; lengths [B]; page_table [B, n].
+  Returns the values' head dim."""
   if q.ndim != 3:
     raise UserError(f"q must be [batch, heads, head_dim] for decode, got shape {q.shape}")
-  if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+  if k_pages.ndim != 4:
+    raise UserError(f"k_cache must be [kv_heads, num_pages, page_size, head_dim], got {k_pages.shape}")
+  if v_pages is None:
+    if value_dim is None or not 0 < value_dim <= k_pages.shape[3]:
+      raise UserError(f"without v_cache, value_dim={value_dim} must name how many leading entries of "
+                       f"each key (head_dim {k_pages.shape[3]}) are its value")
+  elif v_pages.ndim != 4 or v_pages.shape[:3] != k_pages.shape[:3]:
     raise UserError("k_cache and v_cache must both be [kv_heads, num_pages, page_size, head_dim], "
                      f"got {k_pages.shape} and {v_pages.shape}")
   if q.shape[1] % k_pages.shape[0]:
     raise UserError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k_pages.shape[0]})")
-  if q.shape[2] != k_pages.shape[3] or q.shape[2] not in head_dims:
-    raise UserError(f"head_dim={q.shape[2]} (k_cache: {k_pages.shape[3]}) must match and be one "
-                     f"of {head_dims}")
+  if q.shape[2] != k_pages.shape[3]:
+    raise UserError(f"head_dim={q.shape[2]} must match k_cache's ({k_pages.shape[3]})")
   if lengths.shape != q.shape[:1]:
     raise UserError(f"lengths must be [batch] = {q.shape[:1]}, got {lengths.shape}")
   if page_table.ndim != 2 or page_table.shape[0] != q.shape[0]:
     raise UserError(f"page_table must be [batch, pages_per_sequence], got {page_table.shape}")
+  return value_dim if v_pages is None else v_pages.shape[3]

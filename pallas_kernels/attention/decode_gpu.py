@@ -3,8 +3,11 @@
 Grid (batch, kv_head). Each program walks only the live pages of its sequence
 through the page table; all query heads of the kv head share each loaded page
 (GQA). Decode is memory-bound, so the [group, page] products use vector units,
-which also lifts Triton's 16-row minimum for matmuls. Attention sinks (one logit per query
-head) start each row's online softmax at (max = sink, sum = 1).
+which also lifts Triton's 16-row minimum for matmuls. Triton tiles are powers of two, so
+a head dim that is not one (576: multi-head latent attention's latent plus its rotary
+part) is read as power-of-two pieces (512 + 64) whose scores add up; values may be the
+keys' first `value_dim` entries (the latent), read once. Attention sinks (one logit per
+query head) start each row's online softmax at (max = sink, sum = 1).
 """
 
 import dataclasses
@@ -26,17 +29,29 @@ class _Static:
   logit_soft_cap: float | None
   scale: float
   page_size: int
+  pieces: tuple[tuple[int, int], ...]  # (start, size) of the power-of-two pieces of head_dim
+  value_dim: int
+
+
+def power_of_two_pieces(dim: int) -> tuple[tuple[int, int], ...]:
+  """(start, size) of `dim` cut into powers of two, largest first: 576 -> (0, 512), (512, 64)."""
+  pieces, start = [], 0
+  for bit in reversed(range(dim.bit_length())):
+    if dim & (1 << bit):
+      pieces.append((start, 1 << bit))
+      start += 1 << bit
+  return tuple(pieces)
 
 
 def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *, st):
   length = lengths_ref[0]
-  q = q_ref[...].astype(jnp.float32)  # [group, D]
+  qs = [q_ref[:, pl.ds(start, size)].astype(jnp.float32) for start, size in st.pieces]  # [group, piece]
 
   def step(j, carry):
     m, l, acc = carry
     page = table_ref[j]
-    k = k_ref[page].astype(jnp.float32)  # [page_size, D]
-    s = jnp.sum(q[:, None, :] * k[None, :, :], axis=-1) * st.scale
+    s = sum(jnp.sum(q[:, None, :] * k_ref[page, :, pl.ds(start, size)].astype(jnp.float32)[None], axis=-1)
+            for q, (start, size) in zip(qs, st.pieces)) * st.scale
     k_pos = j * st.page_size + jnp.arange(st.page_size)[None, :]
     mask = masking.token_mask(length - 1, k_pos, causal=True, sliding_window=st.sliding_window,
                               kv_len=length)
@@ -44,50 +59,57 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *, st
     m_next = jnp.maximum(m, s.max(axis=1))
     p = jnp.exp(s - m_next[:, None])
     alpha = jnp.exp(m - m_next)
-    v = v_ref[page].astype(jnp.float32)
+    values = k_ref if v_ref is None else v_ref  # no v pages: the latent keys hold the values
+    v = values[page, :, pl.ds(0, st.value_dim)].astype(jnp.float32)
     pv = jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
     return m_next, alpha * l + p.sum(axis=1), alpha[:, None] * acc + pv
 
-  group = q.shape[0]
+  group = qs[0].shape[0]
   first, last = decode_common.live_pages(length, st.page_size, st.sliding_window)
   if sinks_ref is None:
     m, l = jnp.full((group,), masking.MASK_VALUE, jnp.float32), jnp.zeros((group,), jnp.float32)
   else:  # the sink: a first key of value zero
     m, l = sinks_ref[...].astype(jnp.float32), jnp.ones((group,), jnp.float32)
-  _, l, acc = lax.fori_loop(first, last + 1, step, (m, l, jnp.zeros(q.shape, jnp.float32)))
+  init = (m, l, jnp.zeros((group, st.value_dim), jnp.float32))
+  _, l, acc = lax.fori_loop(first, last + 1, step, init)
   o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
 def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, sliding_window=None,
-                               logit_soft_cap=None, scale=None, sinks=None, interpret=False):
-  """q: [B, Hq, D]; k/v_pages: [Hkv, num_pages, page_size, D]; lengths: [B]; page_table: [B, n];
-  sinks: [Hq] or None."""
-  decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table,
-                                  validation.SUPPORTED_HEAD_DIMS)
+                               logit_soft_cap=None, scale=None, value_dim=None, sinks=None,
+                               interpret=False):
+  """q: [B, Hq, D]; k_pages: [Hkv, num_pages, page_size, D]; v_pages: [.., Dv], or None with
+  `value_dim` (the keys' first value_dim entries); lengths: [B]; page_table: [B, n];
+  sinks: [Hq] or None -> [B, Hq, Dv]."""
+  value_dim = decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim)
   validation.check_sinks(sinks, q.shape[1])
   batch, num_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
-  for name, n in (("q heads per kv head", group), ("page_size", page_size)):
+  for name, n in (("q heads per kv head", group), ("page_size", page_size), ("value head_dim", value_dim)):
     if n & (n - 1):
       raise UserError(f"{name}={n} must be a power of two for the Triton decode kernel")
   st = _Static(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-               scale=head_dim ** -0.5 if scale is None else scale, page_size=page_size)
-  q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h: (b, h, 0, 0))
-  pages_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h: (h, 0, 0, 0))
+               scale=head_dim ** -0.5 if scale is None else scale, page_size=page_size,
+               pieces=power_of_two_pieces(head_dim), value_dim=value_dim)
+  q_spec, o_spec = (pl.BlockSpec((None, None, group, d), lambda b, h: (b, h, 0, 0)) for d in (head_dim, value_dim))
+  k_spec, v_spec = (pl.BlockSpec((None, num_pages, page_size, d), lambda b, h: (h, 0, 0, 0))
+                    for d in (head_dim, value_dim))
+  v_spec = None if v_pages is None else v_spec  # latent: values are read from the key pages
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
   out = pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid=(batch, num_kv_heads),
       in_specs=[pl.BlockSpec((1,), lambda b, h: (b,)),
                 pl.BlockSpec((None, page_table.shape[1]), lambda b, h: (b, 0)),
-                q_spec, pages_spec, pages_spec,
+                q_spec, k_spec, v_spec,
                 None if sinks is None else pl.BlockSpec((group,), lambda b, h: (h,))],  # kv head h's
-      out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype, manual_axis_type=jax.typeof(q).mat),
+      out_specs=o_spec,
+      out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, group, value_dim), q.dtype,
+                                     manual_axis_type=jax.typeof(q).mat),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
       name="paged_decode_attention",
   )(lengths.astype(jnp.int32), page_table.astype(jnp.int32), qg, k_pages, v_pages,
     None if sinks is None else sinks.astype(jnp.float32))
-  return out.reshape(batch, num_heads, head_dim)
+  return out.reshape(batch, num_heads, value_dim)

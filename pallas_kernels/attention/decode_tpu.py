@@ -3,7 +3,9 @@
 Grid (batch, kv_head, page). The page table and lengths are scalar-prefetched into
 SMEM so the K/V index maps can fetch the right page; steps past a sequence's end
 re-use the last live page (no DMA) and skip compute. All query heads of a kv head
-form one [group, head_dim] tile, so GQA reads each page once. Attention sinks (one logit
+form one [group, head_dim] tile, so GQA reads each page once. Values may have their own
+head dim, or be the first `value_dim` entries of each key (multi-head latent attention's
+absorbed form: one latent page array holds both, read once). Attention sinks (one logit
 per query head, in SMEM) start each row's online softmax at (max = sink, sum = 1).
 """
 
@@ -30,6 +32,7 @@ class _Static:
   scale: float
   page_size: int
   pages_per_seq: int
+  value_dim: int
 
 
 def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, m_scr, l_scr, acc_scr, *, st):
@@ -56,7 +59,8 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, m_scr
 
   @pl.when((j >= first) & (j <= last))
   def _step():
-    k, v = k_ref[...], v_ref[...]
+    k = k_ref[...]
+    v = k[:, :st.value_dim] if v_ref is None else v_ref[...]  # no v pages: the latent keys hold them
     s = mxu_dot(q_ref[...], k, trans_b=True) * st.scale
     k_pos = j * st.page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
     mask = masking.token_mask(length - 1, k_pos, causal=True, sliding_window=st.sliding_window,
@@ -77,24 +81,27 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, m_scr
     o_ref[...] = (acc_scr[...] / jnp.where(l == 0.0, 1.0, l)[:, :1]).astype(o_ref.dtype)
 
 
-def _cost(q, k_pages, pages_per_seq):
+def _cost(q, k_pages, pages_per_seq, value_dim, shared_values):
   """At full context (every page of the table live; shorter sequences skip pages): two
   matmuls over all cached keys, one exp per score, each K/V page read once per sequence."""
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   keys = pages_per_seq * page_size
   scores = batch * num_heads * keys
-  cache_bytes = 2 * batch * num_kv_heads * keys * head_dim * k_pages.dtype.itemsize
-  return pl.CostEstimate(flops=2 * 2 * scores * head_dim, transcendentals=scores,
-                         bytes_accessed=cache_bytes + 2 * q.size * q.dtype.itemsize)
+  per_key = head_dim + (0 if shared_values else value_dim)
+  cache_bytes = batch * num_kv_heads * keys * per_key * k_pages.dtype.itemsize
+  return pl.CostEstimate(flops=2 * scores * (head_dim + value_dim), transcendentals=scores,
+                         bytes_accessed=cache_bytes + q.size * q.dtype.itemsize
+                         + batch * num_heads * value_dim * q.dtype.itemsize)
 
 
 def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, sliding_window=None,
-                               logit_soft_cap=None, scale=None, sinks=None, interpret=False):
-  """q: [B, Hq, D]; k/v_pages: [Hkv, num_pages, page_size, D]; lengths: [B]; page_table: [B, n];
-  sinks: [Hq] or None."""
-  decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table,
-                                  validation.SUPPORTED_HEAD_DIMS)
+                               logit_soft_cap=None, scale=None, value_dim=None, sinks=None,
+                               interpret=False):
+  """q: [B, Hq, D]; k_pages: [Hkv, num_pages, page_size, D]; v_pages: [.., Dv], or None with
+  `value_dim` (the keys' first value_dim entries); lengths: [B]; page_table: [B, n];
+  sinks: [Hq] or None -> [B, Hq, Dv]."""
+  value_dim = decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim)
   validation.check_sinks(sinks, q.shape[1])
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
@@ -104,32 +111,35 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, slid
   pages_per_seq = page_table.shape[1]
   st = _Static(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                scale=head_dim ** -0.5 if scale is None else scale, page_size=page_size,
-               pages_per_seq=pages_per_seq)
+               pages_per_seq=pages_per_seq, value_dim=value_dim)
 
   def page_index(b, h, j, lengths_ref, table_ref):
     page = decode_common.clamp_page(j, lengths_ref[b], page_size, sliding_window)
     return (h, table_ref[b * pages_per_seq + page], 0, 0)
 
-  q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, j, *_: (b, h, 0, 0))
-  page_spec = pl.BlockSpec((None, None, page_size, head_dim), page_index)
+  q_spec, o_spec = (pl.BlockSpec((None, None, group, d), lambda b, h, j, *_: (b, h, 0, 0))
+                    for d in (head_dim, value_dim))
+  k_spec = pl.BlockSpec((None, None, page_size, head_dim), page_index)
+  v_spec = None if v_pages is None else pl.BlockSpec((None, None, page_size, value_dim), page_index)
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
   out = pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
           grid=(batch, num_kv_heads, pages_per_seq),
-          in_specs=[q_spec, page_spec, page_spec,
+          in_specs=[q_spec, k_spec, v_spec,
                     None if sinks is None else pl.BlockSpec(memory_space=pltpu.SMEM)],
-          out_specs=q_spec,
+          out_specs=o_spec,
           scratch_shapes=[pltpu.VMEM((group, _LANES), jnp.float32),
                           pltpu.VMEM((group, _LANES), jnp.float32),
-                          pltpu.VMEM((group, head_dim), jnp.float32)]),
-      out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype, manual_axis_type=jax.typeof(q).mat),
+                          pltpu.VMEM((group, value_dim), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, group, value_dim), q.dtype,
+                                     manual_axis_type=jax.typeof(q).mat),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
-      cost_estimate=_cost(q, k_pages, pages_per_seq),
+      cost_estimate=_cost(q, k_pages, pages_per_seq, value_dim, v_pages is None),
       interpret=interpret,
       name="paged_decode_attention",
   )(lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages,
     None if sinks is None else sinks.astype(jnp.float32))
-  return out.reshape(batch, num_heads, head_dim)
+  return out.reshape(batch, num_heads, value_dim)

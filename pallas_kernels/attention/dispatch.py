@@ -49,22 +49,25 @@ def _check_implementation(implementation):
     raise ConfigError(f"attention implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
 
 
-def choose_implementation(implementation, platform, head_dim, kv_len):
-  """What `implementation` resolves to for this backend and shape."""
+def choose_implementation(implementation, platform, head_dim, kv_len, value_dim=None):
+  """What `implementation` resolves to for this backend and shape (value_dim: the values'
+  head dim when it differs from the queries' and keys')."""
   _check_implementation(implementation)
   if implementation != "auto":
     return implementation
   if platform in ("tpu", "gpu"):
-    return "flash" if head_dim in validation.SUPPORTED_HEAD_DIMS else "chunked"
+    dims = {head_dim, value_dim or head_dim}
+    return "flash" if dims <= set(validation.SUPPORTED_HEAD_DIMS) else "chunked"
   return "reference" if kv_len <= CPU_REFERENCE_MAX_KV_LEN else "chunked"
 
 
 def attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
               logit_soft_cap=None, scale=None, sinks=None, implementation="auto", block_sizes=None,
               context_parallel=None, zigzag=False):
-  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D] -> [B, Lq, Hq, D].
+  """q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv] -> [B, Lq, Hq, Dv].
 
-  Hq % Hkv == 0 (GQA/MQA); segment_ids: int [B, Lk] for packed sequences (queries are
+  Dv may differ from D (multi-head latent attention). Hq % Hkv == 0 (GQA/MQA);
+  segment_ids: int [B, Lk] for packed sequences (queries are
   the last Lq positions); sliding_window: keys at most this far back (incl. self);
   logit_soft_cap: cap * tanh(logits / cap); sinks: [Hq] logits, one per query head, that
   join each row's softmax with a zero value (GPT-OSS; differentiable); block_sizes: kernel
@@ -80,7 +83,7 @@ def attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
                              implementation, block_sizes,
                              AttentionOptions(causal=causal, sliding_window=sliding_window,
                                               logit_soft_cap=logit_soft_cap, scale=scale))
-  impl = choose_implementation(implementation, platform, q.shape[-1], k.shape[1])
+  impl = choose_implementation(implementation, platform, q.shape[-1], k.shape[1], v.shape[-1])
   options = dict(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                  scale=scale)
   if impl == "reference":
@@ -104,7 +107,7 @@ def _context_parallel(q, k, v, segment_ids, sinks, split, platform, strategy, im
   """Per-piece kernel: flash where `implementation` resolves to it, else chunked."""
   _check_implementation(implementation)
   cp.check_split(split, q, k, strategy, implementation)
-  impl = choose_implementation(implementation, platform, q.shape[-1], k.shape[1])
+  impl = choose_implementation(implementation, platform, q.shape[-1], k.shape[1], v.shape[-1])
   if impl == "flash" and interpret(platform):
     raise ConfigError(f"attention implementation 'flash' runs in interpret mode on {platform}, "
                      "which JAX cannot run with per-device offsets inside shard_map: use "
@@ -120,21 +123,25 @@ def _context_parallel(q, k, v, segment_ids, sinks, split, platform, strategy, im
 
 
 def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_window=None,
-                     logit_soft_cap=None, scale=None, sinks=None, implementation="auto"):
-  """One new token per sequence against a KV cache with ragged `lengths` -> [B, Hq, D].
+                     logit_soft_cap=None, scale=None, sinks=None, implementation="auto",
+                     value_dim=None):
+  """One new token per sequence against a KV cache with ragged `lengths` -> [B, Hq, Dv].
 
   q: [B, Hq, D]; lengths: int [B] valid entries (the new token's key included).
-  Contiguous cache: k/v [B, S, Hkv, D]; always the XLA path (a bandwidth-bound
-  matrix-vector product). Paged cache: k/v [Hkv, num_pages, page_size, D] with
-  page_table int [B, pages_per_seq]; "auto"/"flash" use the Pallas kernel on
+  Contiguous cache: k [B, S, Hkv, D], v [B, S, Hkv, Dv]; always the XLA path (a
+  bandwidth-bound matrix-vector product). Paged cache: k [Hkv, num_pages, page_size, D],
+  v [.., Dv] with page_table int [B, pages_per_seq]; "auto"/"flash" use the Pallas kernel on
   TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode). With a sliding window every
-  implementation gets only the pages inside it (`visible_pages`). sinks: [Hq] or None, as
-  `attention` takes them.
+  implementation gets only the pages inside it (`visible_pages`). v_cache None: the values
+  are the first `value_dim` entries of each key (multi-head latent attention's latent
+  cache, absorbed form: queries [B, Hq, latent + rope] against one latent "kv head").
+  sinks: [Hq] or None, as `attention` takes them.
   """
   _check_implementation(implementation)
   validation.check_sinks(sinks, q.shape[1])
   platform = current_platform()
-  options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale)
+  options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale,
+                 value_dim=value_dim)
   if page_table is not None:
     page_table, start = visible_pages(page_table, lengths[:, None] - 1, k_cache.shape[2], sliding_window)
     lengths = jnp.where(lengths > 0, lengths - start, 0)
@@ -146,23 +153,28 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
   kernel = paged_decode_attention_gpu if platform == "gpu" else paged_decode_attention_tpu
   run = functools.partial(kernel, interpret=interpret(platform), **options)
   token = ("batch", _HEADS, "head_dim")
-  return logical_shard_map(lambda q, k, v, n, t, sinks: run(q, k, v, n, t, sinks=sinks),
-                           (token, _PAGES, _PAGES, ("batch",), ("batch", None), (_HEADS,)),
+  # One kv head (MQA, a latent cache) is never split: every device's query heads read it.
+  pages = _PAGES if k_cache.shape[0] > 1 else (None,) + _PAGES[1:]
+  per_device = lambda q, k, v, n, t, sinks: run(q, k, v, n, t, sinks=sinks)  # noqa: E731
+  return logical_shard_map(per_device, (token, pages, pages, ("batch",), ("batch", None), (_HEADS,)),
                            token)(q, k_cache, v_cache, lengths, page_table, sinks)
 
 
 def paged_attention(q, k_pages, v_pages, q_positions, page_table, *, sliding_window=None,
-                    logit_soft_cap=None, scale=None, sinks=None, implementation="auto"):
-  """New tokens against a paged KV cache that already holds their keys -> [B, T, Hq, D].
+                    logit_soft_cap=None, scale=None, sinks=None, implementation="auto",
+                    value_dim=None):
+  """New tokens against a paged KV cache that already holds their keys -> [B, T, Hq, Dv].
 
   q: [B, T, Hq, D] at q_positions int [B, T] (negative: padding, output 0); each query
-  sees the cached keys at positions 0..its own. k/v pages: [Hkv, num_pages, page_size, D];
+  sees the cached keys at positions 0..its own. Pages: k [Hkv, num_pages, page_size, D],
+  v [.., Dv], or None with `value_dim` (the keys' first entries: a latent cache);
   page_table: int [B, pages_per_seq]. One token per sequence (decode) goes to
   `decode_attention` and its kernels; several (prefill) to the reference over the pages
   (only those inside a sliding window: positions contiguous per row).
   """
   _check_implementation(implementation)
-  options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale, sinks=sinks)
+  options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale,
+                 value_dim=value_dim, sinks=sinks)
   if q.shape[1] == 1:
     lengths = jnp.maximum(q_positions[:, 0] + 1, 0)
     return decode_attention(q[:, 0], k_pages, v_pages, lengths, page_table=page_table,

@@ -77,7 +77,8 @@ def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, sink_ref, o_r
     m, l = jnp.full((bq,), masking.MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32)
   else:  # the sink: a first key of value zero
     m, l = jnp.full((bq,), sink_ref[0], jnp.float32), jnp.ones((bq,), jnp.float32)
-  m, l, acc = lax.fori_loop(first, last + 1, step, (m, l, jnp.zeros(q.shape, jnp.float32)))
+  init = (m, l, jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
+  m, l, acc = lax.fori_loop(first, last + 1, step, init)
   l = jnp.where(l == 0.0, 1.0, l)  # rows that saw only padding stay finite
   o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
   lse_ref[...] = m + jnp.log(l)
@@ -161,16 +162,19 @@ def _forward(q, k, v, sinks, q_seg, kv_seg, offset, st):
   batch, q_len, num_heads, head_dim = q.shape
   kv_len, num_kv_heads = k.shape[1], k.shape[2]
   group, bq = num_heads // num_kv_heads, st.block_q
-  q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
-  kv_spec = pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+  q_spec, o_spec = (pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0))
+                    for d in (head_dim, v.shape[-1]))
+  k_spec, v_spec = (pl.BlockSpec((None, kv_len, None, d), lambda i, b, h: (b, 0, h // group, 0))
+                    for d in (head_dim, v.shape[-1]))
   sink_spec = None if sinks is None else pl.BlockSpec((1,), lambda i, b, h: (h,))  # this head's
   o, lse = pl.pallas_call(
       functools.partial(_fwd_kernel, st=st),
       grid=(q_len // bq, batch, num_heads),
-      in_specs=[_OFFSET_SPEC, q_spec, kv_spec, kv_spec,
+      in_specs=[_OFFSET_SPEC, q_spec, k_spec, v_spec,
                 *_seg_specs(q_seg, kv_seg, bq, lambda i, b, h: (b, i)), sink_spec],
-      out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-      out_shape=[out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, q_len), jnp.float32, q)],
+      out_specs=[o_spec, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
+      out_shape=[out_struct((*q.shape[:3], v.shape[-1]), q.dtype, q),
+                 out_struct((batch, num_heads, q_len), jnp.float32, q)],
       compiler_params=_params(head_dim),
       interpret=st.interpret,
       name="flash_attention_fwd",
@@ -184,9 +188,12 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   group, bq, bk = num_heads // num_kv_heads, st.block_q_bwd, st.block_k_bwd
   delta = jnp.einsum("bqhd,bqhd->bhq", o.astype(jnp.float32), do.astype(jnp.float32))
 
-  group_spec = pl.BlockSpec((None, q_len, group, head_dim), lambda j, b, h: (b, 0, h, 0))
+  value_dim = v.shape[-1]
+  q_group, do_group = (pl.BlockSpec((None, q_len, group, d), lambda j, b, h: (b, 0, h, 0))
+                       for d in (head_dim, value_dim))
   stat_spec = pl.BlockSpec((None, group, q_len), lambda j, b, h: (b, h, 0))
-  kv_spec = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
+  k_spec, v_spec = (pl.BlockSpec((None, bk, None, d), lambda j, b, h: (b, j, h, 0))
+                    for d in (head_dim, value_dim))
   seg_specs = [None, None]
   if q_seg is not None:
     seg_specs = [pl.BlockSpec((None, q_len), lambda j, b, h: (b, 0)),
@@ -194,22 +201,24 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, st=st, group=group, num_q_blocks=q_len // bq),
       grid=(kv_len // bk, batch, num_kv_heads),
-      in_specs=[_OFFSET_SPEC, group_spec, kv_spec, kv_spec, group_spec, stat_spec, stat_spec,
+      in_specs=[_OFFSET_SPEC, q_group, k_spec, v_spec, do_group, stat_spec, stat_spec,
                 *seg_specs],
-      out_specs=[kv_spec, kv_spec],
+      out_specs=[k_spec, v_spec],
       out_shape=[out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)],
       compiler_params=_params(head_dim),
       interpret=st.interpret,
       name="flash_attention_dkv",
   )(offset, q, k, v, do, lse, delta, q_seg, kv_seg)
 
-  q_spec = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
+  q_spec, do_spec = (pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, i, h, 0))
+                     for d in (head_dim, value_dim))
   row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-  kv_spec = pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+  k_spec, v_spec = (pl.BlockSpec((None, kv_len, None, d), lambda i, b, h: (b, 0, h // group, 0))
+                    for d in (head_dim, value_dim))
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, st=st),
       grid=(q_len // bq, batch, num_heads),
-      in_specs=[_OFFSET_SPEC, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+      in_specs=[_OFFSET_SPEC, q_spec, k_spec, v_spec, do_spec, row_spec, row_spec,
                 *_seg_specs(q_seg, kv_seg, bq, lambda i, b, h: (b, i))],
       out_specs=q_spec,
       out_shape=out_struct(q.shape, q.dtype, q),
@@ -237,15 +246,21 @@ def _offset(q_offset):
   return jnp.reshape(q_offset, (1,)).astype(jnp.int32)
 
 
+def _padded(x, length):
+  """[B, L, H, D] zero-padded to `length` positions and to a power-of-two head dim (Triton
+  tiles are powers of two; zeros add nothing to q.k or to the values: a head dim of 192,
+  as multi-head latent attention's queries and keys have, runs as 256)."""
+  return tiling.pad_axis(tiling.pad_axis(x, 1, length), 3, 1 << (x.shape[3] - 1).bit_length())
+
+
 def forward(opts, q, k, v, sinks, q_seg, kv_seg, q_offset):
-  """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, D], lse [B, Hq, Lq])."""
+  """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, Dv], lse [B, Hq, Lq])."""
   q_len, kv_len = q.shape[1], k.shape[1]
   st, q_pad, kv_pad = _static(opts, q_len, kv_len, q.shape[-1])
   q_seg, kv_seg = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
-  pad = tiling.pad_axis
-  o, lse = _forward(pad(q, 1, q_pad), pad(k, 1, kv_pad), pad(v, 1, kv_pad), sinks, q_seg, kv_seg,
+  o, lse = _forward(_padded(q, q_pad), _padded(k, kv_pad), _padded(v, kv_pad), sinks, q_seg, kv_seg,
                     _offset(q_offset), st)
-  return o[:, :q_len], lse[:, :, :q_len]
+  return o[:, :q_len, :, :v.shape[3]], lse[:, :, :q_len]
 
 
 def backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
@@ -253,11 +268,11 @@ def backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
   q_len, kv_len = q.shape[1], k.shape[1]
   st, q_pad, kv_pad = _static(opts, q_len, kv_len, q.shape[-1])
   q_seg, kv_seg = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
-  pad = tiling.pad_axis
-  dq, dk, dv = _backward(pad(q, 1, q_pad), pad(k, 1, kv_pad), pad(v, 1, kv_pad), q_seg, kv_seg,
-                         _offset(q_offset), pad(o, 1, q_pad), pad(lse, 2, q_pad),
-                         pad(do, 1, q_pad), st)
-  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
+  dq, dk, dv = _backward(_padded(q, q_pad), _padded(k, kv_pad), _padded(v, kv_pad), q_seg, kv_seg,
+                         _offset(q_offset), _padded(o, q_pad), tiling.pad_axis(lse, 2, q_pad),
+                         _padded(do, q_pad), st)
+  head, value = q.shape[3], v.shape[3]
+  return dq[:, :q_len, :, :head], dk[:, :kv_len, :, :head], dv[:, :kv_len, :, :value]
 
 
 BLOCKWISE = Blockwise(forward, backward)
@@ -266,7 +281,8 @@ _flash = with_lse_vjp(forward, backward)
 
 def flash_attention_gpu(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
                         logit_soft_cap=None, scale=None, sinks=None, block_sizes=None, interpret=False):
-  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; sinks [Hq] or None -> [B, Lq, Hq, D] (Triton kernel)."""
+  """q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; sinks [Hq] or None
+  -> [B, Lq, Hq, Dv] (Triton kernel)."""
   validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap, sinks=sinks)
   opts = AttentionOptions(causal=causal, sliding_window=sliding_window,
                           logit_soft_cap=logit_soft_cap, scale=scale, block_sizes=block_sizes,

@@ -190,13 +190,13 @@ def _dq_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qseg_re
 
 
 def _cost(q, k, v, st, passes):
-  batch, heads, q_len, head_dim = q.shape
-  flops = passes * 2 * batch * heads * q_len * k.shape[2] * head_dim
-  if st.causal:
-    flops //= 2
+  """`passes` matmuls over every (query, key) pair, each of the mean of the q/k and v head
+  dims (they differ under multi-head latent attention); halved for a causal mask."""
+  batch, heads, q_len, _ = q.shape
+  scores = batch * heads * q_len * k.shape[2] // (2 if st.causal else 1)
+  flops = passes * scores * (q.shape[-1] + v.shape[-1])
   nbytes = sum(x.size * x.dtype.itemsize for x in (q, k, v)) * 2
-  return pl.CostEstimate(flops=flops, transcendentals=flops // (2 * head_dim),
-                         bytes_accessed=nbytes)
+  return pl.CostEstimate(flops=flops, transcendentals=scores, bytes_accessed=nbytes)
 
 
 def _call(kernel, st, group, grid, in_specs, out_specs, out_shape, scratch, cost, name):
@@ -212,19 +212,21 @@ def _call(kernel, st, group, grid, in_specs, out_specs, out_shape, scratch, cost
 
 
 def _forward(q, k, v, sinks, q_seg, kv_seg, offset, st):
-  """Kernel layout: q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D], sinks f32 [Hq] or None ->
-  (o, lse [B, Hq, Lq])."""
-  batch, num_heads, q_len, head_dim = q.shape
+  """Kernel layout: q [B, Hq, Lq, D], k [B, Hkv, Lk, D], v [B, Hkv, Lk, Dv], sinks f32 [Hq]
+  or None -> (o [B, Hq, Lq, Dv], lse [B, Hq, Lq])."""
+  batch, num_heads, q_len, _ = q.shape
   num_kv_heads, kv_len = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
   bq, bk = st.block_q, st.block_k
+  value_dim = v.shape[-1]
 
   def kv_block(i, j, off):
     return _live(j, *_kv_range(st, off[0], i, bq, bk), kv_len // bk)
 
-  q_spec = pl.BlockSpec((None, group, bq, head_dim), lambda b, h, i, j, off: (b, h, i, 0))
-  kv_spec = pl.BlockSpec((None, None, bk, head_dim),
-                         lambda b, h, i, j, off: (b, h, kv_block(i, j, off), 0))
+  q_spec, o_spec = (pl.BlockSpec((None, group, bq, d), lambda b, h, i, j, off: (b, h, i, 0))
+                    for d in (q.shape[-1], value_dim))
+  k_spec, v_spec = (pl.BlockSpec((None, None, bk, d), lambda b, h, i, j, off: (b, h, kv_block(i, j, off), 0))
+                    for d in (k.shape[-1], value_dim))
   seg_specs = [None, None]
   if q_seg is not None:
     seg_specs = [tpu_segments.column_spec(bq, lambda b, h, i, j, off: i),
@@ -233,10 +235,11 @@ def _forward(q, k, v, sinks, q_seg, kv_seg, offset, st):
   sinks_spec = None if sinks is None else pl.BlockSpec(memory_space=pltpu.SMEM)
   o, lse = _call(
       _fwd_kernel, st, group, (batch, num_kv_heads, q_len // bq, kv_len // bk),
-      [q_spec, kv_spec, kv_spec, *seg_specs, sinks_spec], [q_spec, lse_spec],
-      [out_struct(q.shape, q.dtype, q), out_struct((batch, num_heads, 1, q_len), jnp.float32, q)],
+      [q_spec, k_spec, v_spec, *seg_specs, sinks_spec], [o_spec, lse_spec],
+      [out_struct((*q.shape[:3], value_dim), q.dtype, q),
+       out_struct((batch, num_heads, 1, q_len), jnp.float32, q)],
       [pltpu.VMEM((group, bq, _LANES), jnp.float32), pltpu.VMEM((group, bq, _LANES), jnp.float32),
-       pltpu.VMEM((group, bq, head_dim), jnp.float32)],
+       pltpu.VMEM((group, bq, value_dim), jnp.float32)],
       _cost(q, k, v, st, passes=2), "flash_attention_fwd",
   )(offset, q, k, v, tpu_segments.layout(q_seg, True), tpu_segments.layout(kv_seg, False),
     None if sinks is None else sinks.astype(jnp.float32))
@@ -245,6 +248,7 @@ def _forward(q, k, v, sinks, q_seg, kv_seg, offset, st):
 
 def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   batch, num_heads, q_len, head_dim = q.shape
+  value_dim = v.shape[-1]
   num_kv_heads, kv_len = k.shape[1], k.shape[2]
   group = num_heads // num_kv_heads
   bq, bk = st.block_q_bwd, st.block_k_bwd
@@ -259,19 +263,20 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   def q_block(j, i, off):
     return _live(i, *_q_range(st, off[0], j, bq, bk, num_q_blocks), num_q_blocks)
 
-  qo_spec = pl.BlockSpec((None, group, bq, head_dim),
-                         lambda b, h, j, i, off: (b, h, q_block(j, i, off), 0))
+  q_spec, do_spec = (pl.BlockSpec((None, group, bq, d), lambda b, h, j, i, off: (b, h, q_block(j, i, off), 0))
+                     for d in (head_dim, value_dim))
   row_spec = pl.BlockSpec((None, group, 1, bq), lambda b, h, j, i, off: (b, h, 0, q_block(j, i, off)))
-  kv_spec = pl.BlockSpec((None, None, bk, head_dim), lambda b, h, j, i, off: (b, h, j, 0))
+  k_spec, v_spec = (pl.BlockSpec((None, None, bk, d), lambda b, h, j, i, off: (b, h, j, 0))
+                    for d in (head_dim, value_dim))
   seg_specs = [None, None]
   if q_seg is not None:
     seg_specs = [tpu_segments.row_spec(bq, lambda b, h, j, i, off: q_block(j, i, off)),
                  tpu_segments.column_spec(bk, lambda b, h, j, i, off: j)]
   dk, dv = _call(
       _dkv_kernel, st, group, (batch, num_kv_heads, num_k_blocks, num_q_blocks),
-      [qo_spec, kv_spec, kv_spec, qo_spec, row_spec, row_spec, *seg_specs], [kv_spec, kv_spec],
+      [q_spec, k_spec, v_spec, do_spec, row_spec, row_spec, *seg_specs], [k_spec, v_spec],
       [out_struct(k.shape, k.dtype, k), out_struct(v.shape, v.dtype, v)],
-      [pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, head_dim), jnp.float32)],
+      [pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, value_dim), jnp.float32)],
       _cost(q, k, v, st, passes=4), "flash_attention_dkv",
   )(offset, q, k, v, do, lse, delta, q_segs, kv_segs)
 
@@ -279,17 +284,18 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   def kv_block(i, j, off):
     return _live(j, *_kv_range(st, off[0], i, bq, bk), num_k_blocks)
 
-  qo_spec = pl.BlockSpec((None, group, bq, head_dim), lambda b, h, i, j, off: (b, h, i, 0))
+  q_spec, do_spec = (pl.BlockSpec((None, group, bq, d), lambda b, h, i, j, off: (b, h, i, 0))
+                     for d in (head_dim, value_dim))
   row_spec = pl.BlockSpec((None, group, 1, bq), lambda b, h, i, j, off: (b, h, 0, i))
-  kv_spec = pl.BlockSpec((None, None, bk, head_dim),
-                         lambda b, h, i, j, off: (b, h, kv_block(i, j, off), 0))
+  k_spec, v_spec = (pl.BlockSpec((None, None, bk, d), lambda b, h, i, j, off: (b, h, kv_block(i, j, off), 0))
+                    for d in (head_dim, value_dim))
   seg_specs = [None, None]
   if q_seg is not None:
     seg_specs = [tpu_segments.row_spec(bq, lambda b, h, i, j, off: i),
                  tpu_segments.column_spec(bk, lambda b, h, i, j, off: kv_block(i, j, off))]
   dq = _call(
       _dq_kernel, st, group, (batch, num_kv_heads, num_q_blocks, num_k_blocks),
-      [qo_spec, kv_spec, kv_spec, qo_spec, row_spec, row_spec, *seg_specs], qo_spec,
+      [q_spec, k_spec, v_spec, do_spec, row_spec, row_spec, *seg_specs], q_spec,
       out_struct(q.shape, q.dtype, q), [pltpu.VMEM((group, bq, head_dim), jnp.float32)],
       _cost(q, k, v, st, passes=3), "flash_attention_dq",
   )(offset, q, k, v, do, lse, delta, q_segs, kv_segs)
@@ -339,8 +345,8 @@ _flash = with_lse_vjp(forward, backward)
 
 def flash_attention_tpu(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
                         logit_soft_cap=None, scale=None, sinks=None, block_sizes=None, interpret=False):
-  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; sinks [Hq] or None -> [B, Lq, Hq, D]
-  (Mosaic TPU kernel).
+  """q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; sinks [Hq] or None
+  -> [B, Lq, Hq, Dv] (Mosaic TPU kernel).
 
   Sequences that are not a multiple of the tile are zero-padded; padded keys are
   masked and padded queries are dropped, so their gradients vanish.

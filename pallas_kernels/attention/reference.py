@@ -41,10 +41,11 @@ def softmax(logits, sinks=None):
 
 def attention_reference(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
                         logit_soft_cap=None, scale=None, sinks=None):
-  """Softmax attention. q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; Hq % Hkv == 0 (GQA).
+  """Softmax attention. q, k: [B, Lq | Lk, Hq | Hkv, D]; v: [B, Lk, Hkv, Dv] (Dv may differ
+  from D: multi-head latent attention); Hq % Hkv == 0 (GQA).
 
   segment_ids: optional int [B, Lk]; tokens attend only within their own segment
-  (packed sequences). sinks: optional [Hq] logits (module doc). Returns [B, Lq, Hq, D] in
+  (packed sequences). sinks: optional [Hq] logits (module doc). Returns [B, Lq, Hq, Dv] in
   q's dtype; softmax runs in float32.
   """
   batch, q_len, num_heads, head_dim = q.shape
@@ -62,7 +63,7 @@ def attention_reference(q, k, v, *, causal=True, segment_ids=None, sliding_windo
   probs = softmax(logits, sinks)
   out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
-  return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
+  return out.reshape(batch, q_len, num_heads, v.shape[-1]).astype(q.dtype)
 
 
 def gather_pages(pages, page_table):
@@ -73,17 +74,27 @@ def gather_pages(pages, page_table):
   return seq.reshape(num_kv_heads, batch, pages_per_seq * page_size, head_dim).transpose(1, 2, 0, 3)
 
 
+def shared_values(k, v, value_dim):
+  """The values: `v`, or when None the first `value_dim` entries of each key (a latent
+  cache, as multi-head latent attention's absorbed form reads it: one array holds both)."""
+  return k[..., :value_dim] if v is None else v
+
+
 def decode_attention_reference(q, k_cache, v_cache, lengths, *, page_table=None,
-                               sliding_window=None, logit_soft_cap=None, scale=None, sinks=None):
+                               sliding_window=None, logit_soft_cap=None, scale=None, value_dim=None,
+                               sinks=None):
   """One new query token per sequence against a KV cache with ragged lengths.
 
   q: [B, Hq, D]; lengths: int [B], the valid cache entries per sequence (the new
   token's own key included, at position lengths - 1). The cache is contiguous
-  k/v [B, S, Hkv, D], or paged: k/v [Hkv, num_pages, page_size, D] with
-  page_table int [B, pages_per_seq]. Returns [B, Hq, D]; sequences with length 0 get 0.
+  k [B, S, Hkv, D], v [B, S, Hkv, Dv], or paged: k [Hkv, num_pages, page_size, D],
+  v [.., Dv] with page_table int [B, pages_per_seq]; v None: the values are the keys'
+  first `value_dim` entries. Returns [B, Hq, Dv]; sequences with length 0 get 0.
   """
   if page_table is not None:
-    k_cache, v_cache = gather_pages(k_cache, page_table), gather_pages(v_cache, page_table)
+    k_cache = gather_pages(k_cache, page_table)
+    v_cache = None if v_cache is None else gather_pages(v_cache, page_table)
+  v_cache = shared_values(k_cache, v_cache, value_dim)
   batch, num_heads, head_dim = q.shape
   num_kv_heads = k_cache.shape[2]
   scale = head_dim ** -0.5 if scale is None else scale
@@ -99,18 +110,21 @@ def decode_attention_reference(q, k_cache, v_cache, lengths, *, page_table=None,
   probs = jnp.where(mask[:, None, None], softmax(logits, sinks), 0.0)
   out = jnp.einsum("bhgk,bkhd->bhgd", probs.astype(v_cache.dtype), v_cache,
                    preferred_element_type=jnp.float32)
-  return out.reshape(batch, num_heads, head_dim).astype(q.dtype)
+  return out.reshape(batch, num_heads, v_cache.shape[-1]).astype(q.dtype)
 
 
 def paged_attention_reference(q, k_pages, v_pages, q_positions, page_table, *,
-                              sliding_window=None, logit_soft_cap=None, scale=None, sinks=None):
+                              sliding_window=None, logit_soft_cap=None, scale=None, value_dim=None,
+                              sinks=None):
   """Several new query tokens per sequence against a paged cache holding their keys.
 
   q: [B, T, Hq, D] at q_positions int [B, T]; a query at position p sees the cached keys
   at positions 0..p (within `sliding_window` of p). Negative positions are padding and
-  get 0. Pages: [Hkv, num_pages, page_size, D]; page_table: int [B, pages_per_seq].
+  get 0. Pages: k [Hkv, num_pages, page_size, D], v [.., Dv] (None: the keys' first
+  `value_dim` entries); page_table: int [B, pages_per_seq]. -> [B, T, Hq, Dv].
   """
-  k, v = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+  k = gather_pages(k_pages, page_table)
+  v = shared_values(k, None if v_pages is None else gather_pages(v_pages, page_table), value_dim)
   batch, q_len, num_heads, head_dim = q.shape
   num_kv_heads = k.shape[2]
   scale = head_dim ** -0.5 if scale is None else scale
@@ -127,4 +141,4 @@ def paged_attention_reference(q, k_pages, v_pages, q_positions, page_table, *,
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   probs = jnp.where(mask, softmax(logits, sinks), 0.0)
   out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
+  return out.reshape(batch, q_len, num_heads, v.shape[-1]).astype(q.dtype)

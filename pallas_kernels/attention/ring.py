@@ -66,8 +66,8 @@ def _forward(st, q, k, v, sinks, q_seg, kv_seg):
     incoming = lax.ppermute(kv, split.axes, _ring(split))  # overlaps this step's compute
     return (attend(acc, kv, (index - s) % split.shards), incoming), None
 
-  batch, _, heads, head_dim = q.shape
-  empty = (full_like_varying((split.pieces, batch, n, heads, head_dim), 0.0, q),
+  batch, _, heads, _ = q.shape
+  empty = (full_like_varying((split.pieces, batch, n, heads, v.shape[-1]), 0.0, q),  # values' head dim
            full_like_varying((split.pieces, batch, heads, n), -jnp.inf, q))
   (acc, kv), _ = lax.scan(step, (empty, (k, v, kv_seg)), jnp.arange(split.shards - 1))
   o, lse = attend(acc, kv, (index + 1) % split.shards)  # the last block needs no onward send

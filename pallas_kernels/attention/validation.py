@@ -2,17 +2,21 @@
 
 from jaxpar.errors import UserError
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# Head dims the flash kernels take. Queries and keys may have another head dim than values
+# (multi-head latent attention: 192 and 128); the GPU kernels run a dim that is not a power
+# of two (192) zero-padded to the next one (256), since Triton tiles are powers of two.
+SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 
 
 def check_attention_args(q, k, v, segment_ids=None, sliding_window=None, logit_soft_cap=None,
                          head_dims=SUPPORTED_HEAD_DIMS, sinks=None):
-  """q: [B, Lq, Hq, D]; k, v: [B, Lk, Hkv, D]; segment_ids: [B, Lk]; sinks: [Hq]."""
+  """q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; segment_ids: [B, Lk];
+  sinks: [Hq]."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
       raise UserError(f"{name} must be [batch, length, heads, head_dim], got shape {x.shape}")
-  if k.shape != v.shape:
-    raise UserError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+  if k.shape[:3] != v.shape[:3]:
+    raise UserError(f"k and v must agree on batch, length and heads, got k {k.shape} and v {v.shape}")
   if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
     raise UserError(f"q {q.shape} and k {k.shape} must agree on batch and head_dim")
   if q.shape[1] > k.shape[1]:
@@ -21,9 +25,10 @@ def check_attention_args(q, k, v, segment_ids=None, sliding_window=None, logit_s
   if num_heads % num_kv_heads:
     raise UserError(f"q heads ({num_heads}) must be a multiple of k/v heads ({num_kv_heads}) "
                      "for grouped-query attention")
-  if head_dims is not None and q.shape[3] not in head_dims:
-    raise UserError(f"head_dim={q.shape[3]} is not supported by the flash kernels; "
-                     f"use one of {head_dims} or implementation='chunked'")
+  for name, dim in (("head_dim", q.shape[3]), ("v head_dim", v.shape[3])):
+    if head_dims is not None and dim not in head_dims:
+      raise UserError(f"{name}={dim} is not supported by the flash kernels; "
+                       f"use one of {head_dims} or implementation='chunked'")
   if segment_ids is not None and segment_ids.shape != k.shape[:2]:
     raise UserError(f"segment_ids must be [batch, kv_length] = {k.shape[:2]}, "
                      f"got {segment_ids.shape}")
