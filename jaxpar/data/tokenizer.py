@@ -31,11 +31,18 @@ class ByteTokenizer:
   eos_id = 256
   bos_id = 257
   vocab_size = 258
-  add_bos = False  # generation prompts start with their text
   chat_template = None
+  bos_token = eos_token = ""  # no text form: chat templates cannot write them
 
   def encode(self, text: str) -> list[int]:
     return self.encode_array(text).tolist()
+
+  def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A generation prompt: its bytes (no special tokens: prompts start with their text)."""
+    return self.encode(text)
+
+  def token_text(self, token: int) -> str:
+    return self.decode([token]) if token < 256 else ("<eos>" if token == self.eos_id else "<bos>")
 
   def encode_array(self, text: str) -> np.ndarray:
     # One numpy view of the UTF-8 bytes: no Python loop, so megabytes take milliseconds.
@@ -57,8 +64,11 @@ class HFTokenizer:
   """A `tokenizers.Tokenizer` from a tokenizer.json, with the eos id looked up once.
 
   A tokenizer_config.json beside it (as Hugging Face models ship) names the eos and bos
-  tokens, whether generation prompts start with bos (`add_bos_token`) and the chat template
-  (also read from chat_template.jinja).
+  tokens, whether prompts get them (`add_bos_token`, `add_eos_token`) and the chat template
+  (also read from chat_template.jinja). Prompts get special tokens as `transformers` gives
+  them: by the tokenizer.json's own post-processor (Llama 3 adds `<|begin_of_text|>` there),
+  unless the config sets add_bos_token / add_eos_token or the file has no post-processor, in
+  which case those two settings build it.
   """
 
   def __init__(self, path: str):
@@ -68,7 +78,6 @@ class HFTokenizer:
     self._tok = Tokenizer.from_file(path)
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     settings = _read_json(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
-    self.add_bos = bool(settings.get("add_bos_token", False))
     self.chat_template = settings.get("chat_template") or _read_text(
         os.path.join(os.path.dirname(path), "chat_template.jinja"))
     named = [_token_name(settings.get("eos_token"))]
@@ -82,6 +91,18 @@ class HFTokenizer:
     # The special tokens as text, for chat templates that write them out.
     self.eos_token = self._tok.id_to_token(self.eos_id)
     self.bos_token = self._tok.id_to_token(self.bos_id) if self.bos_id is not None else ""
+    if "add_bos_token" in settings or "add_eos_token" in settings or self._tok.post_processor is None:
+      self._tok.post_processor = self._template_processor(settings.get("add_bos_token", False),
+                                                          settings.get("add_eos_token", False))
+
+  def _template_processor(self, add_bos: bool, add_eos: bool):
+    """The post-processor `transformers` builds from add_bos_token / add_eos_token."""
+    from tokenizers import processors
+    bos = [(self.bos_token, self.bos_id)] if add_bos and self.bos_id is not None else []
+    eos = [(self.eos_token, self.eos_id)] if add_eos else []
+    single = " ".join([f"{t}:0" for t, _ in bos] + ["$A:0"] + [f"{t}:0" for t, _ in eos])
+    pair = " ".join([single] + [f"{t}:1" for t, _ in bos] + ["$B:1"] + [f"{t}:1" for t, _ in eos])
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=bos + eos)
 
   def _find(self, names: Sequence[str]) -> int | None:
     for name in names:
@@ -93,6 +114,14 @@ class HFTokenizer:
   def encode(self, text: str) -> list[int]:
     # No special tokens: packing adds eos itself, and a template's bos would repeat.
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A generation prompt, with the special tokens the tokenizer adds (see the class)."""
+    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+  def token_text(self, token: int) -> str:
+    """One token as text (special tokens included), as logprobs report it."""
+    return self._tok.decode([int(token)], skip_special_tokens=False)
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     encs = self._tok.encode_batch(list(texts), add_special_tokens=False)

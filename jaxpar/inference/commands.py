@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from jaxpar.cluster import distributed
+from jaxpar.errors import ConfigError, DataError, UserError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 console = Console(soft_wrap=True)
@@ -53,7 +54,7 @@ def mesh_sizes(items) -> dict:
     key, _, value = item.partition("=")
     axis = key.removeprefix("mesh.")
     if not key.startswith("mesh.") or axis not in MESH_AXES or not value.lstrip("-").isdigit():
-      raise ValueError(f"{item!r} is not a mesh size: use mesh.AXIS=SIZE with AXIS one of {list(MESH_AXES)}")
+      raise ConfigError(f"{item!r} is not a mesh size: use mesh.AXIS=SIZE with AXIS one of {list(MESH_AXES)}")
     sizes[axis] = int(value)
   return sizes
 
@@ -82,22 +83,22 @@ def _read_prompts(path: Path) -> list[dict]:
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        raise DataError(f"{path}:{number}: not valid JSON ({e.msg})") from None
       if not isinstance(record.get("prompt"), str):
-        raise ValueError(f"{path}:{number}: a JSONL record needs a \"prompt\" string")
+        raise DataError(f"{path}:{number}: a JSONL record needs a \"prompt\" string")
       records.append(record)
     else:
       records.append({"prompt": line})
   if not records:
-    raise ValueError(f"{path} holds no prompts")
+    raise DataError(f"{path} holds no prompts")
   return records
 
 
 def cmd_generate(ns):
   if (ns.prompt is None) == (ns.prompts_file is None):
-    raise ValueError("give --prompt TEXT or --prompts-file FILE (one of them)")
+    raise UserError("give --prompt TEXT or --prompts-file FILE (one of them)")
   if ns.prompts_file and not ns.output:
-    raise ValueError("--prompts-file needs --output FILE.jsonl for the results")
+    raise UserError("--prompts-file needs --output FILE.jsonl for the results")
   records = _read_prompts(Path(ns.prompts_file)) if ns.prompts_file else None
   sampling = sampling_from(ns)
   engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
