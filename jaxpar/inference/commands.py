@@ -59,11 +59,11 @@ def mesh_sizes(items) -> dict:
   return sizes
 
 
-def build_engine(ns, echo=None):
+def build_engine(ns, echo=None, **options):
   from jaxpar.inference import Engine
   return Engine.from_checkpoint(ns.checkpoint, mesh=mesh_sizes(ns.mesh) or None, slots=ns.slots,
                                 max_seq_len=ns.max_seq_len, page_size=ns.page_size,
-                                num_pages=ns.num_pages, kv_cache=ns.kv_cache, echo=echo)
+                                num_pages=ns.num_pages, kv_cache=ns.kv_cache, echo=echo, **options)
 
 
 def sampling_from(ns, **overrides):
@@ -134,7 +134,8 @@ def _generate_file(engine, records, sampling, output: Path):
 
 def cmd_serve(ns):
   from jaxpar.inference.server import serve
-  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
+  # Every program compiled before the first request: serving never pauses to compile.
+  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True)
   name = ns.model_name or Path(ns.checkpoint).resolve().name
   notes.print(f"serving {name!r} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
               f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)

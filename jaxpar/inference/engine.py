@@ -151,8 +151,12 @@ class Engine:
     """Queue a prompt (text or token ids); thread-safe. on_event(TokenEvent) is called from
     the thread that runs `step`."""
     request = self.make_request(prompt, sampling, on_event)
-    self._inbox.put(request)
+    self.enqueue(request)
     return request
+
+  def enqueue(self, request: Request):
+    """Queue a request made by `make_request` (thread-safe)."""
+    self._inbox.put(request)
 
   def cancel(self, request: Request):
     """Stop a request at the next step boundary (thread-safe); it ends "cancelled"."""
