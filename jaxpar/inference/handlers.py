@@ -98,6 +98,8 @@ class Call:
   # -- what the client sees -----------------------------------------------------------
 
   def _text(self, token: int) -> str:
+    if self.body.return_tokens_as_token_ids:
+      return f"token_id:{token}"
     return self.engine.tokenizer.token_text(token)
 
   def _logprobs(self, request, start: int, end: int, with_prompt: bool = False):

@@ -77,6 +77,7 @@ class _Common(_Lenient):
   logit_bias: dict[int, float] | None = None
   user: str | None = None
   add_special_tokens: bool | None = None  # vLLM; default: True for completions, False for chat
+  return_tokens_as_token_ids: bool = False  # vLLM: logprobs name tokens "token_id:N", not by their text
   response_format: ResponseFormat | None = None
   structured_outputs: StructuredOutputs | None = None  # vLLM
   guided_json: dict | str | None = None  # vLLM's older names for structured_outputs

@@ -110,7 +110,8 @@ class Request:
       self.finish_reason = "stop"
     full = decode(self.generated)
     if self.finish_reason is None:
-      cut = min((i for i in (full.find(s) for s in stop_strings) if i >= 0), default=-1)
+      # Only new text can stop it: what was streamed (text from before min_tokens included) stays.
+      cut = min((i for i in (full.find(s, len(self.text)) for s in stop_strings) if i >= 0), default=-1)
       if cut >= 0:
         full, self.finish_reason = full[:cut], "stop"
       elif constraint_done:
