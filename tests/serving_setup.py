@@ -24,24 +24,32 @@ TEMPLATE = "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['conte
 
 
 def train_tokenizer(directory: Path, style: str):
-  """A byte-level BPE tokenizer in `directory`, which gets its BOS as Llama 3's does ("llama3":
-  a TemplateProcessing post-processor in tokenizer.json) or as Llama 2's does ("llama2":
-  add_bos_token in tokenizer_config.json, no post-processor)."""
+  """A BPE tokenizer in `directory` laid out as Llama 3's ("llama3": byte-level, the BOS
+  added by a TemplateProcessing post-processor, no add_bos_token) or Llama 2's ("llama2":
+  SentencePiece-like pieces with byte fallback, add_bos_token in tokenizer_config.json and
+  the same rule in its post-processor, as Llama 2's files have both)."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-  bos, eos = ("<|begin_of_text|>", "<|end_of_text|>") if style == "llama3" else ("<s>", "</s>")
-  tokenizer = Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tokenizer.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[eos, bos],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  tokenizer.train_from_iterator(TEXTS * 20, trainer)
-  settings = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos,
-              "chat_template": TEMPLATE}
+  settings = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE}
   if style == "llama3":
-    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                             special_tokens=[(bos, tokenizer.token_to_id(bos))])
+    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials, alphabet = [eos, bos], pre_tokenizers.ByteLevel.alphabet()
   else:
-    settings["add_bos_token"] = True
+    bos, eos = "<s>", "</s>"
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    specials, alphabet = ["<unk>", bos, eos] + [f"<0x{i:02X}>" for i in range(256)], []
+    settings.update(add_bos_token=True, add_eos_token=False, unk_token="<unk>")
+  trainer = trainers.BpeTrainer(vocab_size=300 + 256 * (style == "llama2"), special_tokens=specials,
+                                initial_alphabet=alphabet)
+  tokenizer.train_from_iterator(TEXTS * 20, trainer)
+  tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tokenizer.token_to_id(bos))])
+  settings.update(bos_token=bos, eos_token=eos)
   directory.mkdir(parents=True, exist_ok=True)
   tokenizer.save(str(directory / "tokenizer.json"))
   (directory / "tokenizer_config.json").write_text(json.dumps(settings))
@@ -49,14 +57,15 @@ def train_tokenizer(directory: Path, style: str):
 
 
 def checkpoint_with_hf_copy(root: Path, style: str = "llama3", max_seq_len: int = 160, seed: int = 0):
-  """A random-weight jaxpar checkpoint (SMALL_MODEL, vocab 512) with a `style` tokenizer, and
+  """A random-weight jaxpar checkpoint (SMALL_MODEL, the vocabulary at least the tokenizer's) with a `style` tokenizer, and
   its HF export loaded in transformers (float32, eager attention). -> (checkpoint, hf_dir, hf model)."""
   import torch
   import transformers
 
   from jaxpar.convert.hf import jaxpar_to_hf
-  train_tokenizer(root / "tok", style)
-  config = from_dict({"model": {**SMALL_MODEL, "max_seq_len": max_seq_len}, "mesh": {"fsdp": 1},
+  vocab = -(-train_tokenizer(root / "tok", style).get_vocab_size() // 64) * 64
+  config = from_dict({"model": {**SMALL_MODEL, "vocab_size": max(vocab, SMALL_MODEL["vocab_size"]),
+                                "max_seq_len": max_seq_len}, "mesh": {"fsdp": 1},
                       "data": {"seq_len": 32}})
   runtime = Runtime(config.model, MeshConfig(fsdp=1), jax.devices()[:1], seed=seed)
   params, _ = runtime.init()

@@ -64,11 +64,12 @@ class HFTokenizer:
   """A `tokenizers.Tokenizer` from a tokenizer.json, with the eos id looked up once.
 
   A tokenizer_config.json beside it (as Hugging Face models ship) names the eos and bos
-  tokens, whether prompts get them (`add_bos_token`, `add_eos_token`) and the chat template
-  (also read from chat_template.jinja). Prompts get special tokens as `transformers` gives
-  them: by the tokenizer.json's own post-processor (Llama 3 adds `<|begin_of_text|>` there),
-  unless the config sets add_bos_token / add_eos_token or the file has no post-processor, in
-  which case those two settings build it.
+  tokens and the chat template (also read from chat_template.jinja). Prompts get the special
+  tokens that `transformers` gives them: those of the tokenizer.json's own post-processor
+  (Llama 3 adds `<|begin_of_text|>` there). A config's `add_bos_token` / `add_eos_token`,
+  which transformers 5 ignores once a tokenizer.json exists and its Llama 2 fast tokenizer
+  followed before, adds the BOS / EOS only where the post-processor did not: shipped files,
+  whose two settings agree, get the same ids either way, and none gets a second BOS.
   """
 
   def __init__(self, path: str):
@@ -91,18 +92,8 @@ class HFTokenizer:
     # The special tokens as text, for chat templates that write them out.
     self.eos_token = self._tok.id_to_token(self.eos_id)
     self.bos_token = self._tok.id_to_token(self.bos_id) if self.bos_id is not None else ""
-    if "add_bos_token" in settings or "add_eos_token" in settings or self._tok.post_processor is None:
-      self._tok.post_processor = self._template_processor(settings.get("add_bos_token", False),
-                                                          settings.get("add_eos_token", False))
-
-  def _template_processor(self, add_bos: bool, add_eos: bool):
-    """The post-processor `transformers` builds from add_bos_token / add_eos_token."""
-    from tokenizers import processors
-    bos = [(self.bos_token, self.bos_id)] if add_bos and self.bos_id is not None else []
-    eos = [(self.eos_token, self.eos_id)] if add_eos else []
-    single = " ".join([f"{t}:0" for t, _ in bos] + ["$A:0"] + [f"{t}:0" for t, _ in eos])
-    pair = " ".join([single] + [f"{t}:1" for t, _ in bos] + ["$B:1"] + [f"{t}:1" for t, _ in eos])
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=bos + eos)
+    self._add_bos = bool(settings.get("add_bos_token")) and self.bos_id is not None
+    self._add_eos = bool(settings.get("add_eos_token"))
 
   def _find(self, names: Sequence[str]) -> int | None:
     for name in names:
@@ -117,7 +108,12 @@ class HFTokenizer:
 
   def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
     """A generation prompt, with the special tokens the tokenizer adds (see the class)."""
-    return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    if add_special_tokens and self._add_bos and ids[:1] != [self.bos_id]:
+      ids = [self.bos_id] + ids
+    if add_special_tokens and self._add_eos and ids[-1:] != [self.eos_id]:
+      ids = ids + [self.eos_id]
+    return ids
 
   def token_text(self, token: int) -> str:
     """One token as text (special tokens included), as logprobs report it."""
