@@ -3,6 +3,7 @@ exported HF copy of the same weights or by hand, through the official `openai` c
 (raw HTTP for what the client will not send)."""
 
 import json
+import re
 import types
 
 import jax
@@ -250,3 +251,29 @@ def test_tokenize_detokenize_and_tokenizer_info(served):
   assert status == 200 and json.loads(info)["eos_token"] == "<|end_of_text|>"
   models = served.client.models.list().data
   assert [(m.id, m.model_extra["max_model_len"]) for m in models] == [(NAME, 160)]
+
+
+def test_structured_output_fields_through_the_client(served):
+  client = served.client
+  schema = {"type": "object", "properties": {"animal": {"enum": ["fox", "dog"]},
+                                            "legs": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["animal", "legs"], "additionalProperties": False}
+  fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}
+  reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "a pet"}], max_tokens=40,
+                                         temperature=1.0, seed=1, n=3, response_format=fmt)
+  for choice in reply.choices:
+    value = json.loads(choice.message.content)
+    assert value["animal"] in ("fox", "dog") and 0 <= value["legs"] <= 9
+  close = served.tokenizer("}", add_special_tokens=False)["input_ids"][0]
+  # Pushed toward "}" everywhere: free, it would be "}}}}"; constrained, it is a JSON object.
+  obj = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=40, temperature=0, logit_bias={str(close): 50},
+                                  extra_body={"response_format": {"type": "json_object"}})
+  assert json.loads(obj.choices[0].text) == {}
+  free = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={str(close): 50})
+  assert free.choices[0].text == "}}}}"
+  for extra, check in (({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+                       ({"structured_outputs": {"regex": "[a-c]{2}[0-9]"}}, re.compile("[a-c]{2}[0-9]").fullmatch),
+                       ({"guided_json": {"type": "boolean"}}, lambda t: t in ("true", "false"))):
+    got = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=2, n=2,
+                                    extra_body=extra)
+    assert all(check(c.text) for c in got.choices), (extra, [c.text for c in got.choices])

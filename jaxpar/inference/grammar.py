@@ -54,18 +54,22 @@ class Constraint:
 
   def matcher(self) -> "Matcher":
     import llguidance
-    return Matcher(llguidance.LLMatcher(self._tokenizer, self.grammar, log_level=0))
+    return Matcher(llguidance.LLMatcher(self._tokenizer, self.grammar, log_level=0), self._tokenizer.vocab_size)
 
 
 class Matcher:
   """One request's position in its constraint."""
 
-  def __init__(self, matcher):
+  def __init__(self, matcher, vocab: int):
     self._matcher = matcher
+    self._mask = np.zeros(-(-vocab // 32), np.int32)  # llguidance's width: the tokenizer's vocabulary
 
   def fill_mask(self, row: np.ndarray):
-    """Write the allowed next tokens into row (int32 [words], contiguous)."""
-    self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    """Write the allowed next tokens into row (int32 bitmask words); ids past the tokenizer's
+    vocabulary (a model's padding rows) are never allowed."""
+    self._matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+    row[:len(self._mask)] = self._mask[:len(row)]
+    row[len(self._mask):] = 0
 
   def advance(self, token: int) -> bool:
     """Take a generated token; True once the constraint allows nothing more (or failed)."""
