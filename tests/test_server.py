@@ -243,3 +243,34 @@ def test_cli_serve_drains_on_sigterm_and_exits_0(checkpoint):
       child.kill()
   output = child.stdout.read()
   assert "serving 'tiny-test' on http://127.0.0.1" in output
+
+
+def test_metrics_parse_as_prometheus_text_and_move_with_the_traffic(server):
+  from prometheus_client.parser import text_string_to_metric_families
+  engine, port, client = server
+
+  def scrape():
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("GET", "/metrics")
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/plain")
+    text = response.read().decode()
+    connection.close()
+    return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+  before = scrape()
+  done = client.completions.create(model=MODEL_NAME, prompt="the quick", max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True})
+  after = scrape()
+  moved = lambda name, labels="{}": after[name + labels] - before.get(name + labels, 0)  # noqa: E731
+  assert moved("jaxpar_generation_tokens_total") == done.usage.completion_tokens == 6
+  assert moved("jaxpar_prompt_tokens_total") == done.usage.prompt_tokens
+  assert moved("jaxpar_requests_finished_total", '{"finish_reason": "length"}') == 1
+  assert moved("jaxpar_time_to_first_token_seconds_count") == 1
+  assert moved("jaxpar_inter_token_latency_seconds_count") == 5
+  assert moved("jaxpar_prefill_tokens_total") == done.usage.prompt_tokens - 1  # the last one is decoded
+  assert after["jaxpar_kv_pages_used{}"] + after["jaxpar_kv_pages_free{}"] == engine.pool.num_pages
+  assert after["jaxpar_requests_running{}"] == 0 and after["jaxpar_requests_waiting{}"] == 0
+  assert after["jaxpar_generation_tokens_per_second{}"] > 0
+  for name in ("jaxpar_preemptions_total", "jaxpar_prefix_cache_hit_rate", "jaxpar_slots"):
+    assert name + "{}" in after
