@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from jaxpar.cluster import distributed
+from jaxpar.errors import UserError
 
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
@@ -138,7 +139,7 @@ def _cmd_compile(ns):
   config = load_config(path, overrides)
   topology = ns.topology or config.mesh.topology
   if topology is None:
-    raise ValueError("no TPU topology: pass --topology (e.g. v6e-256) or set mesh.topology")
+    raise UserError("no TPU topology: pass --topology (e.g. v6e-256) or set mesh.topology")
   if ns.inference:
     from jaxpar.aot.inference import compile_inference, format_inference_report
     report = compile_inference(config, topology, slots=ns.slots, context=ns.context, page_size=ns.page_size,
@@ -226,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
   convert_commands = convert.add_subparsers(dest="convert_command", required=True)
   to_jaxpar = convert_commands.add_parser(
       "hf-to-jaxpar", help="HF model dir -> params-only jaxpar checkpoint",
-      description="Import a Llama 2/3, Mistral, Qwen2/2.5 or Qwen3 directory (config.json + safetensors).")
+      description="Import a Hugging Face directory (config.json + safetensors) of a registered family: "
+      "Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Mixtral or Qwen3-MoE.")
   to_jaxpar.add_argument("hf_dir", metavar="HF_DIR")
   to_jaxpar.add_argument("out", metavar="OUT")
   to_jaxpar.set_defaults(func=_cmd_convert_hf_to_jaxpar)
@@ -362,7 +364,6 @@ def _run(ns) -> tuple[int, str | None]:
 
 
 def _report(error: Exception) -> tuple[int, str]:
-  from jaxpar.errors import UserError
   who = escape(distributed.label())
   if isinstance(error, (UserError, FileNotFoundError)):
     errors.print(f"{who}[bold red]error:[/bold red] {escape(str(error))}", markup=True, highlight=False)

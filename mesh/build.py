@@ -7,6 +7,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from jaxpar.errors import ConfigError
+
 AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 
@@ -17,13 +19,13 @@ def resolve_axis_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int
   resolved = dict(sizes)
   if free:
     if num_devices % fixed:
-      raise ValueError(f"mesh.{free[0]}=-1: the other axes multiply to {fixed}, which does not "
+      raise ConfigError(f"mesh.{free[0]}=-1: the other axes multiply to {fixed}, which does not "
                        f"divide the {num_devices} devices")
     resolved[free[0]] = num_devices // fixed
   total = math.prod(resolved.values())
   if total != num_devices:
     shown = " x ".join(f"{a}={s}" for a, s in resolved.items() if s != 1) or "all 1"
-    raise ValueError(f"mesh {shown} needs {total} devices but {num_devices} are available: "
+    raise ConfigError(f"mesh {shown} needs {total} devices but {num_devices} are available: "
                      "change the mesh sizes or set one axis to -1")
   return resolved
 
@@ -41,7 +43,7 @@ def build_mesh(mesh_config, devices=None) -> Mesh:
   if slices > 1:
     dcn_index = AXES.index(mesh_config.dcn_axis)
     if shape[dcn_index] % slices:
-      raise ValueError(f"mesh.{mesh_config.dcn_axis}={shape[dcn_index]} must be a multiple of "
+      raise ConfigError(f"mesh.{mesh_config.dcn_axis}={shape[dcn_index]} must be a multiple of "
                        f"mesh.num_slices={slices}")
     ici = list(shape)
     ici[dcn_index] //= slices

@@ -10,12 +10,14 @@ devices holding its experts. Outside the experts it acts as more FSDP where FSDP
 
 `length` is split over `context` (context parallelism). `residual_length` is the length
 of the residual stream between blocks: split like `length`, and with Megatron sequence
-parallelism (`model.sequence_parallel`, `sequence_parallel_rules`) over `tensor` too, so
+parallelism (`parallel.sequence_parallel`, `sequence_parallel_rules`) over `tensor` too, so
 norms and residual adds are not repeated on every tensor device; XLA all-gathers it
 before the column-parallel matmuls and reduce-scatters after the row-parallel ones.
 FSDP presets also split parameters over `context` (after `fsdp` and `expert`): those devices hold the same weights,
 so they share the storage like any other data-parallel replica.
 """
+
+from jaxpar.errors import ConfigError
 
 # Batch is split over every axis that holds different data.
 _BATCH = ("data", "fsdp", "expert")
@@ -63,7 +65,7 @@ def resolve_rules(rules) -> tuple[tuple[str, tuple[str, ...]], ...]:
   """A preset name or an explicit list of (logical, mesh axes) -> normalized rules."""
   if isinstance(rules, str):
     if rules not in PRESETS:
-      raise ValueError(f"mesh.rules={rules!r} is not a preset; use one of {sorted(PRESETS)} "
+      raise ConfigError(f"mesh.rules={rules!r} is not a preset; use one of {sorted(PRESETS)} "
                        "or a list of [logical_name, mesh_axes] pairs")
     rules = PRESETS[rules]
   normalized = []

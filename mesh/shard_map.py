@@ -11,6 +11,7 @@ import jax
 from flax.core import spmd as core_spmd
 from jax.sharding import PartitionSpec
 
+from jaxpar.errors import ConfigError
 from jaxpar.mesh.rules import PRESETS, resolve_rules
 
 DEFAULT_RULES = "fsdp_tp"
@@ -28,7 +29,7 @@ def _free_axes(mesh, rules, name):
     return ()
   table = dict(rules)
   if name not in table:
-    raise ValueError(f"logical axis {name!r} has no rule; add it to mesh.rules")
+    raise ConfigError(f"logical axis {name!r} has no rule; add it to mesh.rules")
   return tuple(a for a in table[name]
                if a in mesh.axis_names and mesh.shape[a] > 1 and a not in mesh.manual_axes)
 

@@ -9,6 +9,7 @@ from flax import nnx
 from flax.core import spmd as core_spmd
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.errors import ConfigError
 from jaxpar.mesh.rules import resolve_rules
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ def logical_to_spec(names, shape, mesh, rules) -> PartitionSpec:
   for dim, name in enumerate(names):
     axes = tuple(a for a in table.get(name, ()) if a not in used and mesh.shape[a] > 1) if name else ()
     if name is not None and name not in table:
-      raise ValueError(f"logical axis {name!r} has no rule; add it to mesh.rules")
+      raise ConfigError(f"logical axis {name!r} has no rule; add it to mesh.rules")
     split = math.prod(mesh.shape[a] for a in axes)
     if axes and shape is not None and shape[dim] % split:
       _warn_once(name, shape[dim], axes, split)

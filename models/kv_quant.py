@@ -21,6 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxpar.errors import ConfigError, UserError
 from jaxpar.pallas_kernels.matmul import packing
 from jaxpar.pallas_kernels.matmul.quantize import quantize_int
 
@@ -40,9 +41,9 @@ class KVQuantization:
 
   def __post_init__(self):
     if self.mode not in KV_MODES:
-      raise ValueError(f"kv cache mode={self.mode!r} is not one of {KV_MODES}")
+      raise ConfigError(f"kv cache mode={self.mode!r} is not one of {KV_MODES}")
     if self.page_size < 1 or self.window < 0:
-      raise ValueError(f"page_size={self.page_size} must be >= 1 and window={self.window} >= 0")
+      raise ConfigError(f"page_size={self.page_size} must be >= 1 and window={self.window} >= 0")
 
   @property
   def bits(self) -> int:
@@ -112,10 +113,10 @@ def cached_attention(q, k, v, spec: KVQuantization, segment_ids=None):
   b, l, hq, d = q.shape
   hkv = k.shape[2]
   if segment_ids is not None:
-    raise ValueError("a quantized KV cache holds one sequence per row: evaluate unpacked "
+    raise UserError("a quantized KV cache holds one sequence per row: evaluate unpacked "
                      "sequences (segment_ids=None)")
   if l % spec.page_size:
-    raise ValueError(f"sequence length {l} must be a multiple of page_size={spec.page_size}")
+    raise UserError(f"sequence length {l} must be a multiple of page_size={spec.page_size}")
   k_q, v_q = dequantize_pages(quantize_pages(_as_pages(k, spec.page_size), _as_pages(v, spec.page_size),
                                              spec), spec, k.dtype)
   k_q, v_q = _from_pages(k_q), _from_pages(v_q)

@@ -2,6 +2,7 @@
 (q/k/v biases), Qwen3 (qk-norm). Our RoPE rotates the two halves of head_dim like HF, so
 q/k need no permutation. The conversion machinery is jaxpar/convert/hf.py."""
 
+from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.registry import HFMapping
 
@@ -43,7 +44,7 @@ def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
   if kind == "default":
     return theta, None
   if kind != "llama3":
-    raise ValueError(f"rope type {kind!r} is not supported: jaxpar implements default and llama3 RoPE")
+    raise ConfigError(f"rope type {kind!r} is not supported: jaxpar implements default and llama3 RoPE")
   return theta, {"factor": params["factor"], "low_freq_factor": params["low_freq_factor"],
                  "high_freq_factor": params["high_freq_factor"],
                  "original_max_position": params["original_max_position_embeddings"]}
@@ -52,10 +53,10 @@ def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
 def config_from_hf(hf: dict) -> ModelConfig:
   kind = hf["model_type"]
   if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
-    raise ValueError(f"{kind} with hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')} "
+    raise ConfigError(f"{kind} with hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')} "
                      "is not supported: jaxpar's MLP is bias-free SwiGLU (silu)")
   if kind in ("llama", "mistral", "qwen3") and hf.get("attention_bias"):
-    raise ValueError(f"{kind} with attention_bias=true (o_proj bias too) is not supported")
+    raise ConfigError(f"{kind} with attention_bias=true (o_proj bias too) is not supported")
   heads = hf["num_attention_heads"]
   theta, scaling = rope_from_hf(hf)
   max_len = hf["max_position_embeddings"]
@@ -76,14 +77,14 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
   kind = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
   if cfg.mlp != "dense":
-    raise ValueError(f"model.mlp={cfg.mlp!r} has no Hugging Face architecture in the llama family")
+    raise ConfigError(f"model.mlp={cfg.mlp!r} has no Hugging Face architecture in the llama family")
   return {"architectures": [ARCHITECTURES[kind]], "model_type": kind, **decoder_config_to_hf(cfg, dtype)}
 
 
 def decoder_config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
   """The HF config fields every decoder family here shares (no model type)."""
   if cfg.qk_norm and cfg.attention_bias:
-    raise ValueError("model.qk_norm with model.attention_bias has no Hugging Face architecture")
+    raise ConfigError("model.qk_norm with model.attention_bias has no Hugging Face architecture")
   scaling = cfg.rope_scaling and {
       "rope_type": "llama3", "factor": cfg.rope_scaling.factor,
       "low_freq_factor": cfg.rope_scaling.low_freq_factor,

@@ -2,6 +2,7 @@
 the llama family's (llama_hf.py); experts are stored one tensor per expert (`{expert}` in
 a name), stacked here on the `experts` axis. The conversion machinery is jaxpar/convert/hf.py."""
 
+from jaxpar.errors import ConfigError
 from jaxpar.models import llama_hf
 from jaxpar.models.moe_config import MoEConfig, MoEModelConfig
 from jaxpar.models.registry import HFMapping
@@ -36,7 +37,7 @@ def _check_exportable(cfg, kind: str):
                      "model.qk_norm": (cfg.qk_norm, False)})
   for key, (value, needed) in problems.items():
     if value != needed:
-      raise ValueError(f"{key}={value!r} has no Hugging Face {kind} equivalent (it needs {needed!r})")
+      raise ConfigError(f"{key}={value!r} has no Hugging Face {kind} equivalent (it needs {needed!r})")
 
 
 def mixtral_from_hf(hf: dict) -> MoEModelConfig:
@@ -55,7 +56,7 @@ def mixtral_to_hf(cfg, dtype: str) -> dict:
 
 def qwen3_moe_from_hf(hf: dict) -> MoEModelConfig:
   if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-    raise ValueError(f"qwen3_moe with decoder_sparse_step={hf.get('decoder_sparse_step')}, "
+    raise ConfigError(f"qwen3_moe with decoder_sparse_step={hf.get('decoder_sparse_step')}, "
                      f"mlp_only_layers={hf.get('mlp_only_layers')} is not supported: jaxpar's dense "
                      "layers come first (model.first_dense_layers), not interleaved")
   return _from_hf(hf, family="qwen3_moe", attention_type="qwen3",
@@ -65,7 +66,7 @@ def qwen3_moe_from_hf(hf: dict) -> MoEModelConfig:
 def qwen3_moe_to_hf(cfg, dtype: str) -> dict:
   _check_exportable(cfg, "qwen3_moe")
   if not cfg.qk_norm:
-    raise ValueError("model.qk_norm=False has no Hugging Face qwen3_moe equivalent (it needs True)")
+    raise ConfigError("model.qk_norm=False has no Hugging Face qwen3_moe equivalent (it needs True)")
   m = cfg.moe
   return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
           **llama_hf.decoder_config_to_hf(cfg, dtype), "moe_intermediate_size": m.expert_mlp_dim,

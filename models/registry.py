@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from flax import nnx
 
+from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
 
 
@@ -54,7 +55,7 @@ def family_names() -> list[str]:
 
 def get_family(name: str) -> ModelFamily:
   if name not in _FAMILIES:
-    raise ValueError(f"model.family={name!r} is not a registered family; use one of {family_names()}")
+    raise ConfigError(f"model.family={name!r} is not a registered family; use one of {family_names()}")
   return _FAMILIES[name]
 
 
@@ -73,7 +74,7 @@ def get_block(kind: str, name: str) -> Callable:
   blocks = _BLOCKS.get(kind, {})
   if name not in blocks:
     option = {"feed_forward": "model.mlp"}.get(kind, kind)
-    raise ValueError(f"{option}={name!r} is not a registered {kind} block; use one of {block_names(kind)}")
+    raise ConfigError(f"{option}={name!r} is not a registered {kind} block; use one of {block_names(kind)}")
   return blocks[name]
 
 

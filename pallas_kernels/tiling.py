@@ -3,6 +3,8 @@ Shared by every kernel family."""
 
 import jax.numpy as jnp
 
+from jaxpar.errors import UserError
+
 
 def round_up(n, multiple):
   return -(-n // multiple) * multiple
@@ -58,6 +60,6 @@ def fit_tiles(blocks, q_len, kv_len, align, power_of_two=False) -> dict[str, int
 def check_block(name, block, align, power_of_two=False):
   """A tile length must be a positive multiple of the hardware alignment."""
   if not isinstance(block, int) or block <= 0 or block % align:
-    raise ValueError(f"{name}={block!r} must be a positive multiple of {align} on this backend")
+    raise UserError(f"{name}={block!r} must be a positive multiple of {align} on this backend")
   if power_of_two and block & (block - 1):
-    raise ValueError(f"{name}={block} must be a power of two for the Triton kernels")
+    raise UserError(f"{name}={block} must be a power of two for the Triton kernels")

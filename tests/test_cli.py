@@ -46,3 +46,47 @@ def test_options_after_overrides_first_screen_resume_and_step_times(tmp_path):
 def test_unknown_option_is_still_an_error():
   result = _jaxpar("train", "tiny", "train.steps=1", "--no-such-flag")
   assert result.returncode == 2 and "unrecognized arguments: --no-such-flag" in result.stderr
+
+
+def test_a_user_mistake_is_one_line_and_exit_2(capsys):
+  from jaxpar.cli import main
+  assert main(["config", "show", "tiny", "model.num_heads=3"]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err == "error: model.num_kv_heads=2 must divide model.num_heads=3", err
+
+
+def test_a_bug_says_so_with_a_short_traceback_and_exit_1(monkeypatch, capsys):
+  """A ValueError from deep inside (JAX, or a bug of ours) is not a user's mistake."""
+  import pytest
+
+  import jaxpar.config
+  from jaxpar.cli import main
+
+  def broken(*args, **kwargs):
+    raise ValueError("shapes (3,) and (4,) do not broadcast")
+  monkeypatch.setattr(jaxpar.config, "load_config", broken)
+  assert main(["config", "show", "tiny"]) == 1
+  err = capsys.readouterr().err
+  assert "ValueError: shapes (3,) and (4,) do not broadcast" in err
+  assert "this is a bug in jaxpar; run again with --debug for the full traceback" in err
+  assert "in broken" in err  # the frame that raised
+  with pytest.raises(ValueError, match="do not broadcast"):  # --debug anywhere: the real traceback
+    main(["config", "show", "tiny", "--debug"])
+
+
+def test_version_and_no_abbreviated_options(capsys):
+  import pytest
+
+  from jaxpar.cli import main
+  with pytest.raises(SystemExit) as done:
+    main(["--version"])
+  assert done.value.code == 0 and capsys.readouterr().out.startswith("jaxpar 0.")
+  with pytest.raises(SystemExit) as done:  # --restor is not --restore
+    main(["train", "tiny", "--restor", "runs/x"])
+  assert done.value.code == 2 and "unrecognized arguments: --restor" in capsys.readouterr().err
+
+
+def test_compile_without_a_topology_is_a_user_error(capsys):
+  from jaxpar.cli import main
+  assert main(["compile", "tiny"]) == 2
+  assert "no TPU topology: pass --topology" in capsys.readouterr().err

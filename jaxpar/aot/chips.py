@@ -4,6 +4,8 @@ libtpu topology names; the (CPU-host) devices of a topology to compile for."""
 import re
 from dataclasses import dataclass
 
+from jaxpar.errors import ConfigError
+
 GB = 1e9
 GIB = 2 ** 30
 
@@ -45,7 +47,7 @@ def parse_slice(name: str) -> tuple[Chip, str]:
   """`v5p-128` (marketing name) or `v5p:4x4x4` (libtpu name) -> (chip, libtpu topology name)."""
   match = re.fullmatch(r"(v5e|v5p|v6e)([-:])([0-9x]+)", name)
   if not match:
-    raise ValueError(f"topology {name!r} is not like v6e-256 or v5p:4x4x4; chips: {sorted(CHIPS)}")
+    raise ConfigError(f"topology {name!r} is not like v6e-256 or v5p:4x4x4; chips: {sorted(CHIPS)}")
   chip, sep, size = CHIPS[match[1]], match[2], match[3]
   if sep == ":":
     return chip, name
@@ -53,7 +55,7 @@ def parse_slice(name: str) -> tuple[Chip, str]:
   count = int(size) // chip.cores_per_chip
   if int(size) % chip.cores_per_chip or count not in shapes:
     sizes = sorted(n * chip.cores_per_chip for n in shapes)
-    raise ValueError(f"topology {name!r}: no {chip.name} slice of that size; use one of "
+    raise ConfigError(f"topology {name!r}: no {chip.name} slice of that size; use one of "
                      f"{', '.join(f'{chip.name}-{n}' for n in sizes)}")
   return chip, f"{chip.name}:{shapes[count]}"
 
@@ -67,6 +69,6 @@ def topology_devices(name: str, num_slices: int = 1) -> tuple[Chip, list]:
     topology = topologies.get_topology_desc(platform="tpu", topology_name=libtpu_name,
                                             num_slices=num_slices)
   except Exception as e:  # missing libtpu raises various types; say what to install
-    raise ValueError(f"cannot describe TPU topology {libtpu_name} ({e}); install libtpu: "
+    raise ConfigError(f"cannot describe TPU topology {libtpu_name} ({e}); install libtpu: "
                      "pip install 'jax[tpu]'") from None
   return chip, list(topology.devices)

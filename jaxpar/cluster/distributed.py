@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass, fields
 
 from jaxpar.cluster.peers import PeerWatch  # jax itself is imported on use: the CLI's --help stays fast
+from jaxpar.errors import UserError
 
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
        "process_id": "JAX_PROCESS_ID"}
@@ -74,7 +75,7 @@ def _from_env(options: DistributedOptions) -> DistributedOptions:
     if value is None and os.environ.get(var):
       raw = os.environ[var]
       if name != "coordinator" and not raw.lstrip("-").isdigit():
-        raise ValueError(f"{var}={raw!r} is not an integer")
+        raise UserError(f"{var}={raw!r} is not an integer")
       value = raw if name == "coordinator" else int(raw)
     values[name] = value
   return DistributedOptions(**{**options.__dict__, **values})
@@ -82,15 +83,15 @@ def _from_env(options: DistributedOptions) -> DistributedOptions:
 
 def _check(options: DistributedOptions):
   if not _ADDRESS.match(options.coordinator):
-    raise ValueError(f"--coordinator={options.coordinator!r} is not HOST:PORT (e.g. 10.0.0.2:8476)")
+    raise UserError(f"--coordinator={options.coordinator!r} is not HOST:PORT (e.g. 10.0.0.2:8476)")
   if options.num_processes < 1:
-    raise ValueError(f"--num-processes={options.num_processes} must be >= 1")
+    raise UserError(f"--num-processes={options.num_processes} must be >= 1")
   if not 0 <= options.process_id < options.num_processes:
-    raise ValueError(f"--process-id={options.process_id} must be in 0..{options.num_processes - 1} "
+    raise UserError(f"--process-id={options.process_id} must be in 0..{options.num_processes - 1} "
                      f"(--num-processes={options.num_processes})")
   for name in ("init_timeout", "peer_timeout"):
     if getattr(options, name) <= 0:
-      raise ValueError(f"--{name.replace('_', '-')}={getattr(options, name)} must be > 0 seconds")
+      raise UserError(f"--{name.replace('_', '-')}={getattr(options, name)} must be > 0 seconds")
 
 
 def _cluster_detected() -> bool:
@@ -118,13 +119,13 @@ def initialize(options: DistributedOptions | None = None, **kwargs) -> bool:
     _identity = (options.process_id, options.num_processes)
   elif not _cluster_detected():  # a detected cluster fills in what is missing
     if len(missing) < len(ENV):
-      raise ValueError(f"--{missing[0].replace('_', '-')} is missing (env {ENV[missing[0]]}): give "
+      raise UserError(f"--{missing[0].replace('_', '-')} is missing (env {ENV[missing[0]]}): give "
                        "--coordinator HOST:PORT, --num-processes N and --process-id I together, "
                        "or none of them")
     return False
   from jax._src import xla_bridge
   if xla_bridge.backends_are_initialized():
-    raise ValueError("jax.distributed must start before JAX uses any device: call "
+    raise UserError("jax.distributed must start before JAX uses any device: call "
                      "jaxpar.cluster.distributed.initialize() first thing in the program")
   where = options.coordinator or "the address JAX detected"
   timer = threading.Timer(options.init_timeout, abort, args=(

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import time
+from jaxpar.errors import UserError
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
 
@@ -53,10 +54,10 @@ def launch_local(num_processes: int, argv: list[str], *, devices_per_process: in
   """Run `argv` as processes 0..N-1 of one job and wait for all of them. Returns 0 when all
   succeed, else the exit code of the first to fail (128 + signal number when killed)."""
   if num_processes < 1 or devices_per_process < 1:
-    raise ValueError(f"launch-local needs N >= 1 and --devices-per-process >= 1; got "
+    raise UserError(f"launch-local needs N >= 1 and --devices-per-process >= 1; got "
                      f"{num_processes} and {devices_per_process}")
   if not argv:
-    raise ValueError("launch-local: give the command after --, e.g. jaxpar launch-local 2 -- train tiny")
+    raise UserError("launch-local: give the command after --, e.g. jaxpar launch-local 2 -- train tiny")
   port = port or free_port()
   processes = [subprocess.Popen(argv, env=process_env(i, num_processes, port, devices_per_process),
                                 start_new_session=True) for i in range(num_processes)]

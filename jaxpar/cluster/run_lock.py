@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from jaxpar.cluster import distributed
+from jaxpar.errors import UserError
 
 LOCK_NAME = "jaxpar.lock"
 _calls = itertools.count()  # one key-value key per fit() in this job (the same on every process)
@@ -55,17 +56,17 @@ class RunLock:
       except BlockingIOError:
         holder = _read(fd)
         os.close(fd)
-        raise ValueError(f"run directory {self.directory} is in use by another job ({_describe(holder)}; "
+        raise UserError(f"run directory {self.directory} is in use by another job ({_describe(holder)}; "
                          f"lock {self.path}): wait for it to end, stop it, or set another train.run_dir") from None
       except OSError as e:
         os.close(fd)
-        raise ValueError(f"cannot lock {self.path} ({e.strerror}): put train.run_dir on a file system "
+        raise UserError(f"cannot lock {self.path} ({e.strerror}): put train.run_dir on a file system "
                          "with file locks (a local disk or NFS)") from None
       if self.path.exists() and os.stat(self.path).st_ino == os.fstat(fd).st_ino:
         break
       os.close(fd)
     else:
-      raise ValueError(f"could not lock {self.path}: another job keeps replacing it")
+      raise UserError(f"could not lock {self.path}: another job keeps replacing it")
     previous = _read(fd)
     mine = {"host": socket.gethostname(), "pid": os.getpid(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)}
@@ -109,7 +110,7 @@ def hold_run_dirs(directories, say=print):
 
   refusal = distributed.share_from_process_0(f"run_lock/{next(_calls)}", take)
   if refusal:
-    raise ValueError(refusal)
+    raise UserError(refusal)
   try:
     yield
   finally:

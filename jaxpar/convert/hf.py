@@ -40,13 +40,13 @@ def _mapping_for_type(model_type):
       if model_type in mapping.model_types:
         return mapping
       supported += mapping.model_types
-  raise ValueError(f"config.json model_type={model_type!r} is not supported; use one of {supported}")
+  raise CheckpointError(f"config.json model_type={model_type!r} is not supported; use one of {supported}")
 
 
 def _mapping_for_family(cfg: ModelConfig):
   mapping = get_family(cfg.family).hf
   if mapping is None:
-    raise ValueError(f"model.family={cfg.family!r} has no Hugging Face mapping")
+    raise CheckpointError(f"model.family={cfg.family!r} has no Hugging Face mapping")
   return mapping
 
 
@@ -143,7 +143,7 @@ class _SafetensorsDir:
     else:
       single = hf_dir / "model.safetensors"
       if not single.is_file():
-        raise ValueError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json: "
+        raise CheckpointError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json: "
                          "save the model with safe_serialization (the transformers default)")
       with safe_open(single, "numpy") as f:
         files = {name: single for name in f.keys()}
@@ -181,7 +181,7 @@ def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: s
   (step 0; `jaxpar train --restore OUT` fine-tunes it). Returns the jaxpar config."""
   hf_dir = Path(hf_dir)
   if not (hf_dir / "config.json").is_file():
-    raise ValueError(f"{hf_dir} has no config.json: give a Hugging Face model directory")
+    raise CheckpointError(f"{hf_dir} has no config.json: give a Hugging Face model directory")
   hf = json.loads((hf_dir / "config.json").read_text())
   model = model_config_from_hf(hf).model_copy(update={"param_dtype": param_dtype})
   config = from_dict({"model": model.model_dump(), "mesh": mesh.model_dump(),
@@ -197,7 +197,7 @@ def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: s
     for path, (layout, by_index) in names.items():
       missing = [n for n in by_index.values() if n not in source]
       if missing:
-        raise ValueError(f"{hf_dir} has no tensor {missing[0]!r} that a {hf['model_type']} model with "
+        raise CheckpointError(f"{hf_dir} has no tensor {missing[0]!r} that a {hf['model_type']} model with "
                          "this config.json needs: the checkpoint is incomplete or of another architecture")
       shape = _get(abstract, path).shape
       hf_names = np.empty(shape[:len(next(iter(by_index)))], object)

@@ -18,6 +18,7 @@ import numpy as np
 from jaxpar.data.packing import PackedStream, pack_documents
 from jaxpar.data.sources import read_documents
 from jaxpar.data.tokenizer import load_tokenizer
+from jaxpar.errors import CheckpointError, ConfigError, DataError
 
 KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -63,13 +64,13 @@ class TrainBatches:
     self.global_batch_size = int(cfg.global_batch_size)
     self.seed = int(cfg.shuffle_seed)
     if self.seq_len < 1 or self.global_batch_size < 1:
-      raise ValueError(
+      raise DataError(
         f"data.seq_len={cfg.seq_len} and data.global_batch_size={cfg.global_batch_size} "
         "must both be >= 1"
       )
     nproc = jax.process_count()
     if self.global_batch_size % nproc:
-      raise ValueError(
+      raise DataError(
         f"data.global_batch_size={self.global_batch_size} does not divide over "
         f"{nproc} processes; use a multiple of {nproc}"
       )
@@ -80,7 +81,7 @@ class TrainBatches:
     self.stream = pack_documents(read_documents(cfg.source, cfg.text_key), tokenizer)
     self.windows_per_epoch = self.stream.num_windows(self.seq_len)
     if self.windows_per_epoch < self.global_batch_size:
-      raise ValueError(
+      raise DataError(
         f"data.source={cfg.source!r} has {self.stream.num_tokens} tokens = "
         f"{self.windows_per_epoch} windows of data.seq_len={self.seq_len}, fewer than one "
         f"batch of data.global_batch_size={self.global_batch_size}; use more text, a "
@@ -100,7 +101,7 @@ class TrainBatches:
       try:
         sharding.shard_shape(shape)
       except ValueError as e:
-        raise ValueError(f"batch shape {shape} does not fit sharding {sharding}: {e}") from None
+        raise ConfigError(f"batch shape {shape} does not fit sharding {sharding}: {e}") from None
       mine = [d for d in sharding.device_set if d.process_index == jax.process_index()]
       self._rows = rows_held_by(sharding, mine, *shape)
     self._next = 0  # index of the first sample of the next batch
@@ -134,10 +135,10 @@ class TrainBatches:
 
   def set_state(self, state: dict[str, Any]) -> None:
     if "next_sample" not in state:
-      raise ValueError(f"data iterator state {state!r} has no 'next_sample'")
+      raise CheckpointError(f"data iterator state {state!r} has no 'next_sample'")
     nxt = int(np.asarray(state["next_sample"]))  # orbax may hand back a numpy scalar
     if nxt < 0:
-      raise ValueError(f"data iterator state next_sample={nxt} must be >= 0")
+      raise CheckpointError(f"data iterator state next_sample={nxt} must be >= 0")
     self._next = nxt
 
   # -- sizes -----------------------------------------------------------------------

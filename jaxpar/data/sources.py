@@ -13,6 +13,8 @@ import importlib.resources
 import json
 import os
 
+from jaxpar.errors import DataError
+
 BUNDLED = "bundled"
 _SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
 
@@ -44,10 +46,10 @@ def _read_jsonl(path: str, text_key: str) -> list[str]:
       try:
         row = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
       if not isinstance(row, dict) or text_key not in row:
         keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-        raise ValueError(
+        raise DataError(
           f"{path}:{lineno}: no field {text_key!r} (has {keys}); set data.text_key"
         )
       docs.append(str(row[text_key]))
@@ -64,17 +66,17 @@ def _files(path: str) -> list[str]:
       if name.endswith(_SUFFIXES)
     )
     if not found:
-      raise ValueError(
+      raise DataError(
         f"data.source: folder {path!r} has no {', '.join(_SUFFIXES)} files"
       )
     return found
   if not os.path.isfile(path):
-    raise ValueError(
+    raise DataError(
       f"data.source: no file or folder at {path!r}; use 'bundled' or a path to "
       f"{', '.join(_SUFFIXES)} files"
     )
   if not path.endswith(_SUFFIXES):
-    raise ValueError(
+    raise DataError(
       f"data.source: {path!r} is not one of {', '.join(_SUFFIXES)}"
     )
   return [path]
@@ -91,5 +93,5 @@ def read_documents(source: str, text_key: str = "text") -> list[str]:
     part = _read_jsonl(p, text_key) if ".jsonl" in os.path.basename(p) else _read_txt(p)
     docs.extend(d for d in part if d.strip())
   if not docs:
-    raise ValueError(f"data.source: {source!r} holds no non-empty documents")
+    raise DataError(f"data.source: {source!r} holds no non-empty documents")
   return docs

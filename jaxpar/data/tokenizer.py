@@ -10,6 +10,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from jaxpar.errors import DataError
+
 # Names that tokenizer.json files commonly give their end-of-text token, most likely first.
 _EOS_NAMES = (
   "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>", "<|eot_id|>",
@@ -84,7 +86,7 @@ class HFTokenizer:
     named = [_token_name(settings.get("eos_token"))]
     self.eos_id = self._find([n for n in named if n] + list(_EOS_NAMES))
     if self.eos_id is None:
-      raise ValueError(
+      raise DataError(
         f"tokenizer {path} has no end-of-text token (looked for {', '.join(_EOS_NAMES)}); "
         "add one as a special token when training it, e.g. special_tokens=['<|endoftext|>']"
       )
@@ -157,7 +159,7 @@ def load_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
   if os.path.isdir(path):
     path = os.path.join(path, "tokenizer.json")
   if not os.path.isfile(path):
-    raise ValueError(
+    raise DataError(
       f"data.tokenizer: no tokenizer file at {path!r}; use 'byte' or the path of a "
       "Hugging Face tokenizer.json"
     )

@@ -18,6 +18,7 @@ from typing import Iterator
 import jax
 import numpy as np
 
+from jaxpar.errors import ConfigError
 from jaxpar.inference import processing
 from jaxpar.inference.pages import PagePool, page_table_rows
 from jaxpar.inference.programs import Programs
@@ -56,7 +57,7 @@ class Engine:
     self.pages_per_seq = -(-self.max_seq_len // page_size)
     num_pages = num_pages or slots * self.pages_per_seq
     if num_pages < self.pages_per_seq:
-      raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len="
+      raise ConfigError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len="
                        f"{self.max_seq_len} ({self.pages_per_seq} pages of {page_size}): raise it")
     self.pool = PagePool(num_pages, page_size)
     self.chunks = sorted({min(c, self.max_seq_len) for c in prefill_chunks})

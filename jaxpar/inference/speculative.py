@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxpar.errors import UserError
 from jaxpar.inference.pages import page_table_rows
 from jaxpar.inference.programs import Kind, settings_struct
 from jaxpar.inference.requests import Completion, Request
@@ -128,9 +129,9 @@ class SpeculativeDecoder:
 
   def __init__(self, target, draft, k: int = 4):
     if k < 1:
-      raise ValueError(f"k={k}: the draft must propose at least one token")
+      raise UserError(f"k={k}: the draft must propose at least one token")
     if target.runtime.model_config.vocab_size != draft.runtime.model_config.vocab_size:
-      raise ValueError("the draft and target models must share a vocabulary (and tokenizer)")
+      raise UserError("the draft and target models must share a vocabulary (and tokenizer)")
     self.target, self.draft, self.k = target, draft, k
     self.batch = len(target.slots)
     target.programs.compile("speculate", self.batch, k + 1, target.pages_per_seq, _TARGET_PROGRAM)
@@ -141,7 +142,7 @@ class SpeculativeDecoder:
     """Like Engine.generate; prompts run `target.slots` at a time."""
     settings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
     if any(s.logprobs for s in settings):
-      raise ValueError("logprobs are not reported with speculative decoding: drop logprobs or the draft")
+      raise UserError("logprobs are not reported with speculative decoding: drop logprobs or the draft")
     done = []
     for start in range(0, len(prompts), self.batch):
       done += self._generate_batch(prompts[start:start + self.batch], settings[start:start + self.batch])

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.errors import DataError
 from jaxpar.train.loss import causal_lm_loss
 
 
@@ -16,7 +17,7 @@ def split_heldout(documents: list[str], count: int) -> tuple[list[str], str]:
   """(training documents, held-out text): the last `count` documents are held out, so a
   model trained on the rest never saw them."""
   if not 0 < count < len(documents):
-    raise ValueError(f"cannot hold out {count} of {len(documents)} documents")
+    raise DataError(f"cannot hold out {count} of {len(documents)} documents")
   return documents[:-count], "\n\n".join(documents[-count:])
 
 
@@ -27,7 +28,7 @@ def token_windows(text: str, tokenizer, seq_len: int, count: int | None = None) 
   available = (len(tokens) - 1) // seq_len
   count = available if count is None else count
   if count < 1 or count > available:
-    raise ValueError(f"the text has {len(tokens)} tokens: room for {available} windows of "
+    raise DataError(f"the text has {len(tokens)} tokens: room for {available} windows of "
                      f"seq_len={seq_len}, not {count}")
   return np.stack([tokens[i * seq_len:(i + 1) * seq_len + 1] for i in range(count)])
 

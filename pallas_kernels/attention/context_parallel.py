@@ -10,6 +10,7 @@ helper, both running the blockwise kernel of the backend on each piece:
 Anything that cannot be split is an error here, never a silent gather of the sequence.
 """
 
+from jaxpar.errors import ConfigError, UserError
 from jaxpar.mesh import logical_shard_map, mesh_axes, num_shards
 from jaxpar.pallas_kernels.attention import chunked, flash_gpu, flash_tpu
 from jaxpar.pallas_kernels.attention.all_gather import all_gather_attention
@@ -36,17 +37,17 @@ def blockwise_kernel(implementation: str, platform: str):
 def check_split(split: SequenceSplit, q, k, strategy: str, implementation: str):
   """One-line errors for what context parallelism cannot do, before anything is traced."""
   if strategy not in STRATEGIES:
-    raise ValueError(f"context_parallel={strategy!r} is not one of {sorted(STRATEGIES)}")
+    raise ConfigError(f"context_parallel={strategy!r} is not one of {sorted(STRATEGIES)}")
   if implementation == "reference":
-    raise ValueError("attention implementation 'reference' materialises whole score matrices "
+    raise UserError("attention implementation 'reference' materialises whole score matrices "
                      f"and has no context-parallel form (the mesh splits length over "
                      f"{split.axes}): use 'auto', 'chunked' or 'flash'")
   if q.shape[1] != k.shape[1]:
-    raise ValueError(f"context parallelism splits self-attention only, got {q.shape[1]} queries "
+    raise UserError(f"context parallelism splits self-attention only, got {q.shape[1]} queries "
                      f"and {k.shape[1]} keys")
   if q.shape[1] % split.multiple:
     why = " (zig-zag order: 2 chunks per device)" if split.zigzag else ""
-    raise ValueError(f"sequence length {q.shape[1]} does not split evenly over the "
+    raise UserError(f"sequence length {q.shape[1]} does not split evenly over the "
                      f"{split.shards} devices of mesh axes {split.axes}: it must be a multiple "
                      f"of {split.multiple}{why}; pad the sequences or change their length")
 

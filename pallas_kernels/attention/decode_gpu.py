@@ -15,6 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxpar.errors import UserError
 from jaxpar.pallas_kernels.attention import decode_common, masking, validation
 
 
@@ -64,7 +65,7 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, slid
   group = num_heads // num_kv_heads
   for name, n in (("q heads per kv head", group), ("page_size", page_size)):
     if n & (n - 1):
-      raise ValueError(f"{name}={n} must be a power of two for the Triton decode kernel")
+      raise UserError(f"{name}={n} must be a power of two for the Triton decode kernel")
   st = _Static(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                scale=head_dim ** -0.5 if scale is None else scale, page_size=page_size)
   q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h: (b, h, 0, 0))

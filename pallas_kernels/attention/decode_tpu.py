@@ -15,6 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxpar.errors import UserError
 from jaxpar.pallas_kernels.attention import decode_common, masking, validation
 from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
@@ -85,7 +86,7 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, slid
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   if page_size % 8:
-    raise ValueError(f"page_size={page_size} must be a multiple of 8 for the TPU decode kernel")
+    raise UserError(f"page_size={page_size} must be a multiple of 8 for the TPU decode kernel")
   group = num_heads // num_kv_heads
   pages_per_seq = page_table.shape[1]
   st = _Static(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,

@@ -17,6 +17,7 @@ import functools
 
 import jax.numpy as jnp
 
+from jaxpar.errors import ConfigError
 from jaxpar.mesh import current_execution_options, logical_shard_map
 from jaxpar.pallas_kernels.attention import context_parallel as cp
 from jaxpar.pallas_kernels.attention import validation
@@ -44,7 +45,7 @@ _PAGES = (_HEADS, None, None, "head_dim")  # [Hkv, num_pages, page_size, D]; pag
 
 def _check_implementation(implementation):
   if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"attention implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+    raise ConfigError(f"attention implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
 
 
 def choose_implementation(implementation, platform, head_dim, kv_len):
@@ -102,7 +103,7 @@ def _context_parallel(q, k, v, segment_ids, split, platform, strategy, implement
   cp.check_split(split, q, k, strategy, implementation)
   impl = choose_implementation(implementation, platform, q.shape[-1], k.shape[1])
   if impl == "flash" and interpret(platform):
-    raise ValueError(f"attention implementation 'flash' runs in interpret mode on {platform}, "
+    raise ConfigError(f"attention implementation 'flash' runs in interpret mode on {platform}, "
                      "which JAX cannot run with per-device offsets inside shard_map: use "
                      "'chunked' or 'auto' when the mesh splits the sequence length")
   head_dims = validation.SUPPORTED_HEAD_DIMS if impl == "flash" else None

@@ -15,6 +15,7 @@ import math
 
 import jax
 
+from jaxpar.errors import ConfigError, UserError
 from jaxpar.mesh import logical_shard_map
 from jaxpar.pallas_kernels.matmul import reference
 from jaxpar.pallas_kernels.matmul.format import QuantizedWeight, check_weight
@@ -28,7 +29,7 @@ IMPLEMENTATIONS = ("auto", "pallas", "xla")
 
 def choose_implementation(implementation: str, platform: str) -> str:
   if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"quantized matmul implementation={implementation!r} is not one of "
+    raise ConfigError(f"quantized matmul implementation={implementation!r} is not one of "
                      f"{IMPLEMENTATIONS}")
   if implementation != "auto":
     return implementation
@@ -39,10 +40,10 @@ def _check(x, w: QuantizedWeight, outlier_channels: int):
   check_weight(w)
   k = w.shape[0]
   if x.shape[-1] != k:
-    raise ValueError(f"x has {x.shape[-1]} input features (last dim of shape {x.shape}) but the "
+    raise UserError(f"x has {x.shape[-1]} input features (last dim of shape {x.shape}) but the "
                      f"weight has K={k}")
   if outlier_channels and (w.mode != "w8a8" or not 0 < outlier_channels < k):
-    raise ValueError(f"outlier_channels={outlier_channels} needs mode='w8a8' and 0 < it < K={k}")
+    raise UserError(f"outlier_channels={outlier_channels} needs mode='w8a8' and 0 < it < K={k}")
 
 
 def _varying_alike(arrays):

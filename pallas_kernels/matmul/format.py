@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 
+from jaxpar.errors import UserError
 from jaxpar.pallas_kernels import tiling
 
 MODES = ("int8", "int4", "w8a8")
@@ -48,17 +49,17 @@ class QuantizedWeight:
 def check_group_size(mode: str, group_size, k: int):
   """The group size a mode needs, checked against the contracted dimension K."""
   if mode not in MODES:
-    raise ValueError(f"mode={mode!r} is not one of {MODES}")
+    raise UserError(f"mode={mode!r} is not one of {MODES}")
   if mode != "int4":
     if group_size is not None:
-      raise ValueError(f"group_size={group_size} applies to mode='int4' only; mode={mode!r} "
+      raise UserError(f"group_size={group_size} applies to mode='int4' only; mode={mode!r} "
                        "uses one scale per output channel (leave group_size unset)")
     return
   if group_size not in GROUP_SIZES:
-    raise ValueError(f"group_size={group_size!r} must be one of {GROUP_SIZES} for mode='int4'")
+    raise UserError(f"group_size={group_size!r} must be one of {GROUP_SIZES} for mode='int4'")
   if k % group_size:
     fits = [g for g in GROUP_SIZES if k % g == 0] or f"none of {GROUP_SIZES}"
-    raise ValueError(f"group_size={group_size} does not divide K={k}: pick a group size "
+    raise UserError(f"group_size={group_size} does not divide K={k}: pick a group size "
                      f"that divides it ({fits})")
 
 
@@ -67,13 +68,13 @@ def check_weight(w: QuantizedWeight):
   check_group_size(w.mode, w.group_size, w.shape[0])
   k, n = w.shape
   if w.values.ndim != 2 or w.values.dtype != jax.numpy.int8:
-    raise ValueError(f"values must be a 2-D int8 array, got {w.values.dtype} {w.values.shape}")
+    raise UserError(f"values must be a 2-D int8 array, got {w.values.dtype} {w.values.shape}")
   groups = k // w.group_size if w.mode == "int4" else 1
   if w.scales.shape != (groups, n):
-    raise ValueError(f"scales has shape {w.scales.shape}; mode={w.mode!r} with K={k}, N={n} "
+    raise UserError(f"scales has shape {w.scales.shape}; mode={w.mode!r} with K={k}, N={n} "
                      f"needs {(groups, n)}")
   if w.zeros is not None and (w.mode != "int4" or w.zeros.shape != w.scales.shape):
-    raise ValueError(f"zeros (shape {w.zeros.shape}) must match scales {w.scales.shape} and "
+    raise UserError(f"zeros (shape {w.zeros.shape}) must match scales {w.scales.shape} and "
                      "only mode='int4' takes them")
 
 

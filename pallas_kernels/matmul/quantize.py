@@ -11,6 +11,7 @@ all-constant slice gets scale 1 and round-trips exactly.
 
 import jax.numpy as jnp
 
+from jaxpar.errors import UserError
 from jaxpar.pallas_kernels.matmul import packing
 from jaxpar.pallas_kernels.matmul.format import INT4_SYMMETRIC_ZERO, QuantizedWeight, check_group_size
 
@@ -43,7 +44,7 @@ def quantize_weight(w, mode: str, group_size: int | None = None, *,
   check_group_size(mode, group_size, k)
   if mode != "int4":
     if zero_point:
-      raise ValueError(f"zero_point=True applies to mode='int4' only, not mode={mode!r}")
+      raise UserError(f"zero_point=True applies to mode='int4' only, not mode={mode!r}")
     q, scale, _ = quantize_int(w, 8, axis=0)
     return QuantizedWeight(q.astype(jnp.int8), scale, mode=mode)
   grouped = w.reshape(k // group_size, group_size, n)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.errors import ConfigError
 from jaxpar.pallas_kernels.moe.reference import grouped_ffn_reference
 from jaxpar.pallas_kernels.moe.rows import inverse, rank_within, take_rows
 from jaxpar.pallas_kernels.tiling import round_up
@@ -88,7 +89,7 @@ def grouped_ffn(rows, groups, gate, up, down, *, implementation="auto", block=No
   (gate, up [G, D, F]; down [G, F, D]); rows of group G (no expert) come out as zeros.
   block: rows per block of the blocked path (default from R and G)."""
   if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"moe.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
+    raise ConfigError(f"moe.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
   groups = groups.astype(jnp.int32)
   if implementation == "reference":
     return grouped_ffn_reference(rows, groups, gate, up, down)
