@@ -70,10 +70,16 @@ def checkpoint(name: str, root: Path, max_seq_len: int) -> Path:
   return path
 
 
-def start_server(path: Path, port: int, slots: int, prefix_caching: bool, log: Path) -> subprocess.Popen:
-  flag = "--prefix-caching" if prefix_caching else "--no-prefix-caching"
+def prefix_cache_modes() -> list:
+  """[True, False] when `jaxpar serve` has --prefix-caching, else [None] (one run, as it serves)."""
+  help_text = subprocess.run([sys.executable, "-m", "jaxpar", "serve", "--help"], capture_output=True, text=True).stdout
+  return [True, False] if "--prefix-caching" in help_text else [None]
+
+
+def start_server(path: Path, port: int, slots: int, prefix_caching, log: Path) -> subprocess.Popen:
+  flags = [] if prefix_caching is None else ["--prefix-caching" if prefix_caching else "--no-prefix-caching"]
   child = subprocess.Popen([sys.executable, "-m", "jaxpar", "serve", "--checkpoint", str(path), "--port", str(port),
-                            "--slots", str(slots), "--model-name", "bench", flag, "mesh.fsdp=1"],
+                            "--slots", str(slots), "--model-name", "bench", *flags, "mesh.fsdp=1"],
                            stdout=log.open("w"), stderr=subprocess.STDOUT)
   deadline = time.monotonic() + 900
   while time.monotonic() < deadline:
@@ -120,16 +126,17 @@ def main():
         f"prompt tokens, {args.osl} output tokens (ignore_eos); {args.slots} slots; {os.cpu_count()} cores\n")
   print(f"{'model':>10} {'prefix cache':>12} {'conc':>4} | {'req/s':>6} {'out tok/s':>9} | {'TTFT p50':>8} "
         f"{'p99':>7} | {'ITL p50':>7} {'p99':>6} (ms)")
+  modes = prefix_cache_modes()
   for name in args.models:
     path = checkpoint(name, root, args.prefix + args.isl + args.osl + 16)
-    for caching in (True, False):
+    for caching in modes:
       child = start_server(path, args.port, args.slots, caching, root / f"{name}-{caching}.log")
       try:
         for concurrency in args.concurrency:
           got = profile(args.aiperf, args.port, root / f"{name}-tokenizer", concurrency, args,
                         root / f"{name}-{caching}-{concurrency}")
           ttft, itl = got["time_to_first_token"], got["inter_token_latency"]
-          print(f"{name:>10} {'on' if caching else 'off':>12} {concurrency:>4} | "
+          print(f"{name:>10} {({True: 'on', False: 'off'}.get(caching, 'n/a')):>12} {concurrency:>4} | "
                 f"{got['request_throughput']['avg']:>6.1f} {got['output_token_throughput']['avg']:>9,.0f} | "
                 f"{ttft['p50']:>8.1f} {ttft['p99']:>7.1f} | {itl['p50']:>7.2f} {itl['p99']:>6.2f}", flush=True)
       finally:
