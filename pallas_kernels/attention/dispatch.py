@@ -26,6 +26,7 @@ from jaxpar.pallas_kernels.attention.blockwise import AttentionOptions
 from jaxpar.pallas_kernels.attention.chunked import chunked_attention
 from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gpu
 from jaxpar.pallas_kernels.attention.decode_tpu import paged_decode_attention_tpu
+from jaxpar.pallas_kernels.attention.decode_xla import paged_decode_attention_xla
 from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
 from jaxpar.pallas_kernels.attention.flash_tpu import flash_attention_tpu
 from jaxpar.pallas_kernels.attention.reference import (attention_reference, decode_attention_reference,
@@ -124,13 +125,16 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
   Contiguous cache: k/v [B, S, Hkv, D]; always the XLA path (a bandwidth-bound
   matrix-vector product). Paged cache: k/v [Hkv, num_pages, page_size, D] with
   page_table int [B, pages_per_seq]; "auto"/"flash" use the Pallas kernel on
-  TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode).
+  TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode), "auto" on CPU the
+  transpose-free XLA form (decode_xla.py).
   """
   _check_implementation(implementation)
   platform = current_platform()
   options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale)
   use_kernel = page_table is not None and (
       implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")))
+  if not use_kernel and page_table is not None and implementation == "auto":
+    return paged_decode_attention_xla(q, k_cache, v_cache, lengths, page_table, **options)
   if not use_kernel:
     return decode_attention_reference(q, k_cache, v_cache, lengths, page_table=page_table,
                                       **options)
