@@ -51,8 +51,7 @@ def _samples(model, model_args, tasks):
 def test_lm_eval_through_the_server_equals_transformers(tmp_path):
   ckpt, hf_dir, _ = checkpoint_with_hf_copy(tmp_path)
   tasks = _tasks(tmp_path)
-  engine = Engine.from_checkpoint(ckpt, devices=jax.devices()[:1], slots=4, page_size=8, prefill_chunks=(8, 32),
-                                  compile_extras=True)
+  engine = Engine.from_checkpoint(ckpt, devices=jax.devices()[:1], slots=4, page_size=8, prefill_chunks=(8, 32))
   server = RunningServer(engine, "tiny")
   try:
     served = _samples("local-completions", {

@@ -40,8 +40,7 @@ CHAT = {**COMMON, "messages": [], "max_tokens": 0, "max_completion_tokens": 0, "
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
   ckpt, hf_dir, model = checkpoint_with_hf_copy(tmp_path_factory.mktemp("fields"))
-  engine = Engine.from_checkpoint(ckpt, devices=jax.devices()[:1], slots=4, page_size=8, prefill_chunks=(8, 32),
-                                  compile_extras=True)
+  engine = Engine.from_checkpoint(ckpt, devices=jax.devices()[:1], slots=4, page_size=8, prefill_chunks=(8, 32))
   server = RunningServer(engine, NAME)
   tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
   yield types.SimpleNamespace(server=server, client=server.client, model=model, tokenizer=tokenizer,

@@ -171,7 +171,7 @@ class Call:
           elif self.echo:
             block = self._logprobs(request, 0, 0, True) if self.logprobs else None
             yield sse([api.choice(index, self.engine.tokenizer.decode(request.prompt), None, block, chat=False)])
-        if event.text or event.finish_reason:
+        if event.token is not None or event.finish_reason:  # a chunk per token, as vLLM (its text may be empty)
           block = None
           if self.logprobs:
             block, reported[index] = self._logprobs(request, reported[index], len(request.generated)), \
