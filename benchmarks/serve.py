@@ -5,7 +5,7 @@
         [--concurrency 1 4 8] [--requests 48] [--isl 128] [--osl 64] [--prefix 256]
 
 For each model (random weights, saved as a checkpoint with a byte-level Hugging Face
-tokenizer, so the load generator can count tokens), the script starts `jaxpar serve` on
+tokenizer that names every id, so the load generator counts and sees every token), the script starts `jaxpar serve` on
 127.0.0.1 and runs aiperf's streaming completions profile at each concurrency: `--requests`
 requests of `--isl` random prompt tokens (plus a `--prefix`-token prefix all requests
 share) and `--osl` output tokens (ignore_eos, as load generators send it). It does so with
@@ -27,14 +27,17 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def byte_tokenizer(directory: Path):
-  """jaxpar's byte tokenizer as a tokenizer.json (bytes 0-255, <|endoftext|> 256, <|bos|> 257)."""
+def byte_tokenizer(directory: Path, vocab: int):
+  """jaxpar's byte tokenizer as a tokenizer.json (bytes 0-255, <|endoftext|> 256, <|bos|> 257),
+  with the model's other ids as plain tokens "<tN>": a random model's every token then has
+  text, so the load generator sees each one arrive."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers
   table = _bytes_to_unicode()
   tokenizer = Tokenizer(models.BPE(vocab={table[b]: b for b in range(256)}, merges=[]))
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
   tokenizer.decoder = decoders.ByteLevel()
   tokenizer.add_special_tokens(["<|endoftext|>", "<|bos|>"])
+  tokenizer.add_tokens([f"<t{i}>" for i in range(258, vocab)])
   directory.mkdir(parents=True, exist_ok=True)
   tokenizer.save(str(directory / "tokenizer.json"))
   (directory / "tokenizer_config.json").write_text(json.dumps({
@@ -65,7 +68,7 @@ def checkpoint(name: str, root: Path, max_seq_len: int) -> Path:
   path = root / name
   with Checkpointer(path) as checkpoints:
     checkpoints.save(0, {"params": params}, config=config, force=True)
-  byte_tokenizer(root / f"{name}-tokenizer")
+  byte_tokenizer(root / f"{name}-tokenizer", config.model.vocab_size)
   copy_tokenizer_files(root / f"{name}-tokenizer", path / "tokenizer")
   return path
 
