@@ -5,10 +5,16 @@
     result = jaxpar.Trainer(config).fit()
     run = jaxpar.open_run(config.train.run_dir)     # the saved run: config, model, tokenizer
 
-Names are imported on first use, so `import jaxpar` (and the CLI's --help) stays fast.
+Names are imported on first use, so `import jaxpar` (and the CLI's --help) stays fast. On a
+host with no TPU or GPU, JAX uses the CPU directly (see jaxpar/host.py): a script or notebook
+is as quiet as the CLI even with the `tpu` extra's libtpu installed.
 """
 
 import importlib
+
+from jaxpar.host import use_cpu_without_accelerators
+
+use_cpu_without_accelerators()  # before anything here imports jax
 
 _EXPORTS = {
   "Config": "jaxpar.config", "load_config": "jaxpar.config",
@@ -17,6 +23,7 @@ _EXPORTS = {
   "SavedRun": "jaxpar.saved_run", "open_run": "jaxpar.saved_run",
   "Runtime": "jaxpar.runtime", "TrainState": "jaxpar.train.state",
   "Trainer": "jaxpar.train.trainer", "TrainResult": "jaxpar.train.trainer", "train": "jaxpar.train.trainer",
+  "plot_runs": "jaxpar.plot",
 }
 
 __all__ = sorted(_EXPORTS)

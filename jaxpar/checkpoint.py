@@ -7,6 +7,7 @@ complete, so a save killed half-way never shows up as a step. Restores read into
 *target* shardings: every device reads just its own shard, whatever mesh wrote it.
 """
 
+import logging
 import time
 from pathlib import Path
 
@@ -23,6 +24,17 @@ _ARRAYS = ("params", "opt_state", "model_state")
 TOKENIZER_DIR = "tokenizer"
 _JSON = ("data", "config")
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax writes step N into N<suffix>, then renames it
+
+
+class _QuietReadOnlyOpen(logging.Filter):
+  """Orbax warns `Given directory is read only=...` whenever a directory is opened for
+  reading, however writable it is: that is our choice (restores never write), not news."""
+
+  def filter(self, record):
+    return not str(record.msg).startswith("Given directory is read only")
+
+
+logging.getLogger("absl").addFilter(_QuietReadOnlyOpen())
 
 
 def _handlers():
@@ -86,6 +98,7 @@ class Checkpointer:
         self.directory, item_handlers=_handlers(),
         options=ocp.CheckpointManagerOptions(
             read_only=read_only, create=not read_only,
+            save_interval_steps=0 if read_only else 1,  # what Orbax forces (with a warning) when reading
             # A crash leaves a half-written tmp step dir: never listed as a step; removed here.
             cleanup_tmp_directories=not read_only,
             enable_async_checkpointing=options.async_save,

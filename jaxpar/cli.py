@@ -1,8 +1,6 @@
 """The `jaxpar` command line: a thin layer over the Python API."""
 
 import argparse
-import glob
-import os
 import sys
 import traceback
 
@@ -38,7 +36,9 @@ def _cmd_train(ns):
   processes = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
   console.print(f"[bold]jaxpar train[/bold]: {trainer.num_params:,} parameters, {processes}mesh "
                 f"{dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or 'single device'}, "
-                f"{config.train.steps} steps of {config.data.global_batch_size} x {config.data.seq_len} tokens")
+                f"{config.train.steps} steps of {config.data.global_batch_size} x {config.data.seq_len} tokens; "
+                f"{config.train.optimizer} ({trainer.optimizer_bytes_per_param:.1f} bytes of optimizer state "
+                f"per parameter), {config.train.schedule} schedule")
   tokenizer = trainer.tokenizer()
   result = trainer.fit(batches=trainer.batches(tokenizer), show_progress=not ns.no_progress,
                        restore=ns.restore)
@@ -51,6 +51,9 @@ def _cmd_train(ns):
   else:
     console.print(f"[bold]done[/bold]: already at step {int(result.state.step)} of "
                   f"train.steps={config.train.steps}; raise train.steps to train on")
+  from jaxpar.train.metrics import summary_lines
+  for line in summary_lines(s, config):  # the final eval, what a data mixture drew
+    console.print(line, markup=False, highlight=False)
   if s["stopped_by"]:
     saved = (f"checkpoint saved in {s['checkpoint']}; run the same command to resume"
              if "checkpoint" in s else "nothing saved (checkpoint.enabled=false)")
@@ -88,7 +91,7 @@ def _print_sample(trainer, state, tokenizer):
 
 def _cmd_convert_hf_to_jaxpar(ns):
   from jaxpar.convert.hf import hf_to_jaxpar
-  config = hf_to_jaxpar(ns.hf_dir, ns.out)
+  config = hf_to_jaxpar(ns.hf_dir, ns.out, tokenizer=ns.tokenizer)
   m = config.model
   console.print(f"[bold]converted[/bold] {ns.hf_dir} -> {ns.out} (step 0, parameters only): "
                 f"{m.num_layers} layers, embed {m.embed_dim}, vocab {m.vocab_size}; fine-tune with "
@@ -119,20 +122,19 @@ def _cmd_quantize(ns):
 
 
 def _compile_on_this_host():
-  """TPU topology compiles run on the CPU backend: never try to open a TPU (or GPU) here.
-  Describing a topology loads libtpu, which on a host with no TPU complains that it cannot
-  find this host's accelerator type and workers; telling it (any type: the topology compiled
-  for is given explicitly) keeps the first screen clean."""
+  """`compile` and `plan --topology` compile for a TPU slice on the CPU backend: never open
+  this host's own TPU (or GPU), which a training job may hold."""
   import jax
+
+  from jaxpar.host import prepare_topology_compile
   jax.config.update("jax_platforms", jax.config.jax_platforms or "cpu")
-  if not _accelerator_device_files():
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  prepare_topology_compile()
 
 
 def _cmd_compile(ns):
   _compile_on_this_host()
   from jaxpar.aot.compile import compile_for_topology, save
+  from jaxpar.aot.phases import Phases
   from jaxpar.aot.report import format_report
   from jaxpar.config import load_config
   path, overrides = _split_args(ns.args)
@@ -143,10 +145,10 @@ def _cmd_compile(ns):
   if ns.inference:
     from jaxpar.aot.inference import compile_inference, format_inference_report
     report = compile_inference(config, topology, slots=ns.slots, context=ns.context, page_size=ns.page_size,
-                               chunk=ns.prefill_chunk, num_slices=ns.num_slices or 1)
+                               chunk=ns.prefill_chunk, num_slices=ns.num_slices or 1, phase=Phases(console))
     console.print(format_inference_report(report), markup=False, highlight=False)
     return
-  report, compiled = compile_for_topology(config, topology, ns.num_slices)
+  report, compiled = compile_for_topology(config, topology, ns.num_slices, phase=Phases(console))
   console.print(format_report(report), markup=False, highlight=False)
   if ns.save:
     console.print(f"saved to {save(ns.save, report, compiled)}")
@@ -155,11 +157,13 @@ def _cmd_compile(ns):
 def _cmd_plan(ns):
   if ns.topology:
     _compile_on_this_host()
+  from jaxpar.aot.phases import Phases
   from jaxpar.aot.plan import run_plan
   from jaxpar.config import load_config
   path, overrides = _split_args(ns.args)
   run_plan(load_config(path, overrides), topology=ns.topology, top=ns.top, measure=ns.measure,
-           output=ns.output, echo=lambda text: console.print(text, markup=False, highlight=False))
+           output=ns.output, echo=lambda text: console.print(text, markup=False, highlight=False),
+           phase=Phases(console))
 
 
 def _cmd_launch_local(ns) -> int:
@@ -172,21 +176,6 @@ def _cmd_launch_local(ns) -> int:
   return launch_local(ns.num_processes, command, devices_per_process=ns.devices_per_process,
                       port=ns.port, grace_s=ns.grace,
                       echo=lambda text: console.print(text, markup=False, highlight=False))
-
-
-def _skip_absent_accelerators():
-  """The `tpu` extra installs libtpu so that CPU hosts can compile for TPU pods. Left alone,
-  JAX then initialises libtpu at start-up even with no TPU attached, which prints alarming
-  warnings before anything else. A host with no TPU or GPU device files uses the CPU
-  backend directly; on a TPU VM (or with JAX_PLATFORMS set) nothing changes."""
-  if "JAX_PLATFORMS" not in os.environ and not _accelerator_device_files():
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-def _accelerator_device_files() -> bool:
-  """TPU (/dev/accel*, /dev/vfio/N) or GPU (/dev/nvidiaN, /dev/kfd) devices on this host."""
-  patterns = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
-  return any(glob.glob(pattern) for pattern in patterns)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -231,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
       "Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Mixtral or Qwen3-MoE.")
   to_jaxpar.add_argument("hf_dir", metavar="HF_DIR")
   to_jaxpar.add_argument("out", metavar="OUT")
+  to_jaxpar.add_argument("--tokenizer", metavar="PATH",
+                         help="the tokenizer, when HF_DIR has no tokenizer.json: a tokenizer.json or a "
+                         "directory holding one, or `byte` for jaxpar's byte tokens")
   to_jaxpar.set_defaults(func=_cmd_convert_hf_to_jaxpar)
   to_hf = convert_commands.add_parser(
       "jaxpar-to-hf", help="jaxpar checkpoint -> HF model dir",
@@ -296,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
 
   from jaxpar.inference.commands import add_parsers as add_inference_parsers
   add_inference_parsers(commands)
+  from jaxpar.plot import add_parser as add_plot_parser
+  add_plot_parser(commands)
+  from jaxpar.data.commands import add_parsers as add_data_parsers
+  add_data_parsers(commands)
+  from jaxpar.train.eval_command import add_parsers as add_eval_parsers
+  add_eval_parsers(commands)
 
   launch = commands.add_parser(
       "launch-local", help="run N processes of one job on this machine (simulated CPU devices)",
@@ -377,7 +375,6 @@ def _report(error: Exception) -> tuple[int, str]:
 
 
 def main(argv=None) -> int:
-  _skip_absent_accelerators()  # before anything imports jax (building the parser may)
   parser = build_parser()
   ns = _parse(parser, argv)
   distributed.configure_logging()

@@ -12,7 +12,7 @@ from pydantic import Field, SerializeAsAny, ValidationError, field_validator, mo
 
 from jaxpar.errors import ConfigError
 from jaxpar.mesh.build import AXES as MESH_AXES
-from jaxpar.models import get_block, get_family
+from jaxpar.models import check_blocks, get_family
 from jaxpar.models.config import Frozen as _Frozen
 from jaxpar.models.config import ModelConfig, RopeScaling  # noqa: F401  (the model section)
 from jaxpar.parallel import ParallelConfig, ParallelPlan, migrate_model_keys
@@ -62,36 +62,89 @@ class MeshConfig(_Frozen):
     return {a: getattr(self, a) for a in MESH_AXES}
 
 
+class SourceConfig(_Frozen):
+  """One named data source of a mixture (jaxpar/data/sources.py says what a path may be)."""
+  path: str  # 'bundled', a file, a folder, a glob of shards, a `datasets` folder or a token cache
+  weight: float = Field(1.0, ge=0)  # its share of training samples; 0: never trained on (eval only)
+  holdout: float = Field(0.0, ge=0, lt=1)  # fraction of its documents kept out of training, for eval
+  text_key: str | None = None  # default: data.text_key
+  tokens_key: str | None = None  # a column of token-id lists instead of text; default: data.tokens_key
+
+
+SINGLE_SOURCE = "heldout"  # the name `data.source` goes by (its held-out documents' eval set)
+
+
+def _check_path(key: str, path: str):
+  from jaxpar.data.sources import BUNDLED, is_glob
+  if path != BUNDLED and not is_glob(path) and not Path(path).expanduser().exists():
+    raise ValueError(f"{key}={path!r} does not exist: give 'bundled', a data file (.txt, .jsonl, "
+                     ".parquet, .arrow, .feather), a folder or glob of them, or a token cache")
+
+
 class DataConfig(_Frozen):
   source: str = "bundled"
+  # Named sources mixed by weight, instead of `source`: {name: {path, weight, holdout, ...}}.
+  sources: dict[str, SourceConfig] = {}
+  holdout: float = Field(0.0, ge=0, lt=1)  # `source`: fraction of documents kept out of training
   text_key: str = "text"
+  tokens_key: str | None = None  # pre-tokenized: the column of token-id lists
   tokenizer: str = "byte"
   seq_len: int = 128
   global_batch_size: int = 16
   shuffle_seed: int = 0
 
+  def named_sources(self) -> dict[str, SourceConfig]:
+    """Every source by name, its keys filled in (`source` alone is one named 'heldout')."""
+    sources = self.sources or {SINGLE_SOURCE: SourceConfig(path=self.source, holdout=self.holdout)}
+    return {name: s.model_copy(update={"text_key": s.text_key or self.text_key,
+                                       "tokens_key": s.tokens_key or self.tokens_key})
+            for name, s in sources.items()}
+
   @model_validator(mode="after")
-  def _paths_exist(self, info):
+  def _valid(self, info):
+    # Compared with the defaults, not the keys given: a saved config (model_dump) holds every key.
+    if self.sources and (self.source != "bundled" or self.holdout):
+      raise ValueError("data.sources replaces data.source and data.holdout: give a path and holdout "
+                       "per source, or use data.source alone")
+    if self.sources and not any(s.weight > 0 for s in self.sources.values()):
+      raise ValueError("data.sources: every weight is 0, so nothing is trained on: give at least one "
+                       "source a positive weight")
     if (info.context or {}).get("check_paths", True) is False:
       return self  # a saved run's config: the weights carry their tokenizer
-    if self.source != "bundled" and not Path(self.source).exists():
-      raise ValueError(f"data.source={self.source!r} does not exist: give a .txt/.jsonl file, "
-                       "a folder of them, or 'bundled'")
+    for name, s in self.sources.items():
+      _check_path(f"data.sources.{name}.path", s.path)
+    if not self.sources:
+      _check_path("data.source", self.source)
     if self.tokenizer != "byte" and not Path(self.tokenizer).exists():
       raise ValueError(f"data.tokenizer={self.tokenizer!r} does not exist: give the path of a "
                        "Hugging Face tokenizer.json, or 'byte'")
     return self
 
 
+class EvalConfig(_Frozen):
+  """Loss, perplexity and bits per byte on held-out text (jaxpar/train/evaluator.py)."""
+  every_steps: int = Field(0, ge=0)  # evaluate after every N training steps and at the end; 0: never
+  steps: int | None = Field(None, ge=1)  # batches per evaluation; None: the whole set
+  batch_size: int | None = Field(None, ge=1)  # windows per batch; default data.global_batch_size
+  # What to evaluate, by name: a data source's held-out documents (holdout > 0), a weight-0
+  # source whole, or a path (named by its file name). Default: every such source.
+  sets: list[str] | None = None
+
+
 class TrainConfig(_Frozen):
   steps: int = 300
-  learning_rate: float = 3e-3
+  # jaxpar/train/optim.py says what each optimizer and schedule does with these keys.
+  optimizer: Literal["adamw", "adafactor", "lion", "sgd", "muon"] = "adamw"
+  schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+  learning_rate: float = Field(3e-3, gt=0)
   warmup_steps: int = 20
   min_lr_ratio: float = 0.1
+  decay_fraction: float = Field(0.2, gt=0, le=1)  # wsd: the last fraction of the steps decays
   weight_decay: float = 0.1
-  b1: float = 0.9
+  b1: float = 0.9  # adamw, lion, muon's AdamW part
   b2: float = 0.95
   eps: float = 1e-8
+  momentum: float | None = Field(None, ge=0, lt=1)  # sgd (default 0.9), muon (default 0.95)
   grad_clip: float | None = 1.0
   z_loss: float = 0.0
   microbatches: int = 1
@@ -126,24 +179,51 @@ class Config(_Frozen):
   parallel: ParallelConfig = ParallelConfig()
   data: DataConfig = DataConfig()
   train: TrainConfig = TrainConfig()
+  eval: EvalConfig = EvalConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
 
   @model_validator(mode="after")
-  def _consistent(self):
+  def _consistent(self, info):
     m, d = self.model, self.data
     if d.seq_len > m.max_seq_len:
       raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
                        "lower data.seq_len or raise model.max_seq_len")
-    get_block("feed_forward", m.mlp)
+    check_blocks(m)
     if m.mlp == "moe" and getattr(m, "moe", None) is None:
       raise ValueError(f"model.mlp='moe' needs a model.moe section, which model.family={m.family!r} "
                        "does not have: use a mixture-of-experts family (mixtral, qwen3_moe, deepseek)")
     self.plan().check(m, d, self.train)
+    sets = self.eval_sets()
+    if self.eval.every_steps and not sets:
+      raise ValueError(f"eval.every_steps={self.eval.every_steps} but there is nothing to evaluate: "
+                       "set data.holdout (or a source's holdout), add a weight-0 source, or list eval.sets")
+    if (info.context or {}).get("check_paths", True):
+      for path in set(sets.values()) - set(d.named_sources()):
+        _check_path("eval.sets", path)
     return self
+
+  def eval_sets(self) -> dict[str, str]:
+    """The eval sets by name -> a data source's name or a path (see EvalConfig.sets)."""
+    sources = self.data.named_sources()
+    if self.eval.sets is None:
+      return {name: name for name, s in sources.items() if s.holdout > 0 or s.weight == 0}
+    sets = {}
+    for entry in self.eval.sets:
+      source = sources.get(entry)
+      if source is not None and source.weight > 0 and not source.holdout:
+        raise ValueError(f"eval.sets: {entry!r} is trained on and holds no documents out: set its "
+                         "holdout (data.holdout, or data.sources.NAME.holdout), or give its weight 0")
+      sets[entry if source is not None else set_name(entry)] = entry
+    return sets
 
   def plan(self, mesh=None) -> ParallelPlan:
     """What each mesh axis does: on `mesh` (a jax Mesh) when given, else as the sizes are written."""
     return ParallelPlan.of(mesh if mesh is not None else self.mesh, self.parallel)
+
+
+def set_name(path: str) -> str:
+  """An eval set's name for a path: its file or folder name without suffixes."""
+  return Path(path.rstrip("/")).name.split(".")[0] or path
 
 
 def _set_dotted(tree: dict, key: str, value):
@@ -233,7 +313,7 @@ def load_config(path: str | None = None, overrides=()) -> Config:
   except yaml.YAMLError as e:
     raise ConfigError(f"{file}: not valid YAML ({str(e).splitlines()[0]})") from None
   if not isinstance(tree, dict):
-    raise ConfigError(f"{file}: expected a mapping of sections (model, mesh, parallel, data, train, checkpoint)")
+    raise ConfigError(f"{file}: expected a mapping of sections (model, mesh, parallel, data, train, eval, checkpoint)")
   for key, value in parse_overrides(overrides):
     _set_dotted(tree, key, value)
   return from_dict(tree)
@@ -246,7 +326,7 @@ def replace(config: Config, **sections) -> Config:
     tree[section].update(updates)
   # Data paths are checked again only when the data section changes: a saved run's config
   # (check_paths=False) stays usable elsewhere.
-  return from_dict(tree, check_paths="data" in sections)
+  return from_dict(tree, check_paths=bool({"data", "eval"} & set(sections)))
 
 
 def checkpoint_dir(config: Config) -> Path:

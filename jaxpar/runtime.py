@@ -37,6 +37,12 @@ def weight_decay_mask(abstract_params) -> dict:
                                        abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
+def logical_axis_names(abstract_params) -> dict:
+  """Each parameter's logical axis names, e.g. ("layers", "embed", "mlp")."""
+  return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata().get("out_sharding") or ()),
+                                       abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
 def with_shardings(abstract: dict, shardings: dict) -> dict:
   """ShapeDtypeStructs carrying shardings: targets for restores and AOT compiles."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
@@ -71,6 +77,7 @@ class Runtime:
     self.graphdef, abstract_params, abstract_model_state = abstract_model(model_cfg, seed)
     self.num_params = count_params(abstract_params)
     self.decay_mask = weight_decay_mask(abstract_params)
+    self.axis_names = logical_axis_names(abstract_params)
     self.abstract_params = nnx.to_pure_dict(abstract_params)
     self.abstract_model_state = nnx.to_pure_dict(abstract_model_state)
     self.param_shardings = nnx.to_pure_dict(state_shardings(abstract_params, self.mesh, self.rules))

@@ -63,9 +63,21 @@ class SavedRun:
     return (self.path / "opt_state").is_dir()
 
   @property
+  def lacks_tokenizer(self) -> bool:
+    """An imported model saved without its tokenizer (step 0, parameters only, no tokenizer
+    files, the config's default `byte`): the byte tokenizer would turn its ids into garbage."""
+    return (self.step == 0 and not self.has_optimizer_state and self.config.data.tokenizer == "byte"
+            and not (self.directory / TOKENIZER_DIR / "tokenizer.json").is_file())
+
+  @property
   def tokenizer(self):
     """The checkpoint's own tokenizer files, else the one its config trained with."""
     if self._tokenizer is None:
+      if self.lacks_tokenizer:
+        raise CheckpointError(
+            f"checkpoint {self.directory} was imported without a tokenizer, and jaxpar's byte tokenizer "
+            "would make its text garbage: convert again with `jaxpar convert hf-to-jaxpar HF_DIR OUT "
+            f"--tokenizer PATH`, or copy the model's tokenizer.json into {self.directory / TOKENIZER_DIR}/")
       bundled = self.directory / TOKENIZER_DIR
       spec = str(bundled) if (bundled / "tokenizer.json").is_file() else self.config.data.tokenizer
       try:
@@ -102,6 +114,11 @@ class SavedRun:
   def restore_train_state(self, abstract_state: dict) -> tuple[dict, dict]:
     """(train state items placed per `abstract_state`'s shardings, data iterator state): to
     continue training from this step (a params-only checkpoint gives opt_state None)."""
+    quantization = self.config.model.quantization
+    if quantization is not None:
+      raise CheckpointError(f"checkpoint {self.path} is quantized (model.quantization.mode={quantization.mode}): "
+                            "quantized weights are for inference; train from the float checkpoint it was "
+                            "quantized from")
     return self._checkpoints.restore(abstract_state, self.step)
 
   def close(self):

@@ -19,8 +19,10 @@ def resolve_axis_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int
   resolved = dict(sizes)
   if free:
     if num_devices % fixed:
-      raise ConfigError(f"mesh.{free[0]}=-1: the other axes multiply to {fixed}, which does not "
-                       f"divide the {num_devices} devices")
+      shown = " x ".join(f"{a}={s}" for a, s in sizes.items() if s not in (1, -1))
+      raise ConfigError(f"mesh {shown} needs a multiple of {fixed} devices but {num_devices} "
+                        f"{'is' if num_devices == 1 else 'are'} available: make the mesh smaller "
+                        "or use more devices")
     resolved[free[0]] = num_devices // fixed
   total = math.prod(resolved.values())
   if total != num_devices:

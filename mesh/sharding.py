@@ -28,7 +28,8 @@ def logical_to_spec(names, shape, mesh, rules) -> PartitionSpec:
       raise ConfigError(f"logical axis {name!r} has no rule; add it to mesh.rules")
     split = math.prod(mesh.shape[a] for a in axes)
     if axes and shape is not None and shape[dim] % split:
-      _warn_once(name, shape[dim], axes, split)
+      if shape[dim] > 1:  # one row (a batch of one prompt) has nothing to split: no news
+        _warn_once(name, shape[dim], axes, split)
       axes = ()
     used.update(axes)
     spec.append(axes[0] if len(axes) == 1 else (axes or None))

@@ -1,15 +1,14 @@
-"""Grouped-query self-attention with RoPE and optional qk-norm (Qwen3)."""
+"""Grouped-query self-attention with RoPE and optional qk-norm (Qwen3): the `gqa` block."""
 
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar import pallas_kernels
 from jaxpar.mesh import constrain
-from jaxpar.models import kv_cache, kv_cache_quantized, kv_quant
 from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
 from jaxpar.models.norm import RMSNorm
+from jaxpar.models.registry import register_block
 from jaxpar.models.rope import apply_rope
 
 
@@ -19,9 +18,9 @@ class Attention(nnx.Module):
   Parameters: q [embed, heads, head_dim], k and v [embed, kv_heads, head_dim],
   o [heads, head_dim, embed] (each a QuantizedKernel under model.quantization); optional
   q/k/v biases (Qwen2) and q/k RMSNorms (Qwen3).
-  Without a cache it attends within each packed segment; with one it first writes the
-  new keys and values into the cache's pages and attends to everything cached up to
-  each query's position.
+  The layer's options (layer_pattern.LayerOptions) give its RoPE and its attention options;
+  the cache object (models/caches.py) decides where keys and values come from: the same
+  call trains, measures KV quantization, prefills and decodes.
   """
 
   def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
@@ -44,10 +43,9 @@ class Attention(nnx.Module):
       self.q_norm, self.k_norm = RMSNorm(d, **norm), RMSNorm(d, **norm)
     else:
       self.q_norm = self.k_norm = None
-    self.implementation = cfg.attention
     self.dtype = compute_dtype
 
-  def __call__(self, x, context, cache=None):
+  def __call__(self, x, context, cache, options):
     """x [B, L, embed] -> ([B, L, embed], cache)."""
     dt = self.dtype
     q, k, v = (checkpoint_name(dense(x, w, dtype=dt), "qkv_proj") for w in (self.q, self.k, self.v))
@@ -56,26 +54,21 @@ class Attention(nnx.Module):
                  v + self.v_bias[...].astype(dt))
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    positions = context.positions
-    q = constrain(apply_rope(q, positions, context.inv_freq), ("batch", "length", "act_heads", "head_dim"))
-    k = constrain(apply_rope(k, positions, context.inv_freq), ("batch", "length", "act_kv_heads", "head_dim"))
+    q, k = self.embed_positions(q, k, context.positions, options.rope)
+    q = constrain(q, ("batch", "length", "act_heads", "head_dim"))
+    k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
-    if cache is None and context.kv_quantization is not None:
-      out = kv_quant.cached_attention(q, k, v, context.kv_quantization, context.segment_ids)
-    elif cache is None:
-      out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=context.segment_ids,
-                                     implementation=self.implementation, zigzag=context.zigzag)
-    elif context.kv_quantization is not None:
-      spec, rows = context.kv_quantization, context.tail_index
-      cache = kv_cache_quantized.write(cache, k, v, positions, context.page_table, rows, spec)
-      k_pages, v_pages, table = kv_cache_quantized.read(cache, context.page_table, rows,
-                                                        jnp.max(positions, axis=1), spec, dt)
-      out = pallas_kernels.paged_attention(q, k_pages, v_pages, positions, table,
-                                           implementation=self.implementation)
-    else:
-      cache = kv_cache.write(cache, k, v, positions, context.page_table)
-      k_pages, v_pages = cache.keys_values()
-      out = pallas_kernels.paged_attention(q, k_pages, v_pages, positions, context.page_table,
-                                           implementation=self.implementation)
+    out, cache = cache.update_and_attend(q, k, v, context, options.attention)
     out = checkpoint_name(out, "attention_out")
     return checkpoint_name(dense(out, self.o, contract=2, dtype=dt), "out_proj"), cache
+
+  def embed_positions(self, q, k, positions, rope):
+    """Rotate q and k [B, L, H, D] by their positions (rope: a layer_pattern.Rope, or None
+    for a layer without position embedding)."""
+    if rope is None:
+      return q, k
+    inv_freq = rope.frequencies(q.shape[-1])
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+
+
+register_block("attention", "gqa", Attention)

@@ -6,7 +6,8 @@ by subclassing `ModelConfig` and naming the subclass in its registry entry.
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer,
+                      model_validator)
 
 
 class Frozen(BaseModel):
@@ -15,7 +16,10 @@ class Frozen(BaseModel):
 
 
 class RopeScaling(Frozen):
-  """Llama-3 style frequency scaling of RoPE."""
+  """Frequency scaling of RoPE: llama3 (Llama 3.1: low frequencies divided by `factor`,
+  high ones kept, a smooth blend between) or linear (every frequency divided by `factor`,
+  as Gemma 3's global layers; the other fields are unused)."""
+  rope_type: Literal["llama3", "linear"] = "llama3"
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
@@ -78,9 +82,28 @@ def _check_remat(value):
 Remat = Annotated[str | dict[str, str], BeforeValidator(_check_remat), AfterValidator(_check_remat)]
 
 
+class LayerKind(Frozen):
+  """One entry of `model.layer_pattern`: how the layers at its places differ from the
+  model's defaults. Only the keys given apply; the rest come from the model section, so
+  `{}` is a layer as the model section describes it and `{rope_scaling: null}` one without
+  the model's scaling. Nothing here changes a layer's parameters."""
+  sliding_window: int | None = Field(None, ge=1)  # None: full causal attention
+  attn_logit_soft_cap: float | None = Field(None, gt=0)
+  rope_theta: float = Field(10000.0, gt=0)
+  rope_scaling: RopeScaling | None = None
+  rope: bool = True  # False: no rotary position embedding (NoPE)
+
+  @model_serializer(mode="wrap")
+  def _given_keys_only(self, handler):
+    # A saved config must read back with the same keys given (defaults are not overrides).
+    return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
 class ModelConfig(Frozen):
   family: str = "llama"  # a registered model family (jaxpar.models.registry)
   mlp: str = "dense"  # the feed-forward block: a registered block name
+  attention_block: str = "gqa"  # the attention block: a registered block name
+  layer_block: str = "pre_norm"  # the decoder layer around the two: a registered block name
   first_dense_layers: int = 0  # the first N layers use the dense block whatever `mlp` says
   vocab_size: int = 512
   embed_dim: int = 128
@@ -92,6 +115,13 @@ class ModelConfig(Frozen):
   max_seq_len: int = 2048
   rope_theta: float = 10000.0
   rope_scaling: RopeScaling | None = None
+  # Keys at most this far back (the query's own included) on every layer (Mistral); None: all.
+  sliding_window: int | None = Field(None, ge=1)
+  attn_logit_soft_cap: float | None = Field(None, gt=0)  # cap * tanh(logits / cap) (Gemma 2)
+  # Per-layer differences, cycled over the layers by absolute index: layer i is entry
+  # i % len. E.g. Gemma 3: five {sliding_window: 1024, rope_theta: 10000, rope_scaling: null}
+  # then one {}. Empty: every layer as above.
+  layer_pattern: tuple[LayerKind, ...] = ()
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   qk_norm: bool = False

@@ -1,5 +1,7 @@
 """Training FLOPs per token of a decoder, counted MaxText's way."""
 
+from jaxpar.models.layer_pattern import layer_options
+
 
 def attention_params(cfg) -> int:
   return cfg.embed_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
@@ -7,8 +9,11 @@ def attention_params(cfg) -> int:
 
 def causal_attention_flops(cfg, seq_len: int) -> float:
   """Scores and values per token, forward + backward: per layer 2 matmuls x 2 flops x seq x
-  heads x head_dim, halved for the causal mask, x 3."""
-  return 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+  heads x head_dim, halved for the causal mask, x 3. A layer with a sliding window w below
+  seq_len sees w - w^2 / (2 seq) keys per query on average, not seq / 2."""
+  windows = [layer_options(cfg, i).attention.sliding_window for i in range(cfg.num_layers)]
+  spans = [seq_len if w is None or w >= seq_len else 2 * w - w * w / seq_len for w in windows]
+  return 6 * sum(spans) * cfg.num_heads * cfg.head_dim
 
 
 def dense_matmul_params(cfg) -> int:

@@ -6,11 +6,17 @@ in order, so position p is slot p % page_size of page page_table[p // page_size]
 contiguous cache is the special case of one page per sequence. Caches are stacked over
 layers like the weights, and carry logical names so they shard like the model (kv heads
 over `tensor`).
+
+`PagedCache` is this layout as a cache kind (models/caches.py): attention calls its
+`update_and_attend`, which writes the new keys and values, then reads them back through
+the paged kernels.
 """
 
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from jaxpar import pallas_kernels
 
 # Logical names of one layer's k or v pages, and of the stacked cache.
 PAGE_NAMES = ("cache_kv_heads", "cache_pages", None, "head_dim")
@@ -28,25 +34,39 @@ def init_pages(cfg, num_layers: int, num_pages: int, page_size: int, dtype) -> d
 
 
 @struct.dataclass
-class LayerCache:
-  """One layer's view of its group's stacked cache: pages {"k", "v"} [layers, kv_heads,
-  num_pages, page_size, head_dim] and this layer's index into them."""
+class PagedCache:
+  """One layer's view of its group's stacked float cache: pages {"k", "v"} [layers,
+  kv_heads, num_pages, page_size, head_dim], each row's page table [B, pages_per_seq] and
+  this layer's index into the pages."""
   pages: dict
+  page_table: jnp.ndarray
   layer: jnp.ndarray
+
+  def at(self, layer) -> "PagedCache":
+    return self.replace(layer=layer)
 
   def keys_values(self):
     """This layer's (k, v) pages [kv_heads, num_pages, page_size, head_dim]."""
     take = lambda x: jax.lax.dynamic_index_in_dim(x, self.layer, keepdims=False)  # noqa: E731
     return take(self.pages["k"]), take(self.pages["v"])
 
+  def update_and_attend(self, q, k, v, context, options):
+    """Store k, v [B, T, kv_heads, head_dim] at context.positions, then attend q to
+    everything cached up to each query's position -> (out [B, T, heads, head_dim], cache)."""
+    cache = write(self, k, v, context.positions)
+    out = pallas_kernels.paged_attention(q, *cache.keys_values(), context.positions, self.page_table,
+                                         **options.kernel_args())
+    return out, cache
 
-def write(cache: LayerCache, k, v, positions, page_table) -> LayerCache:
+
+def write(cache: PagedCache, k, v, positions) -> PagedCache:
   """Store new keys/values [B, T, kv_heads, head_dim] at `positions` [B, T] in this layer's
   pages (an in-place scatter into the stacked cache).
 
   Negative positions (padding) and positions past the page table are dropped, so ragged
   batches need no masking by the caller.
   """
+  page_table = cache.page_table
   _, _, num_pages, page_size, _ = cache.pages["k"].shape
   capacity = page_table.shape[1] * page_size
   valid = (positions >= 0) & (positions < capacity)

@@ -9,12 +9,15 @@ a query reads every complete page quantized and its own partial page in float: e
 
 Cache per layer group: {"k": {"q", "scale"[, "zero"]}, "v": {...}} over
 [layers, kv_heads, num_pages, page_size, ...], and "tail_k" / "tail_v" [layers, kv_heads,
-slots, page_size, head_dim] in the compute dtype.
+slots, page_size, head_dim] in the compute dtype. `QuantizedPagedCache` is this layout
+as a cache kind (models/caches.py).
 """
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
+from jaxpar import pallas_kernels
 from jaxpar.models import kv_quant
 
 
@@ -32,11 +35,39 @@ def _layer(tree, layer):
   return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False), tree)
 
 
-def write(cache, k, v, positions, page_table, tail_index, spec):
+@struct.dataclass
+class QuantizedPagedCache:
+  """One layer's view of its group's stacked quantized cache (the layout above), each row's
+  page table [B, pages_per_seq] and slot (`tail_index` [B]: its tail page), this layer's
+  index, and the quantization spec (a kv_quant.KVQuantization)."""
+  pages: dict
+  page_table: jnp.ndarray
+  tail_index: jnp.ndarray
+  layer: jnp.ndarray
+  spec: kv_quant.KVQuantization = struct.field(pytree_node=False)
+
+  def at(self, layer) -> "QuantizedPagedCache":
+    return self.replace(layer=layer)
+
+  def update_and_attend(self, q, k, v, context, options):
+    """Store k, v [B, T, kv_heads, head_dim] at context.positions (contiguous per row), then
+    attend q to what a decode step reads back: only the pages the queries' window can see
+    are dequantized -> (out [B, T, heads, head_dim], cache)."""
+    positions = context.positions
+    cache = write(self, k, v, positions)
+    page_size = self.pages["tail_k"].shape[3]
+    table, start = pallas_kernels.visible_pages(self.page_table, positions, page_size, options.sliding_window)
+    positions = jnp.where(positions >= 0, positions - start[:, None], -1)  # relative to the visible pages
+    k_pages, v_pages, table = read(cache, table, jnp.max(positions, axis=1), q.dtype)
+    out = pallas_kernels.paged_attention(q, k_pages, v_pages, positions, table, **options.kernel_args())
+    return out, cache
+
+
+def write(cache: QuantizedPagedCache, k, v, positions) -> QuantizedPagedCache:
   """Write new tokens [B, T, kv_heads, head_dim] at `positions` [B, T] (contiguous per row;
   negative: padding) -> the cache with every page they complete quantized into the pool and
-  each row's partial page in its tail. cache: kv_cache.LayerCache over this layout."""
-  pages, layer = cache.pages, cache.layer
+  each row's partial page in its tail."""
+  pages, layer, page_table, tail_index = cache.pages, cache.layer, cache.page_table, cache.tail_index
   page_size = pages["tail_k"].shape[3]
   num_pages = pages["k"]["q"].shape[2]
   batch, length = positions.shape
@@ -58,7 +89,7 @@ def write(cache, k, v, positions, page_table, tail_index, spec):
 
   k_dense, v_dense = dense(pages["tail_k"], k), dense(pages["tail_v"], v)
   to_pool = lambda x: jnp.moveaxis(x, 3, 2)  # [B, span, S, H, D] -> [B, span, H, S, D]  # noqa: E731
-  stored = kv_quant.quantize_pages(to_pool(k_dense), to_pool(v_dense), spec)
+  stored = kv_quant.quantize_pages(to_pool(k_dense), to_pool(v_dense), cache.spec)
   index = base[:, None] + jnp.arange(span)
   complete = has[:, None] & ((index + 1) * page_size - 1 <= last[:, None])
   in_table = index < page_table.shape[1]
@@ -81,11 +112,12 @@ def write(cache, k, v, positions, page_table, tail_index, spec):
   return cache.replace(pages=pool)
 
 
-def read(cache, page_table, tail_index, newest, spec, dtype):
-  """The float keys and values a step's queries read -> (k, v) [kv_heads, B * n, page_size,
-  head_dim] with the row-major page table [B, n] that indexes them: complete pages
-  dequantized, each row's partial page (the one holding `newest` [B]) from its tail."""
-  pages, layer = cache.pages, cache.layer
+def read(cache: QuantizedPagedCache, page_table, newest, dtype):
+  """The float keys and values a step's queries read from the pages of `page_table` [B, n]
+  (page-aligned: `newest` [B] counts from its first page) -> (k, v) [kv_heads, B * n,
+  page_size, head_dim] with the row-major page table [B, n] that indexes them: complete
+  pages dequantized, each row's partial page (the one holding `newest`) from its tail."""
+  pages, layer, tail_index, spec = cache.pages, cache.layer, cache.tail_index, cache.spec
   page_size = pages["tail_k"].shape[3]
   batch, n = page_table.shape
   gathered = {name: jax.tree.map(lambda x: _layer(x, layer)[:, page_table], pages[name]) for name in ("k", "v")}

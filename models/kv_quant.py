@@ -102,13 +102,15 @@ def _from_pages(x):
   return jnp.moveaxis(x, 1, 3).reshape(b, p * s, h, d)
 
 
-def cached_attention(q, k, v, spec: KVQuantization, segment_ids=None):
+def cached_attention(q, k, v, spec: KVQuantization, segment_ids=None, *, sliding_window=None,
+                     logit_soft_cap=None, scale=None):
   """Causal attention as a decode step reads a quantized paged cache, for every query of a
   full forward at once: query t sees the keys/values of sealed pages (for t) dequantized
   and the rest in float, exactly the cache's content when token t is decoded.
 
   q [B, L, Hq, D]; k, v [B, L, Hkv, D] with L a multiple of page_size -> [B, L, Hq, D].
   Sequences are unpacked (a token's position is its index), as a cache holds them.
+  sliding_window, logit_soft_cap, scale: as `pallas_kernels.attention` takes them.
   """
   b, l, hq, d = q.shape
   hkv = k.shape[2]
@@ -121,12 +123,16 @@ def cached_attention(q, k, v, spec: KVQuantization, segment_ids=None):
                                              spec), spec, k.dtype)
   k_q, v_q = _from_pages(k_q), _from_pages(v_q)
   group = hq // hkv
-  qg = q.reshape(b, l, hkv, group, d).astype(jnp.float32) * d ** -0.5
-  scores = lambda keys: jnp.einsum("bqhgd,bkhd->bhgqk", qg, keys.astype(jnp.float32))
+  qg = q.reshape(b, l, hkv, group, d).astype(jnp.float32) * (d ** -0.5 if scale is None else scale)
+  cap = (lambda x: x) if logit_soft_cap is None else (lambda x: logit_soft_cap * jnp.tanh(x / logit_soft_cap))
+  scores = lambda keys: cap(jnp.einsum("bqhgd,bkhd->bhgqk", qg, keys.astype(jnp.float32)))
   pos = jnp.arange(l)
   use_q = sealed(pos[:, None], pos[None, :], spec)
   logits = jnp.where(use_q, scores(k_q), scores(k))
-  probs = jax.nn.softmax(jnp.where(pos[None, :] <= pos[:, None], logits, -1e30), axis=-1)
+  visible = pos[None, :] <= pos[:, None]
+  if sliding_window is not None:
+    visible &= pos[:, None] - pos[None, :] < sliding_window
+  probs = jax.nn.softmax(jnp.where(visible, logits, -1e30), axis=-1)
   mix = lambda p, values: jnp.einsum("bhgqk,bkhd->bqhgd", p, values.astype(jnp.float32))
   out = mix(jnp.where(use_q, probs, 0.0), v_q) + mix(jnp.where(use_q, 0.0, probs), v)
   return out.reshape(b, l, hq, d).astype(q.dtype)

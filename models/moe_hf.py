@@ -51,7 +51,8 @@ def mixtral_to_hf(cfg, dtype: str) -> dict:
   return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
           **llama_hf.decoder_config_to_hf(cfg, dtype), "intermediate_size": m.expert_mlp_dim,
           "num_local_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
-          "router_aux_loss_coef": m.balance_loss, "sliding_window": None}
+          "router_aux_loss_coef": m.balance_loss, "sliding_window": None,
+          **llama_hf.windows_to_hf(cfg, "mixtral")}
 
 
 def qwen3_moe_from_hf(hf: dict) -> MoEModelConfig:
@@ -72,7 +73,7 @@ def qwen3_moe_to_hf(cfg, dtype: str) -> dict:
           **llama_hf.decoder_config_to_hf(cfg, dtype), "moe_intermediate_size": m.expert_mlp_dim,
           "num_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
           "norm_topk_prob": m.normalize_weights, "router_aux_loss_coef": m.balance_loss,
-          "decoder_sparse_step": 1, "mlp_only_layers": []}
+          "decoder_sparse_step": 1, "mlp_only_layers": [], **llama_hf.windows_to_hf(cfg, "qwen3_moe")}
 
 
 MIXTRAL = HFMapping(model_types=("mixtral",), config_from_hf=mixtral_from_hf, config_to_hf=mixtral_to_hf,

@@ -2,8 +2,18 @@
 
 A family is one entry: the module that builds the model, its config class (the `model`
 section), its FLOPs per token, its default sharding preset and its Hugging Face mapping.
-Blocks are the interchangeable parts a config picks (`model.mlp: dense | moe`). Adding a
-family or a block is a `register_*` call; nothing else in the tree is edited.
+Blocks are the interchangeable parts a config picks, by kind:
+
+  feed_forward   `model.mlp` (dense, moe): factory(cfg, *, param_dtype, compute_dtype, rngs),
+                 its module's call (x) -> (y, aux dict)
+  attention      `model.attention_block` (gqa): the same factory; its module's call
+                 (x, context, cache, options) -> (y, cache), attending through the cache
+                 object it is given (models/caches.py) with the layer's static options
+                 (models/layer_pattern.py)
+  decoder_layer  `model.layer_block` (pre_norm): factory(cfg, rngs, *, feed_forward), its
+                 module's call (x, context, cache, options) -> (x, aux, cache)
+
+Adding a family or a block is a `register_*` call; nothing else in the tree is edited.
 """
 
 import dataclasses
@@ -41,7 +51,9 @@ class ModelFamily:
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
-_BLOCKS: dict[str, dict[str, Callable]] = {"feed_forward": {}}
+# Each block kind and the config key that names it.
+BLOCK_KINDS = {"feed_forward": "mlp", "attention": "attention_block", "decoder_layer": "layer_block"}
+_BLOCKS: dict[str, dict[str, Callable]] = {kind: {} for kind in BLOCK_KINDS}
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
@@ -60,9 +72,10 @@ def get_family(name: str) -> ModelFamily:
 
 
 def register_block(kind: str, name: str, factory: Callable) -> Callable:
-  """factory(model_config, *, param_dtype, compute_dtype, rngs) -> module whose call
-  returns (output, aux dict)."""
-  _BLOCKS.setdefault(kind, {})[name] = factory
+  """Register `factory` as block `name` of `kind` (see the module doc for each kind's call)."""
+  if kind not in BLOCK_KINDS:
+    raise ValueError(f"block kind {kind!r} is not one of {sorted(BLOCK_KINDS)}")
+  _BLOCKS[kind][name] = factory
   return factory
 
 
@@ -73,9 +86,15 @@ def block_names(kind: str) -> list[str]:
 def get_block(kind: str, name: str) -> Callable:
   blocks = _BLOCKS.get(kind, {})
   if name not in blocks:
-    option = {"feed_forward": "model.mlp"}.get(kind, kind)
-    raise ConfigError(f"{option}={name!r} is not a registered {kind} block; use one of {block_names(kind)}")
+    raise ConfigError(f"model.{BLOCK_KINDS.get(kind, kind)}={name!r} is not a registered {kind} block; "
+                      f"use one of {block_names(kind)}")
   return blocks[name]
+
+
+def check_blocks(model_cfg):
+  """Every block the model section names is registered (one-line ConfigError if not)."""
+  for kind, key in BLOCK_KINDS.items():
+    get_block(kind, getattr(model_cfg, key))
 
 
 def build_model(model_cfg, rngs: nnx.Rngs) -> nnx.Module:

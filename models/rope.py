@@ -1,4 +1,4 @@
-"""Rotary position embeddings (Su et al., 2021), with Llama-3 frequency scaling."""
+"""Rotary position embeddings (Su et al., 2021), with Llama-3 or linear frequency scaling."""
 
 import math
 
@@ -6,10 +6,13 @@ import jax.numpy as jnp
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None):
-  """Inverse frequencies [head_dim // 2]; `scaling` stretches the low frequencies (Llama 3.1)."""
+  """Inverse frequencies [head_dim // 2]; `scaling` (a config.RopeScaling) stretches the low
+  frequencies (llama3, Llama 3.1) or all of them (linear)."""
   inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
   if scaling is None:
     return inv_freq
+  if scaling.rope_type == "linear":
+    return inv_freq / scaling.factor
   low_wavelen = scaling.original_max_position / scaling.low_freq_factor
   high_wavelen = scaling.original_max_position / scaling.high_freq_factor
   wavelen = 2 * math.pi / inv_freq

@@ -1,29 +1,43 @@
 """A decoder-only language model: embedding -> layer stack(s) -> final norm -> projection.
 
-Pure model code: arrays carry logical axis names; no mesh axes, no collectives. The
-feed-forward block is the config's (`model.mlp`); with `model.first_dense_layers` the
-first layers use the dense block instead, as their own scanned group.
+Pure model code: arrays carry logical axis names; no mesh axes, no collectives. The layer
+is the config's registered `model.layer_block`, around its `model.attention_block` and
+feed-forward block (`model.mlp`); with `model.first_dense_layers` the first layers use the
+dense block instead, as their own scanned group. Each layer gets its static options from
+`model.layer_pattern` (layer_pattern.py), by its index over the whole stack.
 """
+
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar import pallas_kernels
 from jaxpar.mesh import constrain, num_shards
-from jaxpar.models import kv_cache, kv_cache_quantized
-from jaxpar.models.decoder import RESIDUAL, DecoderLayer, LayerContext
+from jaxpar.models import caches
+from jaxpar.models.decoder import RESIDUAL, LayerContext
 from jaxpar.models.embedding import embed_lookup
 from jaxpar.models.init import embedding_init, fan_in
+from jaxpar.models.layer_pattern import unit_options
 from jaxpar.models.norm import RMSNorm
-from jaxpar.models.rope import rope_frequencies
+from jaxpar.models.registry import get_block
 from jaxpar.models.stack import create_layers, run_layers, with_remat
 
 
-def layer_groups(cfg) -> list[tuple[str, int, str]]:
-  """(attribute, layer count, feed-forward block) of each scanned group, in order."""
-  groups = [("dense_layers", cfg.first_dense_layers, "dense"),
-            ("layers", cfg.num_layers - cfg.first_dense_layers, cfg.mlp)]
-  return [g for g in groups if g[1] > 0]
+class LayerGroup(NamedTuple):
+  """A run of layers with the same parameter structure, stacked and scanned together."""
+  name: str  # the model attribute (and the parameter path's first key)
+  start: int  # its first layer's index in the whole stack
+  count: int
+  feed_forward: str  # its feed-forward block
+
+
+def layer_groups(cfg) -> list[LayerGroup]:
+  """The scanned groups, in order."""
+  dense = cfg.first_dense_layers
+  groups = [LayerGroup("dense_layers", 0, dense, "dense"),
+            LayerGroup("layers", dense, cfg.num_layers - dense, cfg.mlp)]
+  return [g for g in groups if g.count > 0]
 
 
 def reduce_aux(per_group: list[dict]) -> dict:
@@ -51,9 +65,10 @@ class Transformer(nnx.Module):
     param_dtype, compute_dtype = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.compute_dtype)
     self.embed = nnx.Param(embedding_init(cfg.embed_dim)(rngs.params(), (cfg.vocab_size, cfg.embed_dim), param_dtype),
                            out_sharding=("vocab", "embed"))
-    for name, count, block in layer_groups(cfg):
-      setattr(self, name, create_layers(lambda r, block=block: DecoderLayer(cfg, r, feed_forward=block),
-                                        count, rngs, scan=cfg.scan_layers))
+    make_layer = get_block("decoder_layer", cfg.layer_block)
+    for group in layer_groups(cfg):
+      layer = lambda r, block=group.feed_forward: make_layer(cfg, r, feed_forward=block)  # noqa: E731
+      setattr(self, group.name, create_layers(layer, group.count, rngs, scan=cfg.scan_layers))
     self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=param_dtype,
                               compute_dtype=compute_dtype)
     if not cfg.tie_embeddings:
@@ -83,9 +98,9 @@ class Transformer(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
       if zigzag:
         positions = pallas_kernels.zigzag(positions, num_shards("length"))
-    context = LayerContext(positions, segment_ids, self._inv_freq(), kv_quantization=kv_quantization,
-                           zigzag=zigzag)
-    x, aux, _ = self._run_stack(self._embed(tokens), context, None)
+    context = LayerContext(positions, segment_ids, zigzag=zigzag)
+    cache = caches.for_forward(kv_quantization)
+    x, aux, _ = self._run_stack(self._embed(tokens), context, {g.name: cache for g in layer_groups(self.cfg)})
     return self.final_norm(x), aux
 
   def decode(self, tokens, positions, cache: dict, page_table, logits_index=None, *,
@@ -107,51 +122,47 @@ class Transformer(nnx.Module):
     return self._decode_hidden(tokens, positions, cache, page_table, kv_quantization, tail_index)[1]
 
   def _decode_hidden(self, tokens, positions, cache, page_table, kv_quantization, tail_index):
-    context = LayerContext(positions, None, self._inv_freq(), page_table, kv_quantization=kv_quantization,
-                           tail_index=tail_index)
-    x, _, cache = self._run_stack(self._embed(tokens), context, cache)
-    return self.final_norm(x), cache
+    first = jnp.zeros((), jnp.int32)
+    views = {name: caches.for_generation(pages, page_table, first, kv_quantization=kv_quantization,
+                                         tail_index=tail_index) for name, pages in cache.items()}
+    x, _, views = self._run_stack(self._embed(tokens), LayerContext(positions), views)
+    return self.final_norm(x), {name: view.pages for name, view in views.items()}
 
   def init_cache(self, num_pages: int, page_size: int, dtype=None, *, kv_quantization=None,
                  slots: int = 1) -> dict:
     """A zeroed paged KV cache for every layer group; with `kv_quantization`, the quantized
     layout (pages in the pool quantized, one float tail page per slot)."""
     dtype = dtype or jnp.dtype(self.cfg.compute_dtype)
-    if kv_quantization is not None:
-      return {name: kv_cache_quantized.init(self.cfg, count, num_pages, page_size, slots, kv_quantization, dtype)
-              for name, count, _ in layer_groups(self.cfg)}
-    return {name: kv_cache.init_pages(self.cfg, count, num_pages, page_size, dtype)
-            for name, count, _ in layer_groups(self.cfg)}
-
-  def _inv_freq(self):
-    cfg = self.cfg
-    return rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    return {g.name: caches.init(self.cfg, g.count, num_pages, page_size, dtype, kv_quantization=kv_quantization,
+                                slots=slots) for g in layer_groups(self.cfg)}
 
   def _embed(self, tokens):
     table = self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype))
     return constrain(embed_lookup(table, tokens), RESIDUAL)
 
-  def _run_stack(self, x, context, cache):
-    """Every layer group in order -> (x, reduced aux, updated cache or None).
+  def _run_stack(self, x, context, group_caches: dict):
+    """Every layer group in order -> (x, reduced aux, the groups' caches).
 
     A group's cache rides in the scan carry with the activations and each layer updates its
     own slice in place: as a scanned input and output it would be sliced and restacked,
     copying the whole cache at every decode step.
     """
     cfg = self.cfg
-    block = with_remat(lambda layer, x, context, cache: layer(x, context, cache), cfg.remat)
+    per_group, new_caches = [], {}
+    for group in layer_groups(cfg):
+      layer_fns = [self._layer_fn(context, options) for options in unit_options(cfg, group.start)]
+      (x, new_caches[group.name]), aux = run_layers(
+          getattr(self, group.name), layer_fns, (x, group_caches[group.name]), jnp.arange(group.count),
+          scan=cfg.scan_layers, unroll=cfg.scan_unroll)
+      per_group.append(aux)
+    return x, reduce_aux(per_group), new_caches
+
+  def _layer_fn(self, context, options):
+    """The per-layer function of layers with these static options (stack.run_layers)."""
+    block = with_remat(lambda layer, x, context, cache: layer(x, context, cache, options), self.cfg.remat)
 
     def layer_fn(layer, carry, index):
-      x, pages = carry
-      slot = None if pages is None else kv_cache.LayerCache(pages, index)
-      x, aux, slot = block(layer, x, context, slot)
-      return (x, None if slot is None else slot.pages), aux
-
-    per_group, new_cache = [], {}
-    for name, count, _ in layer_groups(cfg):
-      pages = None if cache is None else cache[name]
-      (x, pages), aux = run_layers(getattr(self, name), layer_fn, (x, pages), jnp.arange(count),
-                                   scan=cfg.scan_layers, unroll=cfg.scan_unroll)
-      per_group.append(aux)
-      new_cache[name] = pages
-    return x, reduce_aux(per_group), None if cache is None else new_cache
+      x, cache = carry
+      x, aux, cache = block(layer, x, context, cache.at(index))
+      return (x, cache), aux
+    return layer_fn

@@ -5,8 +5,9 @@ run it per device through the logical `shard_map` helper of `jaxpar.mesh`:
 
 - attention: `attention(...)` (training / prefill; context-parallel when the mesh splits
   the sequence), `decode_attention(...)` (one new token against a KV cache),
-  `paged_attention(...)` (new tokens against a paged cache); `zigzag` / `unzigzag` put a
-  sequence in (out of) the load-balanced order context parallelism prefers.
+  `paged_attention(...)` (new tokens against a paged cache; `visible_pages` narrows a page
+  table to a sliding window); `zigzag` / `unzigzag` put a sequence in (out of) the
+  load-balanced order context parallelism prefers.
 - matmul: `quantized_matmul(x, weight)` with an int8 / int4 / W8A8 `QuantizedWeight`
   (`quantize_weight` makes one).
 """
@@ -14,6 +15,7 @@ run it per device through the logical `shard_map` helper of `jaxpar.mesh`:
 from jaxpar.pallas_kernels.attention.block_sizes import BlockSizes, default_block_sizes
 from jaxpar.pallas_kernels.attention.dispatch import (IMPLEMENTATIONS, attention, choose_implementation,
                                                       decode_attention, paged_attention)
+from jaxpar.pallas_kernels.attention.decode_common import visible_pages
 from jaxpar.pallas_kernels.attention.layout import unzigzag, zigzag
 from jaxpar.pallas_kernels.attention.reference import (attention_reference, decode_attention_reference,
                                                        paged_attention_reference)
@@ -27,4 +29,4 @@ __all__ = ["MatmulBlocks", "QuantizedWeight", "dequantize_weight", "quantize_wei
            "IMPLEMENTATIONS", "BlockSizes", "attention", "attention_reference",
            "choose_implementation", "decode_attention", "decode_attention_reference",
            "default_block_sizes", "paged_attention", "paged_attention_reference", "unzigzag",
-           "zigzag"]
+           "visible_pages", "zigzag"]

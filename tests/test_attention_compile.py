@@ -87,3 +87,23 @@ def test_gpu_decode_lowers_for_cuda():
   args = (jax.ShapeDtypeStruct((4, 16, 128), jnp.bfloat16), pages, pages,
           jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4, 8), jnp.int32))
   assert _export_cuda(lambda *a: paged_decode_attention_gpu(*a, sliding_window=64), *args) == 1
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
+def test_tpu_windowed_paged_decode_compiles_on_the_window_pages():
+  """Through the door with a sliding window, the TPU decode kernel's grid walks only the
+  pages the window spans (3 of a 16-page table), not the whole table."""
+  mesh = _topology_mesh("v5e:2x2")
+  sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  batch = mesh.shape["data"]
+  pages = sds((2, 64, 128, 128), jnp.bfloat16, P("tensor"))
+  with jax.set_mesh(mesh):
+    decode = jax.jit(lambda q, k, v, n, t: pallas_kernels.decode_attention(q, k, v, n, page_table=t,
+                                                                           sliding_window=256))
+    compiled = decode.lower(sds((batch, 8, 128), jnp.bfloat16, P("data", "tensor")), pages, pages,
+                            sds((batch,), jnp.int32, P("data")),
+                            sds((batch, 16), jnp.int32, P("data"))).compile()
+  hlo = compiled.as_text()
+  assert "tpu_custom_call" in hlo
+  assert "s32[1,3]" in hlo or "s32[3]" in hlo, "the kernel's page table is the window's 3 pages"

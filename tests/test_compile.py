@@ -4,6 +4,7 @@ per loop trip, and see the DCN collectives of a multi-slice mesh."""
 
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -11,7 +12,7 @@ from jaxpar.aot import hlo
 from jaxpar.aot.chips import parse_slice, topology_devices
 from jaxpar.aot.compile import abstract_batch, build_report, compile_for_topology, compile_step
 from jaxpar.aot.compile import per_device_bytes
-from jaxpar.aot.report import format_report
+from jaxpar.aot.report import count, format_report, gib, seconds, traffic_line
 from jaxpar.cli import main
 from jaxpar.config import load_config
 from jaxpar.train.trainer import Trainer
@@ -107,7 +108,11 @@ def test_weights_that_cannot_fit_are_reported_as_not_fitting():
     assert "memory" in report["oom"].lower()
   else:
     assert report["memory"]["total"] > report["hbm_bytes"]
-    assert "DOES NOT FIT" in format_report({**report, "compile_s": 0})
+  text = format_report({**report, "compile_s": 0})
+  assert "DOES NOT FIT" in text
+  knobs = text.split("to fit: ")[1]  # the knobs that would shrink it, named as config keys
+  assert "model.remat=full" in knobs and "mesh.fsdp, now 1" in knobs and "train.microbatches=2" in knobs
+  assert "jaxpar plan CONFIG --topology v5e-4" in knobs
 
 
 def _compile_tiny(layers, topology="v6e-4", num_slices=1, **mesh):
@@ -239,9 +244,25 @@ def test_cli_compile_prints_verdict_and_saves(tmp_path, capsys):
                "--save", str(tmp_path)]) == 0
   out = capsys.readouterr().out
   assert "FITS" in out and "estimated MFU" in out and "all-gather" in out
+  # Each phase is shown with its time; a tiny model gets units it needs, never 0.
+  for phase in ("describing TPU topology v5e-4", "building the model", "lowering the train step",
+                "compiling for v5e-4 (4 chips) (XLA)", "analysing the compiled program"):
+    assert re.search(rf"^{re.escape(phase)}.*: [0-9.]+ (s|ms|µs)$", out, re.M), (phase, out)
+  assert "0.00B params" not in out and "853.1K params" in out
+  assert re.search(r"estimated step [1-9][0-9.]* (µs|ms)", out), out
+  assert not re.search(r"\(0\.\d+x\)", out), out  # never a ratio under 1 against a minimum
   report = json.loads((tmp_path / "report.json").read_text())
   assert report["fits"] and report["libtpu_topology"] == "v5e:2x2"
   assert (tmp_path / "train_step.exe").stat().st_size > 0
+
+
+def test_small_numbers_get_the_units_they_need():
+  assert (count(853120), count(8.03e9), count(512)) == ("853.1K", "8.03B", "512")
+  assert (seconds(4.75e-5), seconds(0.0123), seconds(259.4), seconds(0)) == ("47.5 µs", "12.3 ms", "259 s", "0 s")
+  assert (gib(0), gib(4608), gib(3.2 * 2 ** 20), gib(3 * 2 ** 30)) == ("0 B", "4.5 KiB", "3.2 MiB", "3.00 GiB")
+  traffic = {"wire_bytes": 7.0, "wire_bytes_as_written": 7.0, "minimum": {"total": 10.0}}
+  assert "x)" not in traffic_line(traffic) and "at or below it" in traffic_line(traffic)
+  assert traffic_line({**traffic, "wire_bytes": 10.3, "wire_bytes_as_written": 10.3}).endswith("(1.03x)")
 
 
 def test_cli_compile_without_topology_says_how_to_give_one(capsys):

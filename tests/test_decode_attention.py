@@ -78,3 +78,31 @@ def test_bad_decode_arguments_name_the_argument():
     paged_decode_attention_tpu(q[:, :3], k, v, lengths, table, interpret=True)
   with pytest.raises(ValueError, match="page_size"):
     paged_decode_attention_gpu(q, k[:, :, :12], v[:, :, :12], lengths, table, interpret=True)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "flash"])
+def test_pages_before_the_window_are_never_read(implementation):
+  """A sliding window narrows each row's page table to the pages it can see: pages before
+  the window hold NaN here (as if handed to another sequence) and the output stays the
+  masked reference's, for one token (decode) and for a chunk of several (prefill)."""
+  q, k, v, lengths, table = paged_inputs(batch=3, num_heads=4, num_kv_heads=2, page_size=8,
+                                         pages_per_seq=12, num_pages=36)
+  lengths = jnp.array([96, 41, 9], jnp.int32)
+  window = 20
+  want = decode_attention_reference(q, k, v, lengths, page_table=table, sliding_window=window)
+  page_start = jnp.arange(table.shape[1]) * 8
+  gone = (page_start[None, :] + 8 <= (lengths - window)[:, None])  # [B, pages]: wholly outside
+  assert int(gone.sum()) >= 8
+  poison = lambda x: x.at[:, table[gone]].set(jnp.nan)
+  k_gone, v_gone = poison(k), poison(v)
+  got = pallas_kernels.decode_attention(q, k_gone, v_gone, lengths, page_table=table, sliding_window=window,
+                                        implementation=implementation)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  # Prefill: the last 5 tokens of each row at once, against the same poisoned pages.
+  chunk = lengths[:, None] - 5 + jnp.arange(5)
+  q_chunk = jnp.repeat(q[:, None], 5, axis=1)
+  got = pallas_kernels.paged_attention(q_chunk, k_gone, v_gone, chunk, table, sliding_window=window,
+                                       implementation=implementation)
+  for t in range(5):
+    want_t = decode_attention_reference(q, k, v, chunk[:, t] + 1, page_table=table, sliding_window=window)
+    np.testing.assert_allclose(got[:, t], want_t, atol=1e-5, rtol=1e-5)

@@ -21,7 +21,7 @@ def test_mesh_has_every_axis_and_fills_minus_one():
 def test_wrong_device_count_is_a_clear_error():
   with pytest.raises(ValueError, match="mesh data=2 x fsdp=3 needs 6 devices but 8 are available"):
     build_mesh(MeshConfig(data=2, fsdp=3))
-  with pytest.raises(ValueError, match="mesh.fsdp=-1: the other axes multiply to 3"):
+  with pytest.raises(ValueError, match="mesh data=3 needs a multiple of 3 devices but 8 are available"):
     resolve_axis_sizes({"data": 3, "fsdp": -1}, 8)
 
 

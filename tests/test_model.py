@@ -7,9 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar.config import ModelConfig, RopeScaling
+from jaxpar.config import ConfigError, ModelConfig, RopeScaling, from_dict
 from jaxpar.models.config import REMAT_NAMES
-from jaxpar.models import build_model
+from jaxpar.models import Rope, build_model, kv_reach, layer_options
+from jaxpar.models.flops import causal_attention_flops
+from jaxpar.models.layer_pattern import unit_options
 from jaxpar.models.rope import rope_frequencies
 from tests.helpers import SMALL_MODEL
 
@@ -108,3 +110,70 @@ def test_bf16_compute_tracks_f32(scanned):
   out16, out32 = _logits(bf16), _logits(scanned)
   assert out16.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(out16, np.float32), out32, atol=0.1)
+
+
+# Gemma 3's layout: five local layers (window, their own rope base, no scaling), one global.
+GEMMA3_STYLE = dict(num_layers=8, rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                    layer_pattern=[{"sliding_window": 6, "rope_theta": 1e4, "rope_scaling": None}] * 5 + [{}])
+
+
+def _copy_params(scanned, unrolled):
+  stacked, params = nnx.to_pure_dict(nnx.state(scanned)), nnx.to_pure_dict(nnx.state(unrolled))
+  for i in range(len(params["layers"])):
+    params["layers"][i] = jax.tree.map(lambda x: x[i], stacked["layers"])
+  for key in ("embed", "final_norm", "unembed"):
+    params[key] = stacked[key]
+  nnx.update(unrolled, params)
+
+
+def test_layer_pattern_resolves_per_layer_and_saves_as_given():
+  cfg = ModelConfig(**{**SMALL_MODEL, **GEMMA3_STYLE})
+  local, full = layer_options(cfg, 0), layer_options(cfg, 5)
+  assert local.attention.sliding_window == 6 and local.rope == Rope(1e4, None)
+  assert full.attention.sliding_window is None and full.rope == Rope(1e6, cfg.rope_scaling)
+  assert layer_options(cfg, 10) == local and layer_options(cfg, 11) == full
+  assert unit_options(cfg, 0) == [local] * 5 + [full] and unit_options(cfg, 2)[3] == full
+  assert kv_reach(cfg) is None and kv_reach(ModelConfig(**SMALL_MODEL, sliding_window=9)) == 9
+  dumped = cfg.model_dump(mode="json")  # keys left out stay left out: `{}` is the model's layer
+  assert dumped["layer_pattern"][0] == {"sliding_window": 6, "rope_theta": 1e4, "rope_scaling": None}
+  assert dumped["layer_pattern"][5] == {} and ModelConfig.model_validate(dumped) == cfg
+  # MFU counts the keys each layer sees: with a window of half a 12-token sequence, 3/4 of
+  # the causal keys, on 7 of the 8 layers.
+  full = causal_attention_flops(cfg.model_copy(update={"layer_pattern": ()}), 12)
+  assert causal_attention_flops(cfg, 12) == full * (7 * 0.75 + 1) / 8
+  with pytest.raises(ConfigError, match="model.layer_pattern.0.sliding_window=0"):
+    from_dict({"model": {"layer_pattern": [{"sliding_window": 0}]}})
+  with pytest.raises(ConfigError, match="unknown config key 'model.layer_pattern.0.window'"):
+    from_dict({"model": {"layer_pattern": [{"window": 8}]}})
+
+
+def test_pattern_options_reach_every_layer_scanned_or_not(scanned):
+  base = _logits(scanned)
+  by_pattern = _logits(_model(layer_pattern=[{"rope_theta": 1e6}]))
+  np.testing.assert_array_equal(by_pattern, _logits(_model(rope_theta=1e6)))
+  assert not np.allclose(by_pattern, base, atol=1e-3)
+  # 4 layers of a 3-layer pattern: one scanned unit, then a tail of 1.
+  mixed = dict(num_layers=4, rope_scaling={"rope_type": "linear", "factor": 4.0},
+               layer_pattern=[{"sliding_window": 5, "rope_scaling": None}, {"rope": False}, {}])
+  stacked, unrolled = _model(**mixed), _model(scan_layers=False, **mixed)
+  _copy_params(stacked, unrolled)
+  np.testing.assert_allclose(_logits(stacked), _logits(unrolled), rtol=1e-5, atol=1e-5)
+
+
+def test_window_bounds_what_a_full_forward_sees():
+  """Two layers with a window of 4: position t sees tokens back to t - 6 and no further."""
+  model = _model(sliding_window=4)
+  changed = TOKENS.at[:, :2].set((TOKENS[:, :2] + 7) % 258)
+  before, after = _logits(model), _logits(model, changed)
+  np.testing.assert_allclose(before[:, 8:], after[:, 8:], rtol=1e-5, atol=1e-5)
+  assert not np.allclose(before[:, 7], after[:, 7], atol=1e-3)
+
+
+def test_compile_size_is_flat_in_depth():
+  """A mixed stack scans units of one period: 12 or 24 layers trace the same program, and
+  a tail of 2 layers adds the same amount at any depth."""
+  def size(layers):
+    cfg = ModelConfig(**{**SMALL_MODEL, **GEMMA3_STYLE, "num_layers": layers})
+    model = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
+    return len(jax.make_jaxpr(lambda m: m(TOKENS)[0])(model).jaxpr.eqns)
+  assert size(12) == size(24) < size(14) == size(26)

@@ -2,6 +2,10 @@
 splits the state the way the mesh does and prunes what cannot fit, and a compile-only plan
 on 8 simulated devices writes a winner that loads as a config. (Timings: benchmarks only.)"""
 
+import contextlib
+import os
+import sys
+
 import jax
 import pytest
 
@@ -67,14 +71,32 @@ def test_compile_only_plan_on_8_cpu_devices_writes_a_loadable_winner(tmp_path):
   assert len(jax.devices()) == 8
   config = small_config(data={"global_batch_size": 8})
   out = tmp_path / "plan.yaml"
-  ok, rho = plan.run_plan(config, top=2, output=str(out), echo=lambda _: None)
+  shown = []
+
+  @contextlib.contextmanager
+  def phase(name):  # what `jaxpar plan` shows with a spinner while each candidate compiles
+    shown.append(name)
+    yield
+  ok, rho = plan.run_plan(config, top=2, output=str(out), echo=lambda _: None, phase=phase)
   assert rho is None and len(ok) >= 2 and all(c.compiled["fits"] for c in ok)
+  assert shown[0].startswith(f"candidate 1/{len(shown)}: data=") and str(ok[0].layout) in "".join(shown)
   winner = load_config(str(out))
   w = winner.mesh
   assert (w.data, w.fsdp, w.tensor, winner.model.remat, winner.train.microbatches) == (
       ok[0].layout.data, ok[0].layout.fsdp, ok[0].layout.tensor, ok[0].layout.remat,
       ok[0].layout.microbatches)
   assert winner.model.embed_dim == config.model.embed_dim  # everything else kept
+
+
+def test_xla_lines_nobody_can_act_on_are_dropped_and_the_rest_kept(capfd):
+  from jaxpar.aot.xla_log import drop_xla_lines
+  with drop_xla_lines():
+    os.write(2, b"W1124 spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The compiler "
+                b"cannot go from sharding {devices=[4,1,1,2]} to {devices=[1,1,2,4]} efficiently\n")
+    os.write(2, b"W1124 a real warning\n")
+    print("python's stderr passes too", file=sys.stderr)
+  err = capfd.readouterr().err
+  assert "Involuntary" not in err and "a real warning" in err and "python's stderr passes too" in err
 
 
 def test_measuring_a_topology_plan_is_a_one_line_error(capsys):

@@ -11,7 +11,8 @@ from flax import nnx
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.config import ModelConfig, from_dict
 from jaxpar.train.loss import causal_lm_loss
-from jaxpar.models import MLP, ModelFamily, Transformer, register_block, register_family
+from jaxpar.models import (MLP, Attention, LayerKind, ModelFamily, Transformer, build_model, register_block,
+                           register_family)
 from jaxpar.models.flops import dense_train_flops_per_token
 from jaxpar.train.step import make_gradients
 from jaxpar.train.trainer import Trainer
@@ -59,10 +60,25 @@ class ToyConfig(ModelConfig):
   probe_weight: float = 0.1
 
 
+class NoRopeAttention(Attention):
+  """The gqa block without rotary embeddings (NoPE): order comes from the causal mask alone."""
+
+  def embed_positions(self, q, k, positions, rope):
+    return q, k
+
+
+class LocalGlobalConfig(ModelConfig):
+  """A family whose layers alternate a window of 8 keys with full attention, by default."""
+  layer_pattern: tuple[LayerKind, ...] = (LayerKind(sliding_window=8), LayerKind())
+
+
 register_block("feed_forward", "probe", ProbeMLP)
 register_block("feed_forward", "gelu", GeluMLP)
+register_block("attention", "nope", NoRopeAttention)
 register_family(ModelFamily(name="toy", module=Transformer, config=ToyConfig,
                             flops_per_token=dense_train_flops_per_token, rules="fsdp_tp"))
+register_family(ModelFamily(name="toy_local_global", module=Transformer, config=LocalGlobalConfig,
+                            flops_per_token=dense_train_flops_per_token))
 
 
 def _config(model=None, mesh=None, train=None, tmp_path=None):
@@ -90,12 +106,40 @@ def test_a_family_and_block_from_the_registry_train(tmp_path):
   assert all(np.isfinite(h["loss"]) for h in result.history)
 
 
+def test_an_attention_block_and_a_layer_pattern_from_the_registry_train():
+  config = _config(model={"family": "toy_local_global", "attention_block": "nope", "mlp": "dense",
+                          "num_layers": 3})
+  assert [k.sliding_window for k in config.model.layer_pattern] == [8, None]
+  trainer = Trainer(config)
+  assert trainer.runtime.abstract_params["layers"]["attn"]["q"].shape[0] == 3  # still one stack
+  result = trainer.fit(show_progress=False)
+  assert [h["step"] for h in result.history] == [1, 2] and all(np.isfinite(h["loss"]) for h in result.history)
+  # The block is the one registered: without RoPE, positions change nothing; the pattern's
+  # window on layers 0 and 2 is honoured: a token 20 back matters only through layer 1.
+  model = build_model(config.model, nnx.Rngs(0))
+  tokens = jnp.asarray(synthetic_batch(config)["inputs"][:2])
+  run = nnx.jit(lambda m, t, p: m(t, p)[0])
+  shuffled = jnp.asarray(np.random.default_rng(1).permutation(32))[None].repeat(2, 0)
+  np.testing.assert_allclose(run(model, tokens, None), run(model, tokens, shuffled), rtol=1e-5, atol=1e-5)
+  windowed = build_model(config.model.model_copy(update={"layer_pattern": (LayerKind(sliding_window=8),)}),
+                         nnx.Rngs(0))
+  changed = tokens.at[:, 0].set((tokens[:, 0] + 1) % 258)
+  assert not np.allclose(run(model, tokens, None)[:, 30], run(model, changed, None)[:, 30], atol=1e-4)
+  np.testing.assert_allclose(run(windowed, tokens, None)[:, 30], run(windowed, changed, None)[:, 30],
+                             rtol=1e-5, atol=1e-5)
+
+
 def test_unknown_family_and_block_are_one_line_errors():
   from jaxpar.config import ConfigError
   with pytest.raises(ConfigError, match=r"model.family='gpt9' is not a registered family; use one of \["):
     _config(model={"family": "gpt9"})
   with pytest.raises(ConfigError, match="model.mlp='nope' is not a registered feed_forward block"):
     _config(model={"mlp": "nope"})
+  with pytest.raises(ConfigError, match=r"model.attention_block='mla' is not a registered attention block; "
+                                        r"use one of \['gqa', 'nope'\]"):
+    _config(model={"attention_block": "mla"})
+  with pytest.raises(ConfigError, match="model.layer_block='sandwich' is not a registered decoder_layer block"):
+    _config(model={"layer_block": "sandwich"})
   with pytest.raises(ConfigError, match="unknown config key 'model.probe_weight'"):
     from_dict({"model": {"probe_weight": 0.1}})  # a field of the toy family only
 

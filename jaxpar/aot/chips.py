@@ -62,8 +62,11 @@ def parse_slice(name: str) -> tuple[Chip, str]:
 
 def topology_devices(name: str, num_slices: int = 1) -> tuple[Chip, list]:
   """The chip and the devices of `num_slices` slices of `name`, for compiling on a CPU host
-  (libtpu must be installed; run with JAX_PLATFORMS=cpu)."""
+  (libtpu must be installed; the CPU backend compiles)."""
   from jax.experimental import topologies
+
+  from jaxpar.host import prepare_topology_compile
+  prepare_topology_compile()
   chip, libtpu_name = parse_slice(name)
   try:
     topology = topologies.get_topology_desc(platform="tpu", topology_name=libtpu_name,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxpar.aot import hlo, roofline, traffic
 from jaxpar.aot.chips import parse_slice, topology_devices
+from jaxpar.aot.phases import silent
 from jaxpar.config import replace
 from jaxpar.train.flops import train_flops_per_token
 from jaxpar.train.trainer import BATCH_KEYS, Trainer
@@ -32,13 +33,16 @@ def per_device_bytes(tree) -> int:
              for x in jax.tree.leaves(tree))
 
 
-def compile_step(trainer):
-  """(compiled train step or None, the out-of-memory message or None)."""
+def compile_step(trainer, phase=silent, target: str = "the target"):
+  """(compiled train step or None, the out-of-memory message or None). `phase`: see
+  phases.py (how the lowering and compiling are shown)."""
   state, batch = trainer.abstract_state(), abstract_batch(trainer)
   with trainer.context():
-    lowered = trainer.train_step.lower(state, batch)
+    with phase("lowering the train step"):
+      lowered = trainer.train_step.lower(state, batch)
     try:
-      return lowered.compile(), None
+      with phase(f"compiling for {target} (XLA)"):
+        return lowered.compile(), None
     except Exception as e:  # XLA raises a bare XlaRuntimeError for OOM
       if not any(m in str(e) for m in _OOM_MARKERS):
         raise
@@ -46,17 +50,21 @@ def compile_step(trainer):
       return None, " ".join(lines[:2])[:400]
 
 
-def compile_for_topology(config, topology: str, num_slices: int | None = None):
+def compile_for_topology(config, topology: str, num_slices: int | None = None, *, phase=silent):
   """(report dict, compiled executable or None) for `config` on `num_slices` x `topology`
-  (default: the config's mesh.num_slices)."""
+  (default: the config's mesh.num_slices). `phase=jaxpar.aot.phases.Phases()` shows each
+  phase with a spinner and its time."""
   num_slices = num_slices or config.mesh.num_slices
   if num_slices != config.mesh.num_slices:
     config = replace(config, mesh={"num_slices": num_slices})
-  chip, devices = topology_devices(topology, num_slices)
-  trainer = Trainer(config, devices)
   started = time.perf_counter()
-  compiled, oom = compile_step(trainer)
-  report = build_report(trainer, compiled, oom, chip, topology, num_slices)
+  with phase(f"describing TPU topology {topology}" + (f" x {num_slices} slices" if num_slices > 1 else "")):
+    chip, devices = topology_devices(topology, num_slices)
+  with phase("building the model (abstract, sharded)"):
+    trainer = Trainer(config, devices)
+  compiled, oom = compile_step(trainer, phase, f"{topology} ({len(devices)} chips)")
+  with phase("analysing the compiled program"):
+    report = build_report(trainer, compiled, oom, chip, topology, num_slices)
   report["compile_s"] = time.perf_counter() - started
   return report, compiled
 

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 
 from jaxpar.aot.chips import topology_devices
 from jaxpar.aot.compile import memory_sizes, per_device_bytes
+from jaxpar.aot.phases import silent
 from jaxpar.inference.programs import Programs
 from jaxpar.mesh import logical_to_sharding
-from jaxpar.models import kv_cache
+from jaxpar.models import caches, kv_cache
 from jaxpar.models.transformer import layer_groups
 from jaxpar.runtime import Runtime
 
@@ -23,22 +24,23 @@ from jaxpar.runtime import Runtime
 def abstract_cache(runtime, num_pages: int, page_size: int, dtype) -> dict:
   """The paged KV cache as sharded ShapeDtypeStructs (nothing allocated)."""
   cfg = runtime.model_config
-  cache = {}
-  for name, count, _ in layer_groups(cfg):
-    shape = (count,) + kv_cache.page_shape(cfg, num_pages, page_size)
-    sharding = logical_to_sharding(kv_cache.STACKED_NAMES, shape, runtime.mesh, runtime.rules)
-    cache[name] = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding) for k in ("k", "v")}
-  return cache
+  shapes = jax.eval_shape(lambda: {g.name: caches.init(cfg, g.count, num_pages, page_size, jnp.dtype(dtype))
+                                   for g in layer_groups(cfg)})
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=logical_to_sharding(
+      kv_cache.STACKED_NAMES, s.shape, runtime.mesh, runtime.rules)), shapes)
 
 
 def compile_inference(config, topology: str, *, slots: int, context: int, page_size: int = 128,
-                      chunk: int | None = 512, param_dtype: str = "bfloat16", num_slices: int = 1) -> dict:
+                      chunk: int | None = 512, param_dtype: str = "bfloat16", num_slices: int = 1,
+                      phase=silent) -> dict:
   """Report dict for the decode step ([slots, 1]) and one prefill chunk ([1, chunk]; none
   when chunk is None) of `config`'s model with `param_dtype` weights and a cache holding
-  `slots` x `context` tokens."""
-  chip, devices = topology_devices(topology, num_slices)
+  `slots` x `context` tokens. `phase`: see phases.py."""
+  with phase(f"describing TPU topology {topology}"):
+    chip, devices = topology_devices(topology, num_slices)
   model = config.model.model_copy(update={"param_dtype": param_dtype, "compute_dtype": param_dtype})
-  runtime = Runtime(model, config.mesh, devices, parallel=config.parallel)
+  with phase("building the model (abstract, sharded)"):
+    runtime = Runtime(model, config.mesh, devices, parallel=config.parallel)
   params, model_state = runtime.abstract_targets()
   pages_per_seq = -(-context // page_size)
   cache = abstract_cache(runtime, slots * pages_per_seq, page_size, param_dtype)
@@ -51,7 +53,8 @@ def compile_inference(config, topology: str, *, slots: int, context: int, page_s
             "programs": {}}
   for kind, batch, length in (("step", slots, 1), ("fill", 1, chunk))[:2 if chunk else 1]:
     started = time.perf_counter()
-    programs.compile(kind, batch, length, pages_per_seq)
+    with phase(f"compiling {'decode' if kind == 'step' else 'prefill'} [{batch} x {length}] for {topology}"):
+      programs.compile(kind, batch, length, pages_per_seq)
     compiled = programs.compiled[kind, batch, length]
     memory = memory_sizes(compiled.memory_analysis())
     report["programs"]["decode" if kind == "step" else "prefill"] = {

@@ -22,6 +22,8 @@ from jaxpar.aot import cost_model
 from jaxpar.aot.chips import topology_devices
 from jaxpar.aot.compile import build_report, compile_step, memory_sizes
 from jaxpar.aot.cost_model import Hardware, Layout
+from jaxpar.aot.phases import silent
+from jaxpar.aot.xla_log import drop_xla_lines
 from jaxpar.config import replace, to_yaml
 from jaxpar.errors import ConfigError, UserError
 from jaxpar.mesh import AXES, resolve_axis_sizes, resolve_rules
@@ -140,9 +142,11 @@ def spearman(a, b) -> float:
   return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 1 else float("nan")
 
 
-def plan(config, topology: str | None = None, top: int = 3, measure: bool = False, echo=print):
+def plan(config, topology: str | None = None, top: int = 3, measure: bool = False, echo=print,
+         phase=silent):
   """(candidates that compiled and fit, best first; all compiled candidates; the winner as a
-  config; Spearman rho of predicted vs measured step times, or None without `measure`)."""
+  config; Spearman rho of predicted vs measured step times, or None without `measure`).
+  `phase` (phases.py) shows which candidate is compiling."""
   if measure and topology:
     raise UserError("--measure runs candidates on this host: drop --topology to plan for it")
   if topology:
@@ -162,8 +166,9 @@ def plan(config, topology: str | None = None, top: int = 3, measure: bool = Fals
     chosen += [rest[i] for i in sorted(set(np.linspace(0, len(rest) - 1, top).astype(int)))
                ] if rest else []
   chosen += [c for c in ranked if c.is_default and c not in chosen]
-  for candidate in chosen:
-    _compile_one(config, candidate, devices, chip, topology, measure)
+  for i, candidate in enumerate(chosen, 1):
+    with phase(f"candidate {i}/{len(chosen)}: {candidate.layout}"), drop_xla_lines():
+      _compile_one(config, candidate, devices, chip, topology, measure)
   ok = [c for c in chosen if c.compiled.get("fits")]
   if not ok:
     raise UserError("no candidate fits: use a bigger topology or a smaller global batch")
@@ -212,8 +217,8 @@ def format_table(candidates) -> str:
   return "\n".join(lines)
 
 
-def run_plan(config, topology=None, top=3, measure=False, output="plan.yaml", echo=print):
-  ok, chosen, winner, rho = plan(config, topology, top, measure, echo)
+def run_plan(config, topology=None, top=3, measure=False, output="plan.yaml", echo=print, phase=silent):
+  ok, chosen, winner, rho = plan(config, topology, top, measure, echo, phase)
   echo(format_table(ok))
   failed = [c for c in chosen if not c.compiled.get("fits")]
   for c in failed:

@@ -5,7 +5,8 @@ Per device per step, in bytes on the wire (ring algorithms: a gather or reduce-s
 S bytes over n devices sends S (n-1)/n, an all-reduce twice that), for m microbatches:
 
   fsdp-split weights  all-gathered in the compute dtype: layer weights twice per microbatch
-                      (forward, and the remat/backward pass), the embedding table and the
+                      (forward, and the remat/backward pass; once with remat=none, where the
+                      backward may keep the forward's gathered copy), the embedding table and the
                       output projection once per step (the fused loss uses its gathered copy
                       for both passes, and every microbatch can share it); gradients
                       reduce-scattered once per microbatch in the compute dtype. The
@@ -54,7 +55,8 @@ def minimum_wire_bytes(config, mesh, rules) -> dict[str, float]:
     if "fsdp" in axes and fsdp > 1:
       gathered = local * fsdp * compute
       table = path[-1] == "embed"
-      gathers = 2 * micro if names[0] == "layers" else 2 if table and m.tie_embeddings else 1
+      layer_gathers = 1 if m.remat == "none" else 2
+      gathers = layer_gathers * micro if names[0] == "layers" else 2 if table and m.tie_embeddings else 1
       parts["weight all-gather"] += gathers * _ring(gathered, fsdp)
       scatter = _ring(gathered, fsdp)
       if table and not m.tie_embeddings:  # or the rows of this device's tokens, if less

@@ -8,17 +8,25 @@ Ctrl-C reaches them through the launcher: the first Ctrl-C or SIGTERM is passed 
 SIGTERM (a preemption notice: every process stops after the same step and saves), a second
 one kills them. When a process fails, the others get `grace_s` to stop by themselves (they
 notice within --peer-timeout) before they are killed, so the launcher never hangs.
+
+The processes' standard output passes through the launcher as it comes, less gloo's
+`[Gloo] Rank N is connected to M peer ranks` line for every connection it makes (16 for two
+processes of four devices): nothing a user can act on. Standard error is theirs untouched.
 """
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from jaxpar.errors import UserError
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
+_GLOO_BANNER = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
 
 
 def free_port() -> int:
@@ -40,7 +48,27 @@ def process_env(process_id: int, num_processes: int, port: int, devices: int, ba
       "JAX_PROCESS_ID": str(process_id),
       "PYTHONUNBUFFERED": "1",  # lines from the processes interleave as they come
   })
+  if sys.stdout.isatty():  # their output reaches a terminal through us: progress bars stay live
+    columns, lines = shutil.get_terminal_size()
+    env.update({"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": str(columns), "LINES": str(lines)})
   return env
+
+
+def _forward(stream, out):
+  """Copy a process's output to `out` as it comes, dropping gloo's connection banners. A
+  partial line goes out at once (a live progress bar redraws without newlines) unless it
+  may be the start of a banner."""
+  pending = b""
+  while chunk := stream.read1(65536):
+    *lines, pending = (pending + chunk).split(b"\n")
+    kept = b"".join(line + b"\n" for line in lines if not _GLOO_BANNER.match(line))
+    if pending and not b"[Gloo]".startswith(pending[:6]):
+      kept, pending = kept + pending, b""
+    out.write(kept)
+    out.flush()
+  if pending and not _GLOO_BANNER.match(pending):
+    out.write(pending)
+    out.flush()
 
 
 def _describe(code: int) -> str:
@@ -60,7 +88,12 @@ def launch_local(num_processes: int, argv: list[str], *, devices_per_process: in
     raise UserError("launch-local: give the command after --, e.g. jaxpar launch-local 2 -- train tiny")
   port = port or free_port()
   processes = [subprocess.Popen(argv, env=process_env(i, num_processes, port, devices_per_process),
-                                start_new_session=True) for i in range(num_processes)]
+                                stdout=subprocess.PIPE, start_new_session=True) for i in range(num_processes)]
+  out = sys.stdout.buffer
+  out.flush()
+  forwarders = [threading.Thread(target=_forward, args=(p.stdout, out), daemon=True) for p in processes]
+  for thread in forwarders:
+    thread.start()
   echo(f"launch-local: {num_processes} processes x {devices_per_process} CPU devices, coordinator "
        f"127.0.0.1:{port}, pids {' '.join(str(p.pid) for p in processes)}")
   received = []
@@ -71,6 +104,8 @@ def launch_local(num_processes: int, argv: list[str], *, devices_per_process: in
   finally:
     for s, handler in previous.items():
       signal.signal(s, handler)
+    for thread in forwarders:
+      thread.join(timeout=10)
 
 
 def _wait(processes, received, grace_s, echo) -> int:

@@ -10,6 +10,7 @@ to fit on one device or in host memory. Export gathers one layer of one tensor a
 
 import itertools
 import json
+import logging
 from pathlib import Path
 
 import jax
@@ -20,6 +21,7 @@ from safetensors.numpy import save_file
 
 from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import Config, DataConfig, MeshConfig, ModelConfig, from_dict
+from jaxpar.convert.byte_tokenizer import write_byte_tokenizer
 from jaxpar.data import copy_tokenizer_files
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models import family_names, get_family
@@ -27,6 +29,7 @@ from jaxpar.runtime import Runtime
 from jaxpar.saved_run import SavedRun
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_log = logging.getLogger(__name__)
 
 
 # -- configs ---------------------------------------------------------------------------
@@ -176,12 +179,18 @@ def _import_param(source, names: np.ndarray, layout, cfg, sharding, shape, dtype
   return jax.make_array_from_callback(shape, sharding, shard)
 
 
-def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: str = "float32") -> Config:
+def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: str = "float32",
+                 tokenizer=None) -> Config:
   """Convert an HF checkpoint directory into a params-only jaxpar checkpoint at `out`
-  (step 0; `jaxpar train --restore OUT` fine-tunes it). Returns the jaxpar config."""
+  (step 0; `jaxpar train --restore OUT` fine-tunes it). Returns the jaxpar config.
+  `tokenizer`: where the tokenizer is when `hf_dir` has none (a tokenizer.json, or a
+  directory holding one), or "byte" for a model trained on jaxpar's byte tokens."""
   hf_dir = Path(hf_dir)
   if not (hf_dir / "config.json").is_file():
     raise CheckpointError(f"{hf_dir} has no config.json: give a Hugging Face model directory")
+  if tokenizer not in (None, "byte") and not _tokenizer_json(Path(tokenizer)).is_file():
+    raise CheckpointError(f"--tokenizer {tokenizer}: no tokenizer.json there; give a tokenizer.json "
+                          "or a directory holding one")
   hf = json.loads((hf_dir / "config.json").read_text())
   model = model_config_from_hf(hf).model_copy(update={"param_dtype": param_dtype})
   config = from_dict({"model": model.model_dump(), "mesh": mesh.model_dump(),
@@ -209,8 +218,23 @@ def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: s
     source.close()
   with Checkpointer(out) as checkpoints:
     checkpoints.save(0, {"params": params}, config=config, force=True)
-  copy_tokenizer_files(hf_dir, Path(out) / TOKENIZER_DIR)  # so the converted model generates text with no flags
+  _bundle_tokenizer(hf_dir, tokenizer, Path(out) / TOKENIZER_DIR)
   return config
+
+
+def _tokenizer_json(path: Path) -> Path:
+  return path / "tokenizer.json" if path.is_dir() else path
+
+
+def _bundle_tokenizer(hf_dir: Path, tokenizer, target: Path):
+  """The tokenizer goes beside the weights, so the converted model generates text with no
+  flags; without one, generation refuses rather than print byte-fallback garbage."""
+  if tokenizer == "byte":
+    write_byte_tokenizer(target)
+  elif "tokenizer.json" not in copy_tokenizer_files(tokenizer or hf_dir, target):
+    _log.warning(f"{hf_dir} has no tokenizer.json, so the converted model has no tokenizer and will "
+                 "not generate text: convert again with --tokenizer PATH (a tokenizer.json or a model "
+                 "directory holding one; Python: tokenizer=PATH), or --tokenizer byte for jaxpar's byte tokens")
 
 
 # -- export ----------------------------------------------------------------------------
@@ -228,9 +252,11 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
     if dtype not in DTYPES:
       raise ConfigError(f"dtype={dtype!r} is not one of {list(DTYPES)}")
     params, root = run.load().params, run.directory
+    byte_level = run.config.data.tokenizer == "byte" and not run.lacks_tokenizer
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
-  copy_tokenizer_files(root / TOKENIZER_DIR, out)
+  if not copy_tokenizer_files(root / TOKENIZER_DIR, out) and byte_level:
+    write_byte_tokenizer(out)  # what AutoTokenizer needs to read the byte-level model
   (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
   shards, current, size = [], {}, 0
   for path, name, layout, index in _entries(params, cfg):

@@ -1,22 +1,31 @@
-"""Read documents (strings) from the bundled corpus, a .txt/.jsonl file, or a folder of them.
+"""Where documents come from: a source names the bundled corpus, one file, a folder or a
+glob of shards, or a local Hugging Face `datasets` folder.
 
-Formats (each may also be gzip-compressed, `.txt.gz` / `.jsonl.gz`):
-  .txt    documents separated by a form feed character (\\f); a file without one is one
-          document. Blank lines stay inside documents, so paragraphs survive.
-  .jsonl  one JSON object per line; the document is the field `text_key`.
+  bundled               the corpus shipped in the package
+  a file                .txt, .jsonl, .parquet, .arrow, .feather (readers.py; .gz/.zst text)
+  a folder              every such file under it, recursively, in sorted order
+  a glob                `shards/*.parquet`, `web/**/*.jsonl.zst`: the matching files, sorted
+  a `datasets` folder   what `Dataset.save_to_disk` writes (state.json beside .arrow files), or
+                        a DatasetDict's (dataset_dict.json): its `train` split
+
+Files are read in sorted order, so every process and every run sees the same documents in
+the same order. A token cache (jaxpar/data/cache.py) is a folder too: `open_cache` reads it.
 """
 
 from __future__ import annotations
 
-import gzip
+import collections
+import glob
 import importlib.resources
 import json
 import os
+from typing import Iterator
 
+from jaxpar.data.readers import Column, file_format, read_file
 from jaxpar.errors import DataError
 
 BUNDLED = "bundled"
-_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz")
+_KINDS = ".txt, .jsonl, .parquet, .arrow, .feather (text and JSON lines may be .gz or .zst)"
 
 
 def bundled_path() -> str:
@@ -25,73 +34,70 @@ def bundled_path() -> str:
   return os.fspath(res)
 
 
-def _open_text(path: str):
-  if path.endswith(".gz"):
-    return gzip.open(path, "rt", encoding="utf-8")
-  return open(path, encoding="utf-8")
+def is_glob(spec: str) -> bool:
+  return any(c in spec for c in "*?[")
 
 
-def _read_txt(path: str) -> list[str]:
-  with _open_text(path) as f:
-    text = f.read()
-  return [d.strip("\n") for d in text.split("\f")]
+def _hf_dataset_files(folder: str) -> list[str] | None:
+  """The Arrow files of a `datasets` save_to_disk folder (a DatasetDict: its train split)."""
+  splits = os.path.join(folder, "dataset_dict.json")
+  if os.path.isfile(splits):
+    with open(splits) as f:
+      names = json.load(f).get("splits", [])
+    if "train" not in names:
+      raise DataError(f"{folder} is a DatasetDict without a 'train' split (has {names}): point at "
+                      f"one split's folder, e.g. {os.path.join(folder, names[0]) if names else folder}")
+    folder = os.path.join(folder, "train")
+  state = os.path.join(folder, "state.json")
+  if not os.path.isfile(state):
+    return None
+  with open(state) as f:
+    files = [os.path.join(folder, entry["filename"]) for entry in json.load(f).get("_data_files", [])]
+  missing = [p for p in files if not os.path.isfile(p)]
+  if missing:
+    raise DataError(f"{folder}: state.json lists {missing[0]}, which is missing: the dataset folder "
+                    "is incomplete; save it again")
+  return files
 
 
-def _read_jsonl(path: str, text_key: str) -> list[str]:
-  docs = []
-  with _open_text(path) as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-      if not isinstance(row, dict) or text_key not in row:
-        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-        raise DataError(
-          f"{path}:{lineno}: no field {text_key!r} (has {keys}); set data.text_key"
-        )
-      docs.append(str(row[text_key]))
-  return docs
-
-
-def _files(path: str) -> list[str]:
-  if os.path.isdir(path):
-    # Sorted, so every process and every run sees the same document order.
-    found = sorted(
-      os.path.join(root, name)
-      for root, _, names in os.walk(path)
-      for name in names
-      if name.endswith(_SUFFIXES)
-    )
+def source_files(spec: str) -> list[str]:
+  """The files of a source, in reading order."""
+  if spec == BUNDLED:
+    return [bundled_path()]
+  path = os.path.expanduser(spec)
+  if is_glob(path):
+    found = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p) and file_format(p))
     if not found:
-      raise DataError(
-        f"data.source: folder {path!r} has no {', '.join(_SUFFIXES)} files"
-      )
+      raise DataError(f"data source {spec!r} matches no {_KINDS} file: check the pattern")
+    return found
+  if os.path.isdir(path):
+    hf = _hf_dataset_files(path)
+    if hf is not None:
+      return hf
+    found = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names
+                   if file_format(name))
+    if not found:
+      raise DataError(f"data source: folder {spec!r} has no {_KINDS} files")
     return found
   if not os.path.isfile(path):
-    raise DataError(
-      f"data.source: no file or folder at {path!r}; use 'bundled' or a path to "
-      f"{', '.join(_SUFFIXES)} files"
-    )
-  if not path.endswith(_SUFFIXES):
-    raise DataError(
-      f"data.source: {path!r} is not one of {', '.join(_SUFFIXES)}"
-    )
+    raise DataError(f"data source: no file or folder at {spec!r}; use 'bundled' or a path to {_KINDS} "
+                    "files, a folder or a glob of them")
+  if not file_format(path):
+    raise DataError(f"data source: {spec!r} is not one of {_KINDS}")
   return [path]
 
 
-def read_documents(source: str, text_key: str = "text") -> list[str]:
-  """All non-empty documents of `source`, in a fixed order."""
-  if source == BUNDLED:
-    paths = [bundled_path()]
-  else:
-    paths = _files(os.path.expanduser(source))
-  docs = []
-  for p in paths:
-    part = _read_jsonl(p, text_key) if ".jsonl" in os.path.basename(p) else _read_txt(p)
-    docs.extend(d for d in part if d.strip())
+def iter_documents(files: list[str], column: Column = Column(),
+                   skipped: collections.Counter | None = None) -> Iterator[list]:
+  """Batches of documents from `files`, in order (see readers.read_file)."""
+  for path in files:
+    yield from read_file(path, column, skipped)
+
+
+def read_documents(source: str, text_key: str = "text", tokens_key: str | None = None) -> list:
+  """Every non-empty document of `source` (str, or int32 arrays for a token column), in a fixed order."""
+  column = Column(tokens_key, tokens=True) if tokens_key else Column(text_key)
+  docs = [d for batch in iter_documents(source_files(source), column) for d in batch]
   if not docs:
-    raise DataError(f"data.source: {source!r} holds no non-empty documents")
+    raise DataError(f"data source {source!r} holds no non-empty documents")
   return docs

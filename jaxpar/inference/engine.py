@@ -5,9 +5,11 @@ Between steps, waiting requests take free slots and their prompts are written in
 cache a chunk at a time (a few compiled chunk lengths), a bounded number of prompt tokens
 per step, so a long prompt never stalls the running decodes for its whole prefill. Prompts
 that arrive together are written together: each chunk length is also compiled for as many
-rows as the budget allows. Finished requests free their slot and pages at once. When the page pool runs dry, the newest request is
-preempted: its pages are freed and it is recomputed later, with the same tokens, since a
-row's random key depends only on its seed and position.
+rows as the budget allows. Finished requests free their slot and pages at once. When every
+layer attends through a sliding window, a request also hands back the pages wholly before
+its window as it goes on. When the page pool runs dry, the newest request is preempted: its
+pages are freed and it is recomputed later, with the same tokens, since a row's random key
+depends only on its seed and position.
 """
 
 import collections
@@ -25,7 +27,7 @@ from jaxpar.inference.programs import Programs
 from jaxpar.inference.requests import Completion, Request, TokenEvent
 from jaxpar.inference.sampling import GREEDY, RequestError, SamplingParams, row_arrays
 from jaxpar.mesh import logical_to_sharding
-from jaxpar.models import kv_cache
+from jaxpar.models import kv_cache, kv_reach
 from jaxpar.models.kv_quant import KVQuantization
 
 DEFAULT_CHUNKS = (16, 64, 256)
@@ -35,7 +37,8 @@ class Engine:
   """Generate from a model on a device mesh (`Engine.from_checkpoint` to load one).
 
   slots: sequences decoded together; max_seq_len: longest prompt + completion (default the
-  model's); page_size / num_pages: the KV cache pool (default: every slot at max_seq_len);
+  model's); page_size / num_pages: the KV cache pool (default: every slot at max_seq_len;
+  with a sliding window on every layer a sequence needs only its window's pages);
   prefill_chunks: the prompt chunk lengths compiled; prefill_budget: prompt tokens written
   per step before the decode step runs (default: the longest chunk, and at least 512), which
   bounds how long new prompts delay the running decodes; kv_cache: "int8" | "int4" | "int2" stores the cache
@@ -55,12 +58,17 @@ class Engine:
     self.model_state = model_state if model_state is not None else {}
     self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
     self.pages_per_seq = -(-self.max_seq_len // page_size)
-    num_pages = num_pages or slots * self.pages_per_seq
-    if num_pages < self.pages_per_seq:
-      raise ConfigError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len="
-                       f"{self.max_seq_len} ({self.pages_per_seq} pages of {page_size}): raise it")
-    self.pool = PagePool(num_pages, page_size)
     self.chunks = sorted({min(c, self.max_seq_len) for c in prefill_chunks})
+    # Keys further back than this are never read again (None: some layer sees everything).
+    self.reach = kv_reach(cfg)
+    # The most pages one sequence holds at once: a prompt chunk and the window before it.
+    most = self.pages_per_seq if self.reach is None else min(
+        self.pages_per_seq, (self.chunks[-1] + self.reach - 2) // page_size + 2)
+    num_pages = num_pages or slots * self.pages_per_seq
+    if num_pages < most:
+      raise ConfigError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len="
+                        f"{self.max_seq_len} ({most} pages of {page_size} at once): raise it")
+    self.pool = PagePool(num_pages, page_size)
     self.prefill_budget = prefill_budget or max(self.chunks[-1], 512)
     # Rows of the widest fill program per chunk length: one row always, more when they fit the budget.
     self.fill_rows = {c: max(1, min(slots, self.prefill_budget // c)) for c in self.chunks}
@@ -194,9 +202,16 @@ class Engine:
       events += self._decode()
     return events
 
+  def _grow(self, request: Request, tokens: int) -> bool:
+    """Pages for `tokens` positions of `request` if the pool has them, after handing back
+    those wholly before the window of its next query (at position `request.cached`)."""
+    if self.reach is not None:
+      self.pool.release_before(request.pages, request.cached - self.reach + 1)
+    return self.pool.grow(request.pages, tokens)
+
   def _reserve(self, request: Request, tokens: int):
     """Pages for `tokens` positions of `request`, preempting the newest other requests."""
-    while not self.pool.grow(request.pages, tokens):
+    while not self._grow(request, tokens):
       newest = max((r for r in self.slots if r is not None and r is not request), key=lambda r: r.arrival)
       self.pool.release(newest.pages)  # recomputed later with the same tokens
       newest.cached = 0
@@ -216,7 +231,7 @@ class Engine:
     end = lambda r: min(r.cached + chunk, len(r.context) - 1)  # noqa: E731
     self._reserve(first, end(first))
     # The others join only if their pages are free: they never preempt anyone.
-    group = [first] + [r for r in requests[1:self.fill_rows[chunk]] if self.pool.grow(r.pages, end(r))]
+    group = [first] + [r for r in requests[1:self.fill_rows[chunk]] if self._grow(r, end(r))]
     rows = 1 if len(group) == 1 else self.fill_rows[chunk]
     tokens = np.zeros((rows, chunk), np.int32)
     positions = np.full((rows, chunk), -1, np.int32)

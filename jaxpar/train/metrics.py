@@ -51,20 +51,26 @@ class MetricsLogger:
     self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
     self.progress.start()
     self.history: list[dict] = []
+    self.last_eval = ""
 
-  def log(self, step: int, metrics: dict, *, echo: bool = False):
+  def log(self, step: int, metrics: dict, *, echo: bool = False, echo_eval: bool = False):
     values = scalars(metrics)
     record = {"step": step, "time": time.time(), **values}
     self.history.append(record)
     if not self.writes:
       return
     self.jsonl.write(json.dumps(record) + "\n")
-    for key, value in values.items():
-      self.tensorboard.add_scalar(f"train/{key}", value, step)
+    for key, value in values.items():  # eval/NAME/loss stays as it is; the rest is train/...
+      self.tensorboard.add_scalar(key if key.startswith("eval/") else f"train/{key}", value, step)
     extras = "".join(f"  {text.format(record[key])}" for key, text in PROGRESS_EXTRAS.items()
                      if key in record)
+    evals = eval_line(record)
+    if evals:
+      self.last_eval = evals
     status = (f"loss {record['loss']:.3f}  {record.get('tokens_per_s', 0):,.0f} tok/s  "
               f"mfu {100 * record.get('mfu', 0):.1f}%{extras}")
+    if self.last_eval:
+      status += f"  | eval {self.last_eval}"
     self.progress.update(self.task, completed=step, status=status)
     if echo:
       line = (f"step {step:>6}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
@@ -73,12 +79,34 @@ class MetricsLogger:
         line += (f"  {record['step_time_s'] * 1e3:.0f} ms  {record['tokens_per_s']:,.0f} tok/s  "
                  f"mfu {100 * record['mfu']:.1f}%")
       self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if evals and echo_eval:
+      self.progress.console.print(f"eval {step:>6}  {evals}", markup=False, highlight=False, soft_wrap=True)
 
   def close(self):
     self.progress.stop()
     if self.writes:
       self.jsonl.close()
       self.tensorboard.close()
+
+
+def eval_line(record: dict) -> str:
+  """`heldout loss 2.314 ppl 10.11 bpb 3.339  wiki ...` from a record's eval/ keys."""
+  names = dict.fromkeys(k.split("/")[1] for k in record if k.startswith("eval/"))
+  return "  ".join(f"{n} loss {record[f'eval/{n}/loss']:.3f} ppl {record[f'eval/{n}/perplexity']:.2f} "
+                   f"bpb {record[f'eval/{n}/bits_per_byte']:.3f}" for n in names)
+
+
+def summary_lines(summary: dict, config) -> list[str]:
+  """The end-of-run lines beyond loss and speed: the final eval, and what a mixture drew."""
+  lines = []
+  if "eval" in summary:
+    lines.append(f"eval at step {summary['eval_step']}: {eval_line(summary['eval'])}")
+  if "data_proportions" in summary:
+    weights = {n: s.weight for n, s in config.data.named_sources().items() if s.weight > 0}
+    total = sum(weights.values())
+    lines.append("data drawn: " + ", ".join(f"{name} {share:.1%} (weight {weights[name] / total:.1%})"
+                                            for name, share in summary["data_proportions"].items()))
+  return lines
 
 
 class StepClock:
@@ -94,6 +122,7 @@ class StepClock:
   def __init__(self):
     self._pending = queue.Queue()
     self._finished: dict[int, float] = {}
+    self._paused: set[int] = set()  # steps followed by other work (an evaluation)
     self._ready = threading.Condition()
     self._thread = threading.Thread(target=self._wait_for_steps, daemon=True)
     self._thread.start()
@@ -112,12 +141,16 @@ class StepClock:
   def watch(self, step: int, outputs):
     self._pending.put((step, outputs))
 
+  def pause_after(self, step: int):
+    """Other work ran between `step` and the next one: the next one has no step time."""
+    self._paused.add(step)
+
   def step_time(self, step: int) -> float | None:
     """Seconds between step-1 and `step` finishing (blocks until `step` has); None when
-    step-1 was not watched."""
+    step-1 was not watched or other work ran after it."""
     with self._ready:
       self._ready.wait_for(lambda: step in self._finished)
-      previous = self._finished.get(step - 1)
+      previous = None if step - 1 in self._paused else self._finished.get(step - 1)
       return None if previous is None else self._finished[step] - previous
 
   def close(self):

@@ -27,9 +27,9 @@ def _split_microbatches(batch, count: int):
   return jax.tree.map(split, batch)
 
 
-def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_len: int = 0,
-                   load_balance: bool = True):
-  """(params, batch, model_state) -> (summed grads, sums, new model_state).
+def make_objective(graphdef, *, z_loss: float, logits_chunk_len: int = 0, load_balance: bool = True):
+  """(params, model_state, batch) -> (objective, (sums, new model_state)): what training
+  differentiates and evaluation reports.
 
   sums: {"ce_sum", "z_sum", "tokens"} plus, for each auxiliary loss or metric the model
   returns, its value x tokens under "loss/NAME" or "metric/NAME".
@@ -58,6 +58,15 @@ def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_l
       sums[f"metric/{name}"] = tokens * value
     return total, (sums, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
 
+  return objective
+
+
+def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_len: int = 0,
+                   load_balance: bool = True):
+  """(params, batch, model_state) -> (summed grads, sums, new model_state); `make_objective`
+  says what the sums hold."""
+  objective = make_objective(graphdef, z_loss=z_loss, logits_chunk_len=logits_chunk_len,
+                             load_balance=load_balance)
   grad_fn = jax.grad(objective, has_aux=True)
 
   def gradients(params, batch, model_state=None):

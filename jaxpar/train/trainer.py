@@ -7,7 +7,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
@@ -16,8 +15,10 @@ from jaxpar.config import Config, checkpoint_dir
 from jaxpar.data import TrainBatches, copy_tokenizer_files, load_tokenizer
 from jaxpar.train.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import logical_to_sharding
+from jaxpar.train.evaluator import Evaluator, flat_metrics, jit_eval_step
 from jaxpar.train.metrics import PROGRESS_EXTRAS, MetricsLogger, StepClock, scalars
-from jaxpar.train.optim import learning_rate_schedule, make_optimizer
+from jaxpar.train.optim import (learning_rate_schedule, make_optimizer, opt_state_shardings,
+                                state_bytes_per_param)
 from jaxpar.cluster.preemption import stop_on_signals
 from jaxpar.cluster.run_lock import hold_run_dirs
 from jaxpar.errors import ConfigError
@@ -50,7 +51,7 @@ class Trainer:
     self.runtime = Runtime.from_config(config, devices)
     self.runtime.plan.check_training(config.model, config.data, config.train, self.rules)
     self.console = console or Console()
-    self.optimizer = make_optimizer(config.train, self.runtime.decay_mask)
+    self.optimizer = make_optimizer(config.train, self.runtime.decay_mask, self.runtime.axis_names)
     self.schedule = learning_rate_schedule(config.train)
     self.state_shardings = self._state_shardings()
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
@@ -60,6 +61,7 @@ class Trainer:
                            load_balance=self.runtime.plan.load_balance)
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
     self.xla_options, self.xla_notes = compiler_options(config.mesh.xla_flags, self.mesh.devices.flat)
+    self._eval_step = None  # built with the first evaluator
     self.train_step = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),
                               out_shardings=(self.state_shardings, None), donate_argnums=0,
                               compiler_options=self.xla_options or None)
@@ -73,13 +75,17 @@ class Trainer:
     """The mesh and logical rules that tracing model code needs."""
     return self.runtime.context()
 
+  @property
+  def optimizer_bytes_per_param(self) -> float:
+    """Optimizer-state bytes per parameter (AdamW in float32: 8; SGD with momentum: 4)."""
+    abstract_opt = jax.eval_shape(self.optimizer.init, self.runtime.abstract_params)
+    return state_bytes_per_param(abstract_opt, self.num_params)
+
   def _state_shardings(self) -> TrainState:
     params = self.runtime.param_shardings
-    replicated = NamedSharding(self.mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(self.optimizer.init, self.runtime.abstract_params)
-    opt = optax.tree_map_params(self.optimizer, lambda _, s: s, abstract_opt, params,
-                                transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=params, opt_state=opt,
+    opt = opt_state_shardings(abstract_opt, self.runtime.abstract_params, params, self.mesh)
+    return TrainState(step=NamedSharding(self.mesh, PartitionSpec()), params=params, opt_state=opt,
                       model_state=self.runtime.model_state_shardings)
 
   def _create_state(self) -> TrainState:
@@ -106,6 +112,16 @@ class Trainer:
       raise ConfigError(f"model.vocab_size={self.config.model.vocab_size} is smaller than the "
                        f"tokenizer's {tokenizer.vocab_size} tokens: raise model.vocab_size")
     return TrainBatches(self.config.data, tokenizer, self.batch_sharding)
+
+  def evaluator(self, tokenizer=None, sources=None, **options) -> Evaluator:
+    """The config's eval sets on this trainer's mesh and shardings (jaxpar/train/evaluator.py);
+    `sources`: the training loader's, so nothing is read twice. Every evaluator of a trainer
+    shares one eval step, so it compiles once."""
+    shardings = (self.state_shardings.params, self.state_shardings.model_state, self.batch_sharding)
+    if self._eval_step is None:
+      self._eval_step = jit_eval_step(self.runtime, self.config.train.logits_chunk_len, *shardings)
+    return Evaluator(self.config, self.runtime, tokenizer or self.tokenizer(), *shardings, sources=sources,
+                     step=self._eval_step, **options)
 
   def step(self, state, batch):
     with self.context():
@@ -153,8 +169,10 @@ class Trainer:
         start_step = int(state.step)
         steps = max(cfg.train.steps - start_step, 0) if steps is None else steps
         stop.begin(start_step)
+        evaluator = self.evaluator(getattr(batches, "tokenizer", None), getattr(batches, "sources", None)) \
+            if cfg.eval.every_steps and steps else None
         state, history, summary = self._loop(state, batches, start_step, steps, show_progress,
-                                             checkpointer, stop)
+                                             checkpointer, stop, evaluator)
       if checkpointer is not None and history:
         last = start_step + len(history)
         checkpointer.save(last, state.items(), data_state=_data_state(batches), config=cfg, force=True)
@@ -192,7 +210,7 @@ class Trainer:
     if jax.process_index() == 0:
       self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
-  def _loop(self, state, batches, start_step, steps, show_progress, checkpointer, stop):
+  def _loop(self, state, batches, start_step, steps, show_progress, checkpointer, stop, evaluator=None):
     cfg = self.config
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     flops_per_step = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
@@ -210,6 +228,10 @@ class Trainer:
           checkpointer.save(step, state.items(), data_state=_data_state(batches), config=cfg)
         if pending is not None:  # read the previous step's metrics: keeps dispatch async
           self._log(logger, clock, pending, tokens_per_step, flops_per_step, peak)
+        every = cfg.eval.every_steps
+        if evaluator is not None and not stopping and (step % every == 0 or step == start_step + steps):
+          metrics = {**metrics, **flat_metrics(evaluator.run(state.params, state.model_state))}
+          clock.pause_after(step)  # the evaluation is not part of the next step's time
         pending = (step, metrics)
         if stopping:
           if stop.agreed:
@@ -228,6 +250,12 @@ class Trainer:
                "final_loss": history[-1]["loss"] if history else None,
                "wall_s": time.perf_counter() - started, "stopped_by": stop.signal if stop else None,
                **{k: history[-1][k] for k in PROGRESS_EXTRAS if history and k in history[-1]}}
+    evals = [h for h in history if any(k.startswith("eval/") for k in h)]
+    if evals:
+      summary["eval_step"] = evals[-1]["step"]
+      summary["eval"] = {k: v for k, v in evals[-1].items() if k.startswith("eval/")}
+    if len(getattr(batches, "names", ())) > 1:  # a mixture: what it drew, beside its weights
+      summary["data_proportions"] = batches.proportions()
     if timed:
       step_time = sum(h["step_time_s"] for h in timed) / len(timed)
       summary.update(step_time_s=step_time, tokens_per_s=tokens_per_step / step_time,
@@ -241,7 +269,7 @@ class Trainer:
     if dt is not None:
       values.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt, mfu=flops_per_step / dt / peak)
     every = self.config.train.log_every
-    logger.log(step, values, echo=every > 0 and (step % every == 0 or step == 1))
+    logger.log(step, values, echo=every > 0 and (step % every == 0 or step == 1), echo_eval=every > 0)
 
 
 def _data_state(batches) -> dict | None:

@@ -1,8 +1,34 @@
-"""Pieces shared by the decode kernels: which cache pages a sequence can see, and checks."""
+"""Pieces shared by the paged attention paths: which cache pages a sequence can see, and checks."""
 
 import jax.numpy as jnp
 
 from jaxpar.errors import UserError
+
+
+def visible_pages(page_table, q_positions, page_size, sliding_window):
+  """The part of each row's page table that its queries can see through a sliding window.
+
+  q_positions [B, T]: contiguous per row (negative: padding). -> (table [B, m], start [B]:
+  the position of the table's first key), m = the pages a window of T queries can span
+  (static). Without a window, or when m covers the whole table: the table itself, start 0.
+  Pages before the window are never read, so a cache may hand them to other sequences.
+  """
+  batch, width = page_table.shape
+  zeros = jnp.zeros((batch,), jnp.int32)
+  if sliding_window is None:
+    return page_table, zeros
+  span = (q_positions.shape[1] + sliding_window - 2) // page_size + 2
+  if span >= width:
+    return page_table, zeros
+  valid = q_positions >= 0
+  lowest = jnp.min(jnp.where(valid, q_positions, jnp.iinfo(jnp.int32).max), axis=1)
+  lowest = jnp.where(jnp.any(valid, axis=1), lowest, 0)
+  highest = jnp.max(jnp.where(valid, q_positions, 0), axis=1)
+  first = jnp.maximum(lowest - sliding_window + 1, 0) // page_size
+  # Columns past the newest page repeat it (their keys lie after every query: masked), so
+  # nothing outside the row's window is ever fetched, not even as padding.
+  columns = jnp.minimum(first[:, None] + jnp.arange(span), (highest // page_size)[:, None])
+  return jnp.take_along_axis(page_table, columns, axis=1), (first * page_size).astype(jnp.int32)
 
 
 def live_pages(length, page_size, sliding_window):

@@ -21,6 +21,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.mesh import current_execution_options, logical_shard_map
 from jaxpar.pallas_kernels.attention import context_parallel as cp
 from jaxpar.pallas_kernels.attention import validation
+from jaxpar.pallas_kernels.attention.decode_common import visible_pages
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
 from jaxpar.pallas_kernels.attention.blockwise import AttentionOptions
 from jaxpar.pallas_kernels.attention.chunked import chunked_attention
@@ -125,12 +126,16 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
   Contiguous cache: k/v [B, S, Hkv, D]; always the XLA path (a bandwidth-bound
   matrix-vector product). Paged cache: k/v [Hkv, num_pages, page_size, D] with
   page_table int [B, pages_per_seq]; "auto"/"flash" use the Pallas kernel on
-  TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode), "auto" on CPU the
-  transpose-free XLA form (decode_xla.py).
+  TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode). With a sliding window every
+  implementation gets only the pages inside it (`visible_pages`); "auto" on CPU
+  the transpose-free XLA form (decode_xla.py).
   """
   _check_implementation(implementation)
   platform = current_platform()
   options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale)
+  if page_table is not None:
+    page_table, start = visible_pages(page_table, lengths[:, None] - 1, k_cache.shape[2], sliding_window)
+    lengths = jnp.where(lengths > 0, lengths - start, 0)
   use_kernel = page_table is not None and (
       implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")))
   if not use_kernel and page_table is not None and implementation == "auto":
@@ -152,7 +157,8 @@ def paged_attention(q, k_pages, v_pages, q_positions, page_table, *, sliding_win
   q: [B, T, Hq, D] at q_positions int [B, T] (negative: padding, output 0); each query
   sees the cached keys at positions 0..its own. k/v pages: [Hkv, num_pages, page_size, D];
   page_table: int [B, pages_per_seq]. One token per sequence (decode) goes to
-  `decode_attention` and its kernels; several (prefill) to the reference over the pages.
+  `decode_attention` and its kernels; several (prefill) to the reference over the pages
+  (only those inside a sliding window: positions contiguous per row).
   """
   _check_implementation(implementation)
   options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale)
@@ -160,4 +166,6 @@ def paged_attention(q, k_pages, v_pages, q_positions, page_table, *, sliding_win
     lengths = jnp.maximum(q_positions[:, 0] + 1, 0)
     return decode_attention(q[:, 0], k_pages, v_pages, lengths, page_table=page_table,
                             implementation=implementation, **options)[:, None]
+  page_table, start = visible_pages(page_table, q_positions, k_pages.shape[2], sliding_window)
+  q_positions = jnp.where(q_positions >= 0, q_positions - start[:, None], -1)
   return paged_attention_reference(q, k_pages, v_pages, q_positions, page_table, **options)

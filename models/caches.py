@@ -1,0 +1,79 @@
+"""Where attention's keys and values come from: cache kinds behind one interface.
+
+An attention block computes q, k, v and makes one call, whatever the kind:
+
+  out, cache = cache.update_and_attend(q, k, v, context, options)
+
+q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim]; `context` the layer's
+LayerContext (positions, segment ids, the length layout); `options` its static
+layer_pattern.AttentionOptions (window, soft cap, scale, kernel). A cache is stacked over
+the layers of a group and rides through the layer scan; `cache.at(layer)` is one layer's
+view. The kinds:
+
+  NoCache                  training and full forwards: attend within the given sequence
+                           (packed segments, zig-zag context parallelism)
+  SimulatedKVQuantization  a full forward read as a quantized cache would hold it: how
+                           KV quantization quality is measured (kv_quant.cached_attention)
+  PagedCache               generation, float pages (kv_cache.py)
+  QuantizedPagedCache      generation, int8 / KIVI pages with a float tail (kv_cache_quantized.py)
+
+A new kind (a latent cache for MLA) is a class with `at` and `update_and_attend`; the
+model picks the kind here, once, from what the caller asks for.
+"""
+
+from flax import struct
+
+from jaxpar import pallas_kernels
+from jaxpar.models import kv_cache, kv_cache_quantized, kv_quant
+
+
+@struct.dataclass
+class NoCache:
+  """Nothing stored: the queries attend to the keys of the same call."""
+
+  def at(self, layer) -> "NoCache":
+    return self
+
+  def update_and_attend(self, q, k, v, context, options):
+    out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=context.segment_ids,
+                                   zigzag=context.zigzag, **options.kernel_args())
+    return out, self
+
+
+@struct.dataclass
+class SimulatedKVQuantization:
+  """Every query of a full forward reads the keys and values a quantized cache would give
+  it when that token is decoded (`spec`: a kv_quant.KVQuantization)."""
+  spec: kv_quant.KVQuantization = struct.field(pytree_node=False)
+
+  def at(self, layer) -> "SimulatedKVQuantization":
+    return self
+
+  def update_and_attend(self, q, k, v, context, options):
+    out = kv_quant.cached_attention(q, k, v, self.spec, context.segment_ids,
+                                    sliding_window=options.sliding_window,
+                                    logit_soft_cap=options.logit_soft_cap, scale=options.scale)
+    return out, self
+
+
+def for_forward(kv_quantization=None):
+  """The cache kind of a forward pass over whole sequences."""
+  return NoCache() if kv_quantization is None else SimulatedKVQuantization(kv_quantization)
+
+
+def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail_index=None):
+  """A group's paged cache (`pages` as `init` made it) at `layer`, for rows whose pages
+  `page_table` [B, pages_per_seq] lists; quantized when `kv_quantization` is given
+  (`tail_index` [B]: each row's slot)."""
+  if kv_quantization is None:
+    return kv_cache.PagedCache(pages, page_table, layer)
+  return kv_cache_quantized.QuantizedPagedCache(pages, page_table, tail_index, layer, kv_quantization)
+
+
+def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quantization=None,
+         slots: int = 1) -> dict:
+  """Zeroed pages for a group of `num_layers` layers: float, or quantized with a float tail
+  page per slot."""
+  if kv_quantization is None:
+    return kv_cache.init_pages(cfg, num_layers, num_pages, page_size, dtype)
+  return kv_cache_quantized.init(cfg, num_layers, num_pages, page_size, slots, kv_quantization, dtype)

@@ -1,0 +1,79 @@
+"""What each layer of a stack is told at trace time: its attention options and its RoPE.
+
+`model.layer_pattern` (config.LayerKind entries, cycled by absolute layer index) overrides
+the model section's `sliding_window`, `attn_logit_soft_cap`, `rope_theta`, `rope_scaling`
+per layer; the result is a static `LayerOptions` per layer. Options never change a layer's
+parameters, so a group of layers stays one stack ([layers, ...] arrays) and the scan runs
+over units of one period of the pattern, each layer of a unit with its own static options
+(`unit_options`): a kernel sees a Python window, not a traced one.
+"""
+
+import dataclasses
+
+from jaxpar.models.config import ModelConfig, RopeScaling
+from jaxpar.models.rope import rope_frequencies
+
+# The model-section fields a pattern entry may override, by the entry's key.
+_OVERRIDABLE = ("sliding_window", "attn_logit_soft_cap", "rope_theta", "rope_scaling")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+  """The static choices of one layer's attention call, as every KV-cache kind takes them
+  (models/caches.py). scale None: head_dim ** -0.5. implementation: `model.attention`."""
+  sliding_window: int | None = None
+  logit_soft_cap: float | None = None
+  scale: float | None = None
+  implementation: str = "auto"
+
+  def kernel_args(self) -> dict:
+    """Keyword arguments of the `pallas_kernels` attention doors."""
+    return dict(sliding_window=self.sliding_window, logit_soft_cap=self.logit_soft_cap, scale=self.scale,
+                implementation=self.implementation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  theta: float
+  scaling: RopeScaling | None = None
+
+  def frequencies(self, head_dim: int):
+    return rope_frequencies(head_dim, self.theta, self.scaling)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOptions:
+  """One layer's static options. rope None: no rotary embedding (a pattern's `rope: false`)."""
+  attention: AttentionOptions
+  rope: Rope | None
+
+
+def layer_options(cfg: ModelConfig, index: int) -> LayerOptions:
+  """The options of layer `index` (absolute: counted over every group of the stack)."""
+  values = {key: getattr(cfg, key) for key in _OVERRIDABLE}
+  use_rope = True
+  if cfg.layer_pattern:
+    entry = cfg.layer_pattern[index % len(cfg.layer_pattern)]
+    values.update({key: getattr(entry, key) for key in _OVERRIDABLE if key in entry.model_fields_set})
+    use_rope = entry.rope
+  attention = AttentionOptions(sliding_window=values["sliding_window"],
+                               logit_soft_cap=values["attn_logit_soft_cap"], implementation=cfg.attention)
+  return LayerOptions(attention, Rope(values["rope_theta"], values["rope_scaling"]) if use_rope else None)
+
+
+def unit_options(cfg: ModelConfig, start: int) -> list[LayerOptions]:
+  """The options of one scan unit of a group whose first layer is `start`: the shortest
+  run of layers whose repetition gives every layer's options (length 1 when all agree)."""
+  period = max(len(cfg.layer_pattern), 1)
+  options = [layer_options(cfg, start + i) for i in range(period)]
+  for length in range(1, period + 1):
+    if period % length == 0 and all(options[i] == options[i % length] for i in range(period)):
+      return options[:length]
+  raise AssertionError("unreachable: the whole period always repeats")
+
+
+def kv_reach(cfg: ModelConfig) -> int | None:
+  """How far back any layer's queries see: the largest sliding window when every layer has
+  one (keys further back are never read again, so a cache may drop them), else None."""
+  windows = [layer_options(cfg, i).attention.sliding_window for i in range(cfg.num_layers)]
+  return None if None in windows else max(windows)
