@@ -5,6 +5,7 @@
     jaxpar serve --checkpoint PATH [--host 127.0.0.1 --port 8000]
 """
 
+import argparse
 import json
 import os
 import sys
@@ -31,6 +32,8 @@ def add_engine_args(parser):
   parser.add_argument("--max-seq-len", type=int, help="longest prompt + completion (default: the model's)")
   parser.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
   parser.add_argument("--num-pages", type=int, help="KV cache pages (default: every slot at max length)")
+  parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                      help="share the KV pages of prompt blocks requests have in common (default: on)")
   parser.add_argument("--kv-cache", choices=("float", "int8", "int4", "int2"), default="float",
                       help="store the KV cache quantized: int8 per token, or KIVI int4/int2 (keys per "
                       "channel, values per token); each sequence's newest page stays float")
@@ -63,7 +66,8 @@ def build_engine(ns, echo=None, **options):
   from jaxpar.inference import Engine
   return Engine.from_checkpoint(ns.checkpoint, mesh=mesh_sizes(ns.mesh) or None, slots=ns.slots,
                                 max_seq_len=ns.max_seq_len, page_size=ns.page_size,
-                                num_pages=ns.num_pages, kv_cache=ns.kv_cache, echo=echo, **options)
+                                num_pages=ns.num_pages, kv_cache=ns.kv_cache, prefix_caching=ns.prefix_caching,
+                                echo=echo, **options)
 
 
 def sampling_from(ns, **overrides):

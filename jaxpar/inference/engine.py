@@ -23,6 +23,7 @@ import numpy as np
 from jaxpar.errors import ConfigError
 from jaxpar.inference import processing
 from jaxpar.inference.pages import PagePool, page_table_rows
+from jaxpar.inference.prefix_cache import PrefixSharing
 from jaxpar.inference.programs import Programs
 from jaxpar.inference.requests import Completion, Request, TokenEvent
 from jaxpar.inference.sampling import GREEDY, RequestError, SamplingParams, row_arrays
@@ -46,12 +47,15 @@ class Engine:
   The plain programs compile in the constructor; those for requests that adjust logits or
   ask for prompt log-probabilities (`processing.py`) on first use, or there too with
   `compile_extras` (a server should not pause the running decodes to compile).
+  prefix_caching: requests share the cache pages of the prompt blocks they have in common
+  (`prefix_cache.py`); outputs are the same either way.
   """
 
   def __init__(self, runtime, params, tokenizer, *, model_state=None, slots: int = 8,
                max_seq_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
                prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
-               kv_cache: str | None = None, echo=None, compile_extras: bool = False):
+               kv_cache: str | None = None, echo=None, compile_extras: bool = False,
+               prefix_caching: bool = True):
     cfg = runtime.model_config
     runtime.plan.check_generation()
     self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
@@ -81,6 +85,7 @@ class Engine:
     self.programs = Programs(runtime, params, self.model_state, self.cache, self.kv_quantization)
     self._compile_all(echo or (lambda text: None), compile_extras)
     self.stats = collections.Counter()
+    self.sharing = PrefixSharing(self.pool, self.stats, prefix_caching)
 
   @classmethod
   def from_checkpoint(cls, path, *, mesh=None, devices=None, step: int | None = None, tokenizer=None,
@@ -213,8 +218,9 @@ class Engine:
     """Pages for `tokens` positions of `request`, preempting the newest other requests."""
     while not self._grow(request, tokens):
       newest = max((r for r in self.slots if r is not None and r is not request), key=lambda r: r.arrival)
-      self.pool.release(newest.pages)  # recomputed later with the same tokens
-      newest.cached = 0
+      self.pool.release(newest.pages)  # recomputed later with the same tokens (its cached blocks kept)
+      newest.cached = newest.published = 0
+      newest.looked_up = False
       self.slots[self.slots.index(newest)] = None
       self.waiting.appendleft(newest)
       self.stats["preemptions"] += 1
@@ -224,14 +230,23 @@ class Engine:
     chunks of as many of the others (in order) as the widest fill program for that chunk
     length holds: one compiled `fill`. Returns the prompt positions it computed (padding
     included)."""
+    for request in requests:
+      self.sharing.reuse(request)
+    if not (requests := [r for r in requests if r.prefilling]):
+      return 0
     first = requests[0]
     remaining = len(first.context) - 1 - first.cached
     fitting = [c for c in self.chunks if c <= remaining]
     chunk = fitting[-1] if fitting else next(c for c in self.chunks if c >= remaining)
     end = lambda r: min(r.cached + chunk, len(r.context) - 1)  # noqa: E731
     self._reserve(first, end(first))
-    # The others join only if their pages are free: they never preempt anyone.
-    group = [first] + [r for r in requests[1:self.fill_rows[chunk]] if self._grow(r, end(r))]
+    # The others join only if their pages are free (they never preempt anyone) and their next
+    # block is not one this chunk is computing (they take it from the prefix cache instead).
+    group, computing = [first], self.sharing.computing(first, end(first))
+    for request in requests[1:self.fill_rows[chunk]]:
+      if self.sharing.next_block(request) not in computing and self._grow(request, end(request)):
+        group.append(request)
+        computing |= self.sharing.computing(request, end(request))
     rows = 1 if len(group) == 1 else self.fill_rows[chunk]
     tokens = np.zeros((rows, chunk), np.int32)
     positions = np.full((rows, chunk), -1, np.int32)
@@ -247,20 +262,15 @@ class Engine:
       request.cached += count
       self.stats["prefill_tokens"] += count
     table = page_table_rows([r.pages for r in group] + [[]] * (rows - len(group)), self.pages_per_seq)
+    for request in group:
+      self.sharing.publish(request)  # indexed now: the program below writes them before any later one reads
     if not any(r.prompt_logprobs is not None for r in group):
       self.cache = self._run("fill", tokens, positions, table, tails)
       return rows * chunk
-    targets = np.zeros_like(tokens)  # each position's next prompt token, which it scores
-    for i, request in enumerate(group):
-      count = int(np.sum(positions[i] >= 0))
-      targets[i, :count] = request.context[positions[i, 0] + 1:positions[i, 0] + 1 + count]
-    chosen, top_ids, top_logprobs, self.cache = self._run("fill_logprobs", tokens, positions, table, tails, targets)
-    chosen, top_ids, top_logprobs = np.asarray(chosen), np.asarray(top_ids), np.asarray(top_logprobs)
-    for i, request in enumerate(group):
-      for j in range(int(np.sum(positions[i] >= 0)) if request.prompt_logprobs is not None else 0):
-        if (position := positions[i, j] + 1) < len(request.prompt):
-          request.record_prompt_logprob(position, float(chosen[i, j]),
-                                        list(zip(top_ids[i, j].tolist(), top_logprobs[i, j].tolist())))
+    targets = processing.prompt_targets(group, tokens, positions)
+    outputs = self._run("fill_logprobs", tokens, positions, table, tails, targets)
+    self.cache = outputs[-1]
+    processing.record_prompt_logprobs(group, positions, *outputs[:-1])
     return rows * chunk
 
   def _decode(self) -> list:
@@ -291,6 +301,7 @@ class Engine:
     for i, request in enumerate(rows):
       if request is not None:
         request.cached = len(request.context)
+        self.sharing.publish(request)
         event = request.accept(int(next_tokens[i]), float(logprobs[i]), self.tokenizer.decode,
                                self.max_seq_len, top[i] if top else None)
         if request.finish_reason is not None:

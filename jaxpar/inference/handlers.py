@@ -117,7 +117,9 @@ class Call:
     return api.completion_logprobs([self._text(t) for t in tokens], logprobs, tops)
 
   def _usage(self) -> dict:
-    return api.usage(sum(map(len, self.prompts)), sum(len(r.generated) for r in self.requests))
+    counts = api.usage(sum(map(len, self.prompts)), sum(len(r.generated) for r in self.requests))
+    # The prompt tokens the prefix cache supplied (as OpenAI's and vLLM's usage reports them).
+    return {**counts, "prompt_tokens_details": {"cached_tokens": sum(r.prefix_hits for r in self.requests)}}
 
   async def respond(self):
     """The whole response, once every choice is done."""

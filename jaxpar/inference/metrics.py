@@ -90,11 +90,13 @@ class _EngineState:
     yield gauge("jaxpar_requests_running", "Slots holding a request", sum(r is not None for r in engine.slots))
     yield gauge("jaxpar_slots", "Slots decoded together", len(engine.slots))
     yield gauge("jaxpar_kv_pages_used", "KV cache pages in use", pool.num_pages - pool.free)
-    yield gauge("jaxpar_kv_pages_free", "KV cache pages free", pool.free)
+    yield gauge("jaxpar_kv_pages_free", "KV cache pages free (never used, or cached and held by nobody)", pool.free)
     yield gauge("jaxpar_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
                 hits / queries if queries else 0.0)
     yield counter("jaxpar_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
     yield counter("jaxpar_prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
+    yield gauge("jaxpar_kv_pages_cached", "KV pages indexed by the prefix cache (held or not)", pool.cached)
+    yield counter("jaxpar_prefix_cache_evictions", "Cached pages reused for other blocks", pool.evictions)
     yield counter("jaxpar_prefill_tokens", "Prompt tokens computed by prefill", stats["prefill_tokens"])
     yield counter("jaxpar_preemptions", "Requests preempted for want of KV pages", stats["preemptions"])
     yield gauge("jaxpar_generation_tokens_per_second", f"Tokens generated per second over the last "

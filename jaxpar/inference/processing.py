@@ -127,3 +127,22 @@ def extras_arrays(requests: list, vocab: int, history: int) -> dict[str, np.ndar
       for token in request.stop_token_ids:
         words[token // 32] &= ~np.uint32(1 << (token % 32))
   return out
+
+
+def prompt_targets(group: list, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+  """`fill_logprobs`'s targets: at each position of a prefill chunk, the prompt token after it."""
+  targets = np.zeros_like(tokens)
+  for i, request in enumerate(group):
+    count = int(np.sum(positions[i] >= 0))
+    targets[i, :count] = request.context[positions[i, 0] + 1:positions[i, 0] + 1 + count]
+  return targets
+
+
+def record_prompt_logprobs(group: list, positions: np.ndarray, chosen, top_ids, top_logprobs):
+  """Hand `fill_logprobs`'s outputs to the requests of the chunk that asked for them."""
+  chosen, top_ids, top_logprobs = np.asarray(chosen), np.asarray(top_ids), np.asarray(top_logprobs)
+  for i, request in enumerate(group):
+    for j in range(int(np.sum(positions[i] >= 0)) if request.prompt_logprobs is not None else 0):
+      if (position := positions[i, j] + 1) < len(request.prompt):
+        request.record_prompt_logprob(position, float(chosen[i, j]),
+                                      list(zip(top_ids[i, j].tolist(), top_logprobs[i, j].tolist())))

@@ -63,6 +63,12 @@ class Request:
     self.prompt_top_logprobs: list | None = [None] * len(self.prompt) if wanted else None
     self.pages: list[int] = []
     self.cached = 0
+    # Prefix caching (prefix_cache.py): the hashes of its complete blocks, how many of its
+    # pages are indexed, whether this admission looked itself up, the prompt tokens it reused.
+    self.block_hashes: list[bytes] = []
+    self.published = 0
+    self.looked_up = False
+    self.prefix_hits = 0
     self.text = ""  # the text streamed so far
     self.finish_reason: str | None = None
     self.cancelled = False
