@@ -20,4 +20,6 @@ def test_xla_paged_decode_equals_the_reference(options, group):
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   assert not np.any(got[1]), "an empty sequence attends to nothing"
   auto = pallas_kernels.decode_attention(q, k, v, lengths, page_table=table, **options)
-  np.testing.assert_array_equal(auto, got)
+  np.testing.assert_allclose(auto, want, atol=1e-5, rtol=1e-5)
+  if not options:  # with a window "auto" first narrows the table to the window's pages (other sums)
+    np.testing.assert_array_equal(auto, got)
