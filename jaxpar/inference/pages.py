@@ -119,9 +119,6 @@ def block_hashes(tokens: list[int], page_size: int, start: int = 0, previous: by
   return hashes
 
 
-
-
-
 def held_pages(held: list[int]) -> int:
   """Pages a sequence holds now (released places not counted)."""
   return sum(page != RELEASED for page in held)

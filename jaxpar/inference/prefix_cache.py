@@ -3,8 +3,8 @@ next prompt chunk, take the cached pages of the blocks it starts with; after pos
 written, index the pages they completed, so later requests can take them.
 
 Requests whose prompts arrive together would each compute a shared prefix before any of
-them has indexed it; `waiting_on` lets the engine hold back, for one chunk, a request whose
-next block another request is computing right then. A request that scores its prompt
+them has indexed it; `next_block` and `computing` let the engine hold back, for one chunk, a
+request whose next block another request is computing right then. A request that scores its prompt
 (prompt_logprobs) computes every position itself (it needs their logits) but still indexes
 its pages. Shared pages are only ever complete ones: nothing writes into them again, and in
 a quantized cache they are the quantized pool pages, never a sequence's float tail.
