@@ -138,9 +138,10 @@ def _generate_file(engine, records, sampling, output: Path):
 
 def cmd_serve(ns):
   from jaxpar.inference.server import serve
+  from jaxpar.saved_run import run_name
   # Every program compiled before the first request: serving never pauses to compile.
   engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True)
-  name = ns.model_name or Path(ns.checkpoint).resolve().name
+  name = ns.model_name or run_name(ns.checkpoint)
   notes.print(f"serving {name!r} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
               f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
   serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s)
@@ -168,7 +169,7 @@ def add_parsers(commands):
   add_engine_args(serve)
   serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
   serve.add_argument("--port", type=int, default=8000)
-  serve.add_argument("--model-name", help="the model id clients send (default: the checkpoint dir's name)")
+  serve.add_argument("--model-name", help="the model id clients send (default: the run's name, e.g. tiny for runs/tiny)")
   serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
   serve.add_argument("--grace-s", type=float, default=30.0,
                      help="on SIGTERM, seconds running requests get to finish (default 30)")
