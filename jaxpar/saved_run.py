@@ -34,6 +34,14 @@ def resolve_run(path) -> tuple[Path, int | None]:
   return path, None
 
 
+def run_name(path) -> str:
+  """A saved run's name: its run directory's (runs/tiny, runs/tiny/checkpoints or a step in
+  it -> "tiny"), or the checkpoint directory's where no run directory holds it (a converted
+  model's)."""
+  directory = resolve_run(path)[0].resolve()
+  return directory.parent.name if directory.name == "checkpoints" else directory.name
+
+
 class SavedRun:
   """A saved run, opened once (use `open_run` to open and load it).
 

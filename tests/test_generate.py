@@ -84,3 +84,26 @@ def test_cli_generate_bad_input_is_one_line(converted, capsys):
   assert "'mesh.tensr=2' is not a mesh size" in capsys.readouterr().err
   assert main(["generate", "--checkpoint", str(root / "jaxpar")]) == 2
   assert "give --prompt TEXT or --prompts-file FILE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("style", ["llama3", "llama2"])
+def test_prompts_get_the_bos_transformers_gives_them(style, tmp_path):
+  """Llama 3 adds its BOS in tokenizer.json's post-processor, Llama 2 by add_bos_token:
+  `jaxpar generate` encodes as transformers does and continues token for token alike."""
+  from tests.serving_setup import checkpoint_with_hf_copy
+  ckpt, hf_dir, model = checkpoint_with_hf_copy(tmp_path, style, seed=1)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+  prompts = ["the quick brown fox", "a dog"]
+  (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+  assert main(["generate", "--checkpoint", str(ckpt), "--slots", "2", "--max-tokens", "12",
+               "--prompts-file", str(tmp_path / "prompts.txt"), "--output", str(tmp_path / "out.jsonl")]) == 0
+  rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+  for prompt, row in zip(prompts, rows):
+    ids = tokenizer(prompt)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1
+    with torch.no_grad():
+      out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    theirs = out[0, len(ids):].tolist()
+    assert row["tokens"] == [t for t in theirs if t != tokenizer.eos_token_id][:len(row["tokens"])]
+    assert len(row["tokens"]) == len(theirs) - (theirs[-1] == tokenizer.eos_token_id)

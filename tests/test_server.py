@@ -40,7 +40,8 @@ def _free_port():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-  """A random-weight model saved with a BPE tokenizer that has a chat template."""
+  """A random-weight model saved with a BPE tokenizer that has a chat template, laid out as
+  a run: runs/MODEL_NAME/checkpoints."""
   root = tmp_path_factory.mktemp("serve")
   (root / "tok").mkdir()
   _train_hf_tokenizer(root / "tok" / "tokenizer.json")
@@ -48,10 +49,11 @@ def checkpoint(tmp_path_factory):
   config = from_dict({"model": {**SMALL_MODEL, "max_seq_len": 96}, "mesh": {"fsdp": 1}, "data": {"seq_len": 32}})
   runtime = Runtime(config.model, MeshConfig(fsdp=1), jax.devices()[:1])
   params, _ = runtime.init()
-  with Checkpointer(root / "ckpt") as checkpoints:
+  directory = root / MODEL_NAME / "checkpoints"
+  with Checkpointer(directory) as checkpoints:
     checkpoints.save(0, {"params": params}, config=config, force=True)
-  copy_tokenizer_files(root / "tok", root / "ckpt" / "tokenizer")
-  return root / "ckpt"
+  copy_tokenizer_files(root / "tok", directory / "tokenizer")
+  return directory
 
 
 def _engine(checkpoint):
@@ -150,11 +152,10 @@ def test_malformed_requests_get_openai_errors(server):
   cases = [
     ({"model": MODEL_NAME}, 400, "prompt"),
     ({"model": MODEL_NAME, "prompt": "x" * 200}, 400, "prompt"),  # longer than the context of 96
-    ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 500}, 400, "max_tokens"),
-    ({"model": MODEL_NAME, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
-    ({"model": MODEL_NAME, "prompt": "hi", "n": 2}, 400, "n"),
-    ({"model": MODEL_NAME, "prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"model": MODEL_NAME, "prompt": "hi", "n": 0}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "hi", "presence_penalty": 5}, 400, "presence_penalty"),
     ({"model": MODEL_NAME, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"model": "gpt-9", "prompt": "hi"}, 404, "model"),
   ]
@@ -221,7 +222,7 @@ def test_cli_serve_drains_on_sigterm_and_exits_0(checkpoint):
   port = _free_port()
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
   child = subprocess.Popen([sys.executable, "-m", "jaxpar", "serve", "--checkpoint", str(checkpoint),
-                            "--port", str(port), "--slots", "2", "--model-name", MODEL_NAME],
+                            "--port", str(port), "--slots", "2"],  # the model id: the run's name
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
   try:
     deadline = time.monotonic() + 180
@@ -233,6 +234,7 @@ def test_cli_serve_drains_on_sigterm_and_exits_0(checkpoint):
       except OSError:
         time.sleep(0.3)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list()] == [MODEL_NAME]
     stream = client.completions.create(model=MODEL_NAME, prompt="the", max_tokens=40, temperature=0, stream=True)
     first = next(iter(stream))
     child.send_signal(signal.SIGTERM)
@@ -244,3 +246,51 @@ def test_cli_serve_drains_on_sigterm_and_exits_0(checkpoint):
       child.kill()
   output = child.stdout.read()
   assert "serving 'tiny-test' on http://127.0.0.1" in output
+
+
+def test_a_run_is_named_by_its_run_directory(checkpoint, tmp_path):
+  from jaxpar.saved_run import run_name
+  assert run_name(checkpoint.parent) == run_name(checkpoint) == run_name(checkpoint / "0") == MODEL_NAME
+  (tmp_path / "llama-import").mkdir()  # a converted model's checkpoint dir, no run around it
+  assert run_name(tmp_path / "llama-import") == "llama-import"
+
+
+def test_metrics_parse_as_prometheus_text_and_move_with_the_traffic(server):
+  from prometheus_client.parser import text_string_to_metric_families
+  engine, port, client = server
+
+  def scrape():
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("GET", "/metrics")
+    response = connection.getresponse()
+    assert response.status == 200 and response.getheader("Content-Type").startswith("text/plain")
+    text = response.read().decode()
+    connection.close()
+    return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+  before = scrape()
+  done = client.completions.create(model=MODEL_NAME, prompt="the quick", max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True})
+  after = scrape()
+  moved = lambda name, labels="{}": after[name + labels] - before.get(name + labels, 0)  # noqa: E731
+  assert moved("jaxpar_generation_tokens_total") == done.usage.completion_tokens == 6
+  assert moved("jaxpar_prompt_tokens_total") == done.usage.prompt_tokens
+  assert moved("jaxpar_requests_finished_total", '{"finish_reason": "length"}') == 1
+  assert moved("jaxpar_time_to_first_token_seconds_count") == 1
+  assert moved("jaxpar_inter_token_latency_seconds_count") == 5
+  assert moved("jaxpar_prefill_tokens_total") == done.usage.prompt_tokens - 1  # the last one is decoded
+  assert after["jaxpar_kv_pages_used{}"] + after["jaxpar_kv_pages_free{}"] == engine.pool.num_pages
+  assert after["jaxpar_requests_running{}"] == 0 and after["jaxpar_requests_waiting{}"] == 0
+  assert after["jaxpar_generation_tokens_per_second{}"] > 0
+  for name in ("jaxpar_preemptions_total", "jaxpar_prefix_cache_hit_rate", "jaxpar_slots"):
+    assert name + "{}" in after
+  # The same prompt twice: the second takes the first's complete pages from the prefix cache.
+  prompt = "the lazy dog sleeps while the quick brown fox jumps over the dog and runs"
+  first, second = (client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1) for _ in range(2))
+  shared = (first.usage.prompt_tokens - 1) // engine.pool.page_size * engine.pool.page_size
+  assert shared >= 8 and first.usage.prompt_tokens_details.cached_tokens == 0
+  assert second.usage.prompt_tokens_details.cached_tokens == shared
+  before, after = after, scrape()
+  assert moved("jaxpar_prefix_cache_hits_total") == shared
+  assert moved("jaxpar_prefix_cache_queries_total") == 2 * (first.usage.prompt_tokens - 1)
+  assert moved("jaxpar_prefill_tokens_total") == 2 * (first.usage.prompt_tokens - 1) - shared

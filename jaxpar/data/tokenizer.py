@@ -33,11 +33,18 @@ class ByteTokenizer:
   eos_id = 256
   bos_id = 257
   vocab_size = 258
-  add_bos = False  # generation prompts start with their text
   chat_template = None
+  bos_token = eos_token = ""  # no text form: chat templates cannot write them
 
   def encode(self, text: str) -> list[int]:
     return self.encode_array(text).tolist()
+
+  def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A generation prompt: its bytes (no special tokens: prompts start with their text)."""
+    return self.encode(text)
+
+  def token_text(self, token: int) -> str:
+    return self.decode([token]) if token < 256 else ("<eos>" if token == self.eos_id else "<bos>")
 
   def encode_array(self, text: str) -> np.ndarray:
     # One numpy view of the UTF-8 bytes: no Python loop, so megabytes take milliseconds.
@@ -59,8 +66,12 @@ class HFTokenizer:
   """A `tokenizers.Tokenizer` from a tokenizer.json, with the eos id looked up once.
 
   A tokenizer_config.json beside it (as Hugging Face models ship) names the eos and bos
-  tokens, whether generation prompts start with bos (`add_bos_token`) and the chat template
-  (also read from chat_template.jinja).
+  tokens and the chat template (also read from chat_template.jinja). Prompts get the special
+  tokens that `transformers` gives them: those of the tokenizer.json's own post-processor
+  (Llama 3 adds `<|begin_of_text|>` there). A config's `add_bos_token` / `add_eos_token`,
+  which transformers 5 ignores once a tokenizer.json exists and its Llama 2 fast tokenizer
+  followed before, adds the BOS / EOS only where the post-processor did not: shipped files,
+  whose two settings agree, get the same ids either way, and none gets a second BOS.
   """
 
   def __init__(self, path: str):
@@ -70,7 +81,6 @@ class HFTokenizer:
     self._tok = Tokenizer.from_file(path)
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     settings = _read_json(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
-    self.add_bos = bool(settings.get("add_bos_token", False))
     self.chat_template = settings.get("chat_template") or _read_text(
         os.path.join(os.path.dirname(path), "chat_template.jinja"))
     named = [_token_name(settings.get("eos_token"))]
@@ -84,6 +94,8 @@ class HFTokenizer:
     # The special tokens as text, for chat templates that write them out.
     self.eos_token = self._tok.id_to_token(self.eos_id)
     self.bos_token = self._tok.id_to_token(self.bos_id) if self.bos_id is not None else ""
+    self._add_bos = bool(settings.get("add_bos_token")) and self.bos_id is not None
+    self._add_eos = bool(settings.get("add_eos_token"))
 
   def _find(self, names: Sequence[str]) -> int | None:
     for name in names:
@@ -95,6 +107,19 @@ class HFTokenizer:
   def encode(self, text: str) -> list[int]:
     # No special tokens: packing adds eos itself, and a template's bos would repeat.
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A generation prompt, with the special tokens the tokenizer adds (see the class)."""
+    ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    if add_special_tokens and self._add_bos and ids[:1] != [self.bos_id]:
+      ids = [self.bos_id] + ids
+    if add_special_tokens and self._add_eos and ids[-1:] != [self.eos_id]:
+      ids = ids + [self.eos_id]
+    return ids
+
+  def token_text(self, token: int) -> str:
+    """One token as text (special tokens included), as logprobs report it."""
+    return self._tok.decode([int(token)], skip_special_tokens=False)
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     encs = self._tok.encode_batch(list(texts), add_special_tokens=False)

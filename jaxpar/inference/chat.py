@@ -22,10 +22,12 @@ def _compile(source: str):
   return environment.from_string(source)
 
 
-def render_chat(template: str, messages: list[dict], *, bos_token: str = "", eos_token: str = "") -> str:
-  """The prompt text for `messages` ([{role, content}]), ending where the assistant answers."""
+def render_chat(template: str, messages: list[dict], *, bos_token: str = "", eos_token: str = "",
+                add_generation_prompt: bool = True) -> str:
+  """The prompt text for `messages` ([{role, content}]), ending where the assistant answers
+  (with add_generation_prompt)."""
   try:
-    return _compile(template).render(messages=messages, add_generation_prompt=True,
+    return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=bos_token, eos_token=eos_token)
   except jinja2.TemplateError as e:
     raise TemplateError(f"the model's chat template failed: {e}") from None

@@ -5,6 +5,7 @@
     jaxpar serve --checkpoint PATH [--host 127.0.0.1 --port 8000]
 """
 
+import argparse
 import json
 import os
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 from rich.console import Console
 
 from jaxpar.cluster import distributed
-from jaxpar.errors import UserError
+from jaxpar.errors import ConfigError, DataError, UserError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 console = Console(soft_wrap=True)
@@ -31,6 +32,8 @@ def add_engine_args(parser):
   parser.add_argument("--max-seq-len", type=int, help="longest prompt + completion (default: the model's)")
   parser.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
   parser.add_argument("--num-pages", type=int, help="KV cache pages (default: every slot at max length)")
+  parser.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                      help="share the KV pages of prompt blocks requests have in common (default: on)")
   parser.add_argument("--kv-cache", choices=("float", "int8", "int4", "int2"), default="float",
                       help="store the KV cache quantized: int8 per token, or KIVI int4/int2 (keys per "
                       "channel, values per token); each sequence's newest page stays float")
@@ -54,16 +57,17 @@ def mesh_sizes(items) -> dict:
     key, _, value = item.partition("=")
     axis = key.removeprefix("mesh.")
     if not key.startswith("mesh.") or axis not in MESH_AXES or not value.lstrip("-").isdigit():
-      raise UserError(f"{item!r} is not a mesh size: use mesh.AXIS=SIZE with AXIS one of {list(MESH_AXES)}")
+      raise ConfigError(f"{item!r} is not a mesh size: use mesh.AXIS=SIZE with AXIS one of {list(MESH_AXES)}")
     sizes[axis] = int(value)
   return sizes
 
 
-def build_engine(ns, echo=None):
+def build_engine(ns, echo=None, **options):
   from jaxpar.inference import Engine
   return Engine.from_checkpoint(ns.checkpoint, mesh=mesh_sizes(ns.mesh) or None, slots=ns.slots,
                                 max_seq_len=ns.max_seq_len, page_size=ns.page_size,
-                                num_pages=ns.num_pages, kv_cache=ns.kv_cache, echo=echo)
+                                num_pages=ns.num_pages, kv_cache=ns.kv_cache, prefix_caching=ns.prefix_caching,
+                                echo=echo, **options)
 
 
 def sampling_from(ns, **overrides):
@@ -83,14 +87,14 @@ def _read_prompts(path: Path) -> list[dict]:
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
-        raise UserError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        raise DataError(f"{path}:{number}: not valid JSON ({e.msg})") from None
       if not isinstance(record.get("prompt"), str):
-        raise UserError(f"{path}:{number}: a JSONL record needs a \"prompt\" string")
+        raise DataError(f"{path}:{number}: a JSONL record needs a \"prompt\" string")
       records.append(record)
     else:
       records.append({"prompt": line})
   if not records:
-    raise UserError(f"{path} holds no prompts")
+    raise DataError(f"{path} holds no prompts")
   return records
 
 
@@ -134,8 +138,10 @@ def _generate_file(engine, records, sampling, output: Path):
 
 def cmd_serve(ns):
   from jaxpar.inference.server import serve
-  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
-  name = ns.model_name or Path(ns.checkpoint).resolve().name
+  from jaxpar.saved_run import run_name
+  # Every program compiled before the first request: serving never pauses to compile.
+  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True)
+  name = ns.model_name or run_name(ns.checkpoint)
   notes.print(f"serving {name!r} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
               f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
   serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s)
@@ -163,7 +169,7 @@ def add_parsers(commands):
   add_engine_args(serve)
   serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
   serve.add_argument("--port", type=int, default=8000)
-  serve.add_argument("--model-name", help="the model id clients send (default: the checkpoint dir's name)")
+  serve.add_argument("--model-name", help="the model id clients send (default: the run's name, e.g. tiny for runs/tiny)")
   serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
   serve.add_argument("--grace-s", type=float, default=30.0,
                      help="on SIGTERM, seconds running requests get to finish (default 30)")

@@ -20,11 +20,13 @@ from typing import Iterator
 import jax
 import numpy as np
 
-from jaxpar.errors import ConfigError, UserError
+from jaxpar.errors import ConfigError
+from jaxpar.inference import processing
 from jaxpar.inference.pages import PagePool, page_table_rows
+from jaxpar.inference.prefix_cache import PrefixSharing
 from jaxpar.inference.programs import Programs
 from jaxpar.inference.requests import Completion, Request, TokenEvent
-from jaxpar.inference.sampling import GREEDY, SamplingParams, row_arrays
+from jaxpar.inference.sampling import GREEDY, RequestError, SamplingParams, row_arrays
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import kv_cache, kv_reach
 from jaxpar.models.kv_quant import KVQuantization
@@ -42,13 +44,18 @@ class Engine:
   per step before the decode step runs (default: the longest chunk, and at least 512), which
   bounds how long new prompts delay the running decodes; kv_cache: "int8" | "int4" | "int2" stores the cache
   quantized (models/kv_cache_quantized.py), None or "float" in the compute dtype.
-  Everything compiles in the constructor.
+  The plain programs compile in the constructor; those for requests that adjust logits or
+  ask for prompt log-probabilities (`processing.py`) on first use, or there too with
+  `compile_extras` (a server should not pause the running decodes to compile).
+  prefix_caching: requests share the cache pages of the prompt blocks they have in common
+  (`prefix_cache.py`); outputs are the same either way.
   """
 
   def __init__(self, runtime, params, tokenizer, *, model_state=None, slots: int = 8,
                max_seq_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
                prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
-               kv_cache: str | None = None, echo=None):
+               kv_cache: str | None = None, echo=None, compile_extras: bool = False,
+               prefix_caching: bool = True):
     cfg = runtime.model_config
     runtime.plan.check_generation()
     self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
@@ -76,8 +83,9 @@ class Engine:
     self.waiting: collections.deque[Request] = collections.deque()
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self.programs = Programs(runtime, params, self.model_state, self.cache, self.kv_quantization)
-    self._compile_all(echo or (lambda text: None))
+    self._compile_all(echo or (lambda text: None), compile_extras)
     self.stats = collections.Counter()
+    self.sharing = PrefixSharing(self.pool, self.stats, prefix_caching)
 
   @classmethod
   def from_checkpoint(cls, path, *, mesh=None, devices=None, step: int | None = None, tokenizer=None,
@@ -103,47 +111,66 @@ class Engine:
     with runtime.context():
       return jax.jit(make, out_shardings=shardings)()
 
-  def _compile_all(self, echo):
+  def _compile_all(self, echo, extras: bool):
     fills = sorted({(rows, c) for c, widest in self.fill_rows.items() for rows in (1, widest)})
     shapes = [("step", len(self.slots), 1)] + [("fill", rows, c) for rows, c in fills]
+    if extras:
+      shapes += [("step_processed", len(self.slots), 1)] + [("fill_logprobs", rows, c) for rows, c in fills]
     started = time.perf_counter()
     for i, (kind, batch, length) in enumerate(shapes, 1):
       echo(f"compiling {kind} [{batch} x {length}] ({i}/{len(shapes)})")
-      self.programs.compile(kind, batch, length, self.pages_per_seq)
+      self._compile(kind, batch, length)
     self.compile_s = time.perf_counter() - started
+
+  def _compile(self, kind, batch, length):
+    extra = {"step_processed": processing.step_processed_kind(self.max_seq_len),
+             "fill_logprobs": processing.FILL_LOGPROBS}.get(kind)
+    self.programs.compile(kind, batch, length, self.pages_per_seq, program=extra)
+
+  def _run(self, kind, *rows):
+    """Run a program, compiling `processing`'s on first use."""
+    if (kind, *rows[0].shape) not in self.programs.compiled:
+      self._compile(kind, *rows[0].shape)
+    return self.programs.run(kind, self.params, self.model_state, self.cache, *rows)
 
   # -- requests ----------------------------------------------------------------------
 
-  def encode(self, prompt) -> list[int]:
-    """Text -> prompt token ids (with the tokenizer's BOS when it asks for one); ids pass."""
+  def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
+    """Text -> prompt token ids, with the special tokens (BOS) the tokenizer adds to prompts as
+    `transformers` does; token ids pass as they are."""
     if isinstance(prompt, str):
-      ids = self.tokenizer.encode(prompt)
-      bos = getattr(self.tokenizer, "bos_id", None)
-      return ([bos] if bos is not None and getattr(self.tokenizer, "add_bos", False) else []) + ids
+      return self.tokenizer.encode_prompt(prompt, add_special_tokens)
     return [int(t) for t in prompt]
 
   def make_request(self, prompt, sampling: SamplingParams = GREEDY, on_event=None) -> Request:
     """A checked Request for a prompt (text or token ids), not yet queued."""
     ids = self.encode(prompt)
     if not ids:
-      raise UserError("the prompt is empty: give at least one token")
+      raise RequestError("prompt", "the prompt is empty: give at least one token")
     if len(ids) >= self.max_seq_len:
-      raise UserError(f"the prompt has {len(ids)} tokens but the context holds {self.max_seq_len}: "
-                       "shorten the prompt or raise max_seq_len")
+      raise RequestError("prompt", f"the prompt has {len(ids)} tokens but the context holds "
+                         f"{self.max_seq_len}: shorten the prompt or raise max_seq_len")
     vocab = self.runtime.model_config.vocab_size
     if max(ids) >= vocab or min(ids) < 0:
-      raise UserError(f"prompt token ids must be in [0, {vocab}): got {min(ids)}..{max(ids)}")
+      raise RequestError("prompt", f"prompt token ids must be in [0, {vocab}): got {min(ids)}..{max(ids)}")
     stops = sampling.stop_token_ids
     if stops is None:
       stops = () if self.tokenizer is None else (self.tokenizer.eos_id,)
+    for field, tokens in (("stop_token_ids", stops), ("logit_bias", [t for t, _ in sampling.logit_bias])):
+      if any(not 0 <= t < vocab for t in tokens):
+        raise RequestError(field, f"{field}: token ids must be in [0, {vocab})")
     return Request(ids, sampling, tuple(stops), on_event)
 
   def submit(self, prompt, sampling: SamplingParams = GREEDY, on_event=None) -> Request:
     """Queue a prompt (text or token ids); thread-safe. on_event(TokenEvent) is called from
     the thread that runs `step`."""
     request = self.make_request(prompt, sampling, on_event)
-    self._inbox.put(request)
+    self.enqueue(request)
     return request
+
+  def enqueue(self, request: Request):
+    """Queue a request made by `make_request` (thread-safe)."""
+    self._inbox.put(request)
 
   def cancel(self, request: Request):
     """Stop a request at the next step boundary (thread-safe); it ends "cancelled"."""
@@ -174,6 +201,8 @@ class Engine:
     budget = self.prefill_budget
     while budget > 0 and (prefilling := [r for r in self.slots if r is not None and r.prefilling]):
       budget -= self.prefill(sorted(prefilling, key=lambda r: r.arrival))
+    for request in [r for r in self.slots if r is not None and not r.prefilling and not r.sampling.max_tokens]:
+      events.append(self._end(request, "length"))  # max_tokens 0: the prompt was all it wanted
     if any(r is not None and not r.prefilling for r in self.slots):
       events += self._decode()
     return events
@@ -189,8 +218,9 @@ class Engine:
     """Pages for `tokens` positions of `request`, preempting the newest other requests."""
     while not self._grow(request, tokens):
       newest = max((r for r in self.slots if r is not None and r is not request), key=lambda r: r.arrival)
-      self.pool.release(newest.pages)  # recomputed later with the same tokens
-      newest.cached = 0
+      self.pool.release(newest.pages)  # recomputed later with the same tokens (its cached blocks kept)
+      newest.cached = newest.published = 0
+      newest.looked_up = False
       self.slots[self.slots.index(newest)] = None
       self.waiting.appendleft(newest)
       self.stats["preemptions"] += 1
@@ -200,14 +230,23 @@ class Engine:
     chunks of as many of the others (in order) as the widest fill program for that chunk
     length holds: one compiled `fill`. Returns the prompt positions it computed (padding
     included)."""
+    for request in requests:
+      self.sharing.reuse(request)
+    if not (requests := [r for r in requests if r.prefilling]):
+      return 0
     first = requests[0]
     remaining = len(first.context) - 1 - first.cached
     fitting = [c for c in self.chunks if c <= remaining]
     chunk = fitting[-1] if fitting else next(c for c in self.chunks if c >= remaining)
     end = lambda r: min(r.cached + chunk, len(r.context) - 1)  # noqa: E731
     self._reserve(first, end(first))
-    # The others join only if their pages are free: they never preempt anyone.
-    group = [first] + [r for r in requests[1:self.fill_rows[chunk]] if self._grow(r, end(r))]
+    # The others join only if their pages are free (they never preempt anyone) and their next
+    # block is not one this chunk is computing (they take it from the prefix cache instead).
+    group, computing = [first], self.sharing.computing(first, end(first))
+    for request in requests[1:self.fill_rows[chunk]]:
+      if self.sharing.next_block(request) not in computing and self._grow(request, end(request)):
+        group.append(request)
+        computing |= self.sharing.computing(request, end(request))
     rows = 1 if len(group) == 1 else self.fill_rows[chunk]
     tokens = np.zeros((rows, chunk), np.int32)
     positions = np.full((rows, chunk), -1, np.int32)
@@ -223,8 +262,15 @@ class Engine:
       request.cached += count
       self.stats["prefill_tokens"] += count
     table = page_table_rows([r.pages for r in group] + [[]] * (rows - len(group)), self.pages_per_seq)
-    self.cache = self.programs.run("fill", self.params, self.model_state, self.cache, tokens, positions, table,
-                                   tails)
+    for request in group:
+      self.sharing.publish(request)  # indexed now: the program below writes them before any later one reads
+    if not any(r.prompt_logprobs is not None for r in group):
+      self.cache = self._run("fill", tokens, positions, table, tails)
+      return rows * chunk
+    targets = processing.prompt_targets(group, tokens, positions)
+    outputs = self._run("fill_logprobs", tokens, positions, table, tails, targets)
+    self.cache = outputs[-1]
+    processing.record_prompt_logprobs(group, positions, *outputs[:-1])
     return rows * chunk
 
   def _decode(self) -> list:
@@ -240,16 +286,24 @@ class Engine:
         tokens[i, 0], positions[i, 0] = request.context[-1], len(request.context) - 1
     table = page_table_rows([r.pages if r else [] for r in rows], self.pages_per_seq)
     settings = row_arrays([r.sampling if r else None for r in rows])
-    next_tokens, logprobs, self.cache = self.programs.run(
-        "step", self.params, self.model_state, self.cache, tokens, positions, table,
-        np.arange(len(rows), dtype=np.int32), settings)
+    slots = np.arange(len(rows), dtype=np.int32)
+    top = None
+    if any(r is not None and r.sampling.processed for r in rows):
+      extras = processing.extras_arrays(rows, self.runtime.model_config.vocab_size, self.max_seq_len)
+      next_tokens, logprobs, top_ids, top_logprobs, self.cache = self._run(
+          "step_processed", tokens, positions, table, slots, settings, extras)
+      top = zip(np.asarray(top_ids).tolist(), np.asarray(top_logprobs).tolist())
+      top = [list(zip(ids, lps)) for ids, lps in top]
+    else:
+      next_tokens, logprobs, self.cache = self._run("step", tokens, positions, table, slots, settings)
     next_tokens, logprobs = np.asarray(next_tokens), np.asarray(logprobs)
     events = []
     for i, request in enumerate(rows):
       if request is not None:
         request.cached = len(request.context)
+        self.sharing.publish(request)
         event = request.accept(int(next_tokens[i]), float(logprobs[i]), self.tokenizer.decode,
-                               self.max_seq_len)
+                               self.max_seq_len, top[i] if top else None)
         if request.finish_reason is not None:
           self._free(request)
         events.append(self._deliver(request, event))

@@ -1,11 +1,21 @@
-"""The KV cache's page pool: which pages are free, and which each sequence holds.
+"""The KV cache's page pool: which pages are free, which each sequence holds, and which
+hold a prefix another sequence may share.
 
 Host-side bookkeeping only; the pages themselves live on the devices (models/kv_cache.py).
 A sequence gets pages as it grows, so memory follows actual lengths, not the maximum.
 When every layer attends through a sliding window, the pages wholly before the window of
 a sequence's next query are handed back while it goes on (`release_before`): a long
 generation then holds about window / page_size + 1 pages.
+
+Prefix caching: a page whose page_size tokens are all written is indexed by the hash of
+its tokens and of every token before them (`block_hashes`), so a later sequence that
+starts with the same tokens takes the page instead of computing it again. Pages count
+their holders; one that nobody holds stays indexed (cached) until its place is needed,
+the least recently used first.
 """
+
+import collections
+import hashlib
 
 import numpy as np
 
@@ -16,10 +26,59 @@ class PagePool:
   def __init__(self, num_pages: int, page_size: int):
     self.num_pages, self.page_size = num_pages, page_size
     self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+    self.holders = np.zeros(num_pages, np.int32)
+    self._page_of: dict[bytes, int] = {}  # block hash -> the page holding that block
+    self._hash_of: dict[int, bytes] = {}
+    self._idle: collections.OrderedDict = collections.OrderedDict()  # cached, unheld; oldest first
+    self.evictions = 0
 
   @property
   def free(self) -> int:
-    return len(self._free)
+    """Pages a sequence can take: never used, or cached but held by nobody."""
+    return len(self._free) + len(self._idle)
+
+  @property
+  def cached(self) -> int:
+    return len(self._page_of)
+
+  def _take(self) -> int:
+    if self._free:
+      page = self._free.pop()
+    else:  # the least recently used cached page nobody holds
+      page, _ = self._idle.popitem(last=False)
+      del self._page_of[self._hash_of.pop(page)]
+      self.evictions += 1
+    self.holders[page] = 1
+    return page
+
+  def _drop(self, page: int):
+    self.holders[page] -= 1
+    if self.holders[page] == 0:
+      if page in self._hash_of:
+        self._idle[page] = None  # most recently used last
+      else:
+        self._free.append(page)
+
+  def share(self, held: list[int], hashes: list[bytes]) -> int:
+    """Extend `held` (which ends where hashes[0]'s block starts) with the cached pages of the
+    longest run of `hashes` found; returns how many."""
+    taken = 0
+    for block in hashes:
+      page = self._page_of.get(block)
+      if page is None:
+        break
+      if self.holders[page] == 0:
+        del self._idle[page]
+      self.holders[page] += 1
+      held.append(page)
+      taken += 1
+    return taken
+
+  def index(self, page: int, block: bytes):
+    """Record that `page` holds the block with hash `block` (now complete), unless another
+    page already does."""
+    if block not in self._page_of and page not in self._hash_of:
+      self._page_of[block], self._hash_of[page] = page, block
 
   def pages_for(self, tokens: int) -> int:
     return -(-tokens // self.page_size)
@@ -28,9 +87,9 @@ class PagePool:
     """Extend `held` in place to cover `tokens` positions; False (nothing taken) if the pool
     has too few free pages."""
     need = self.pages_for(tokens) - len(held)
-    if need > len(self._free):
+    if need > self.free:
       return False
-    held.extend(self._free.pop() for _ in range(max(need, 0)))
+    held.extend(self._take() for _ in range(max(need, 0)))
     return True
 
   def release_before(self, held: list[int], position: int):
@@ -38,13 +97,26 @@ class PagePool:
     RELEASED), so held[i] is still the page of positions i * page_size onwards."""
     i = min(max(position, 0) // self.page_size, len(held)) - 1
     while i >= 0 and held[i] != RELEASED:  # released pages are always a prefix
-      self._free.append(held[i])
+      self._drop(held[i])
       held[i] = RELEASED
       i -= 1
 
   def release(self, held: list[int]):
-    self._free.extend(page for page in reversed(held) if page != RELEASED)
+    for page in reversed(held):
+      if page != RELEASED:
+        self._drop(page)
     held.clear()
+
+
+def block_hashes(tokens: list[int], page_size: int, start: int = 0, previous: bytes = b"") -> list[bytes]:
+  """Hashes of the complete page_size blocks of `tokens` from block `start` on; each covers
+  its block's tokens and, through `previous` (block start - 1's hash), all before them."""
+  hashes = []
+  for begin in range(start * page_size, len(tokens) - page_size + 1, page_size):
+    block = ",".join(map(str, tokens[begin:begin + page_size])).encode()
+    previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+    hashes.append(previous)
+  return hashes
 
 
 def held_pages(held: list[int]) -> int:

@@ -11,13 +11,18 @@ _ids = itertools.count()
 
 @dataclasses.dataclass
 class Completion:
-  """A finished request. finish_reason: "stop" (a stop token or string), "length"
-  (max_tokens or the context limit) or "cancelled"."""
+  """A finished request. finish_reason: "stop" (a stop token or string, or the constraint
+  complete), "length" (max_tokens or the context limit) or "cancelled". logprobs: each
+  token's; top_logprobs: each token's most likely alternatives [(token, logprob)];
+  prompt_logprobs / prompt_top_logprobs: the same for the prompt (None at position 0)."""
   prompt_tokens: list[int]
   tokens: list[int]
   text: str
   finish_reason: str
   logprobs: list[float] | None = None
+  top_logprobs: list[list[tuple[int, float]]] | None = None
+  prompt_logprobs: list[float | None] | None = None
+  prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclasses.dataclass
@@ -30,6 +35,7 @@ class TokenEvent:
   text: str
   logprob: float | None
   finish_reason: str | None = None
+  top_logprobs: list[tuple[int, float]] | None = None
 
 
 class Request:
@@ -50,8 +56,19 @@ class Request:
     self.on_event = on_event
     self.generated: list[int] = []
     self.logprobs: list[float] = []
+    self.top_logprobs: list[list[tuple[int, float]]] = []
+    self.matcher = None if sampling.constraint is None else sampling.constraint.matcher()
+    wanted = sampling.prompt_logprobs is not None
+    self.prompt_logprobs: list[float | None] | None = [None] * len(self.prompt) if wanted else None
+    self.prompt_top_logprobs: list | None = [None] * len(self.prompt) if wanted else None
     self.pages: list[int] = []
     self.cached = 0
+    # Prefix caching (prefix_cache.py): the hashes of its complete blocks, how many of its
+    # pages are indexed, whether this admission looked itself up, the prompt tokens it reused.
+    self.block_hashes: list[bytes] = []
+    self.published = 0
+    self.looked_up = False
+    self.prefix_hits = 0
     self.text = ""  # the text streamed so far
     self.finish_reason: str | None = None
     self.cancelled = False
@@ -67,33 +84,51 @@ class Request:
     return self.cached < len(self.context) - 1
 
   def completion(self) -> Completion:
+    sampling = self.sampling
     return Completion(self.prompt, list(self.generated), self.text, self.finish_reason,
-                      list(self.logprobs) if self.sampling.logprobs else None)
+                      list(self.logprobs) if sampling.logprobs else None,
+                      list(self.top_logprobs) if sampling.logprobs and sampling.top_logprobs else None,
+                      self.prompt_logprobs, self.prompt_top_logprobs)
 
-  def accept(self, token: int, logprob: float, decode, limit: int) -> TokenEvent:
+  def record_prompt_logprob(self, position: int, logprob: float, top: list[tuple[int, float]]):
+    """The prompt token at `position` (>= 1) scored by the prefill (`processing.FILL_LOGPROBS`)."""
+    self.prompt_logprobs[position] = logprob
+    self.prompt_top_logprobs[position] = top[:self.sampling.prompt_logprobs]
+
+  def accept(self, token: int, logprob: float, decode, limit: int, top=None) -> TokenEvent:
     """Record a sampled token; decide whether the request is done; say what text it adds.
 
-    decode: token ids -> text. limit: the longest context the cache can hold.
+    decode: token ids -> text. limit: the longest context the cache can hold. top: the most
+    likely alternatives [(token, logprob)], when the step reported them.
     """
+    sampling = self.sampling
+    top = top[:sampling.top_logprobs] if top is not None and sampling.top_logprobs else None
     self.generated.append(token)
     self.logprobs.append(logprob)
-    stop_strings = self.sampling.stop
+    self.top_logprobs.append(top)
+    constraint_done = self.matcher is not None and self.matcher.advance(token)
+    early = len(self.generated) <= sampling.min_tokens  # no stop string ends it yet
+    stop_strings = () if early else sampling.stop
     if token in self.stop_token_ids:
       self.generated.pop()  # the stop token itself is not part of the completion
       self.logprobs.pop()
+      self.top_logprobs.pop()
       self.finish_reason = "stop"
     full = decode(self.generated)
     if self.finish_reason is None:
-      cut = min((i for i in (full.find(s) for s in stop_strings) if i >= 0), default=-1)
+      # Only new text can stop it: what was streamed (text from before min_tokens included) stays.
+      cut = min((i for i in (full.find(s, len(self.text)) for s in stop_strings) if i >= 0), default=-1)
       if cut >= 0:
         full, self.finish_reason = full[:cut], "stop"
-      elif len(self.generated) >= self.sampling.max_tokens or len(self.context) >= limit:
+      elif constraint_done:
+        self.finish_reason = "stop"
+      elif len(self.generated) >= sampling.max_tokens or len(self.context) >= limit:
         self.finish_reason = "length"
     if self.finish_reason is None:
-      full = _safe_prefix(full, stop_strings)
+      full = _safe_prefix(full, sampling.stop)
     delta = full[len(self.text):] if full.startswith(self.text) else ""
     self.text += delta
-    return TokenEvent(self.id, token, delta, logprob, self.finish_reason)
+    return TokenEvent(self.id, token, delta, logprob, self.finish_reason, top)
 
 
 def _safe_prefix(text: str, stop_strings) -> str:

@@ -14,11 +14,33 @@ import numpy as np
 from jaxpar.errors import UserError
 
 
+TOP_LOGPROBS = 20  # most alternatives a request may ask for at each position (as OpenAI's API allows)
+
+
+class RequestError(UserError):
+  """A request setting that cannot work; `field` names it (the HTTP layer answers 400 with it)."""
+
+  def __init__(self, field: str, message: str):
+    super().__init__(message)
+    self.field = field
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. `stop`
-  strings end the text before them; `stop_token_ids` (default: the tokenizer's end of
-  text) end it after generating them. `logprobs`: report each token's log-probability."""
+  """How one completion is drawn.
+
+  temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. `stop` strings end
+  the text before them; `stop_token_ids` (default: the tokenizer's end of text) end it after
+  generating them, but not before `min_tokens` tokens (they are banned until then).
+  logprobs: report each token's log-probability under the model (before any of the
+  adjustments below); top_logprobs: and that many most likely alternatives;
+  prompt_logprobs: also the prompt tokens' (None: not computed; else that many alternatives).
+  Adjustments, in the order applied: logit_bias ((token, bias) pairs added to the logits),
+  repetition_penalty (divides positive and multiplies negative logits of tokens seen in the
+  prompt or output), presence_penalty and frequency_penalty (subtracted once, and once per
+  occurrence, for tokens in the output), and `constraint` (a `grammar.Constraint`: only
+  tokens it allows). max_tokens 0 computes only the prompt (with prompt_logprobs).
+  """
   max_tokens: int = 64
   temperature: float = 0.0
   top_k: int = 0
@@ -27,15 +49,42 @@ class SamplingParams:
   stop: tuple[str, ...] = ()
   stop_token_ids: tuple[int, ...] | None = None
   logprobs: bool = False
+  top_logprobs: int = 0
+  prompt_logprobs: int | None = None
+  min_tokens: int = 0
+  logit_bias: tuple[tuple[int, float], ...] = ()
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  constraint: object = None
 
   def __post_init__(self):
-    checks = ((self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be >= 1"),
-              (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0: greedy)"),
-              (self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0: off)"),
-              (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"))
-    for ok, message in checks:
+    checks = (("max_tokens", self.max_tokens >= 0, "must be >= 0 (0: score the prompt only)"),
+              ("temperature", self.temperature >= 0, "must be >= 0 (0: greedy)"),
+              ("top_k", self.top_k >= 0, "must be >= 0 (0: off)"),
+              ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+              ("top_logprobs", 0 <= self.top_logprobs <= TOP_LOGPROBS, f"must be in [0, {TOP_LOGPROBS}]"),
+              ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= TOP_LOGPROBS,
+               f"must be in [0, {TOP_LOGPROBS}]"),
+              ("min_tokens", 0 <= self.min_tokens <= max(self.max_tokens, 0), "must be in [0, max_tokens]"),
+              ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+              ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+              ("repetition_penalty", 0 < self.repetition_penalty <= 2, "must be in (0, 2] (1: off)"),
+              ("logit_bias", all(-100 <= b <= 100 for _, b in self.logit_bias), "values must be in [-100, 100]"))
+    for field, ok, rule in checks:
       if not ok:
-        raise UserError(message)
+        raise RequestError(field, f"{field}={getattr(self, field)!r} {rule}")
+
+  @property
+  def penalized(self) -> bool:
+    return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+  @property
+  def processed(self) -> bool:
+    """Whether decoding this request needs the step that adjusts logits and reports
+    alternatives (`processing.py`); plain requests take the plain step, which costs nothing extra."""
+    return bool(self.logit_bias or self.penalized or self.top_logprobs or self.min_tokens
+                or self.constraint is not None)
 
 
 GREEDY = SamplingParams()

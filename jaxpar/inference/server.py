@@ -1,8 +1,10 @@
 """`jaxpar serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
 
-One background thread drives the continuous-batching engine; each HTTP request submits a
-prompt and receives its tokens through an asyncio queue. Streams are server-sent events
-in OpenAI's format, ending with `data: [DONE]`. The queue of waiting requests is bounded
+One background thread drives the continuous-batching engine; each HTTP request submits its
+prompts and receives their tokens through an asyncio queue (`handlers.py`). Streams are
+server-sent events in OpenAI's format, ending with `data: [DONE]`. Besides
+/v1/completions and /v1/chat/completions: /v1/models, /health, /metrics (Prometheus), and
+vLLM's /tokenize, /detokenize and /tokenizer_info. The queue of waiting requests is bounded
 (429 beyond it); a client that disconnects cancels its request, freeing its slot; SIGTERM
 stops new requests, lets the running ones finish (or cancels them after a grace period)
 and exits 0.
@@ -11,16 +13,19 @@ and exits 0.
 import asyncio
 import contextlib
 import json
-import os
+import logging
 import threading
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from jaxpar.inference import handlers
 from jaxpar.inference import openai_api as api
-from jaxpar.inference.chat import TemplateError, render_chat
-from jaxpar.inference.sampling import SamplingParams
+from jaxpar.inference.metrics import CONTENT_TYPE, ServingMetrics
+
+log = logging.getLogger("jaxpar.serve")
+_warned: set[str] = set()  # unknown field names already logged
 
 
 class EngineWorker:
@@ -34,10 +39,10 @@ class EngineWorker:
     self._thread = threading.Thread(target=self._run, name="jaxpar-engine", daemon=True)
     self._thread.start()
 
-  def submit(self, ids, sampling, on_event):
-    request = self.engine.submit(ids, sampling, on_event)
+  def enqueue(self, requests):
+    for request in requests:
+      self.engine.enqueue(request)
     self._wake.set()
-    return request
 
   def cancel(self, request):
     self.engine.cancel(request)
@@ -70,18 +75,36 @@ class EngineWorker:
     self._thread.join(timeout=10)
 
 
+class Server:
+  """What the routes share: the engine, its worker thread, the metrics, the model's name."""
+
+  def __init__(self, engine, model_name: str, max_queue: int):
+    self.engine, self.model_name, self.max_queue = engine, model_name, max_queue
+    self.metrics = ServingMetrics(engine)
+    self.worker: EngineWorker | None = None
+    self.draining = False
+
+  def check(self, body):
+    if body.model is not None and body.model != self.model_name:
+      raise api.APIError(404, f"the model '{body.model}' does not exist: this server serves '{self.model_name}'",
+                         param="model", code="model_not_found")
+    if self.draining:
+      raise api.APIError(503, "the server is shutting down", kind="server_error")
+
+
 def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 30.0) -> FastAPI:
   """The ASGI app serving `engine` as model `model_name`."""
-  state = {"worker": None, "draining": False}
+  server = Server(engine, model_name, max_queue)
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
-    state["worker"] = EngineWorker(engine)
+    server.worker = EngineWorker(engine)
     yield
-    state["draining"] = True
-    await asyncio.to_thread(state["worker"].close, grace_s)
+    server.draining = True
+    await asyncio.to_thread(server.worker.close, grace_s)
 
   app = FastAPI(title="jaxpar", lifespan=lifespan)
+  app.state.server = server
 
   @app.exception_handler(api.APIError)
   async def _api_error(_request, error: api.APIError):
@@ -89,10 +112,14 @@ def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 
 
   @app.get("/health")
   async def health():
-    if state["draining"] or state["worker"] is None:
+    if server.draining or server.worker is None:
       return JSONResponse({"status": "unavailable"}, status_code=503)
     return {"status": "ok", "waiting": engine.pending, "slots": len(engine.slots),
             "busy_slots": sum(r is not None for r in engine.slots)}
+
+  @app.get("/metrics")
+  async def metrics():
+    return Response(server.metrics.exposition(), media_type=CONTENT_TYPE)
 
   @app.get("/v1/models")
   async def models():
@@ -101,84 +128,63 @@ def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 
 
   @app.post("/v1/completions")
   async def completions(request: Request):
-    body = api.parse(api.CompletionRequest, await _json(request))
-    prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
-    ids = _encode(engine, prompt)
-    return await _respond(body, ids, chat=False, logprobs=body.logprobs is not None)
+    body, headers = _parse(api.CompletionRequest, await _json(request))
+    server.check(body)
+    return await _answer(handlers.Call(server, body, handlers.completion_prompts(server, body), chat=False,
+                                       headers=headers))
 
   @app.post("/v1/chat/completions")
   async def chat_completions(request: Request):
-    body = api.parse(api.ChatRequest, await _json(request))
+    body, headers = _parse(api.ChatRequest, await _json(request))
+    server.check(body)
+    return await _answer(handlers.Call(server, body, [handlers.chat_prompt(server, body)], chat=True,
+                                       headers=headers))
+
+  async def _answer(call):
+    call.submit()
+    return call.stream() if call.body.stream else await call.respond()
+
+  @app.post("/tokenize")
+  async def tokenize(request: Request):
+    body, headers = _parse(api.TokenizeRequest, await _json(request))
+    server.check(body)
+    if body.messages is not None:
+      ids = handlers.chat_prompt(server, body)
+    else:
+      ids = engine.encode(body.prompt, body.add_special_tokens is not False)
+    answer = {"count": len(ids), "max_model_len": engine.max_seq_len, "tokens": ids}
+    if body.return_token_strs:
+      answer["token_strs"] = [engine.tokenizer.token_text(t) for t in ids]
+    return JSONResponse(answer, headers=headers)
+
+  @app.post("/detokenize")
+  async def detokenize(request: Request):
+    body, headers = _parse(api.DetokenizeRequest, await _json(request))
+    server.check(body)
+    vocab = engine.runtime.model_config.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+      raise api.APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    return JSONResponse({"prompt": engine.tokenizer.decode(body.tokens)}, headers=headers)
+
+  @app.get("/tokenizer_info")
+  async def tokenizer_info():
     tokenizer = engine.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-      raise api.APIError(400, f"model {model_name!r} has no chat template: use /v1/completions, or add a "
-                         "chat_template to its tokenizer_config.json", param="messages")
-    try:
-      text = render_chat(tokenizer.chat_template, [{"role": m.role, "content": m.text()} for m in body.messages],
-                         bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-    except TemplateError as e:
-      raise api.APIError(400, str(e), param="messages") from None
-    return await _respond(body, tokenizer.encode(text), chat=True, logprobs=body.logprobs)
-
-  async def _respond(body, ids, *, chat: bool, logprobs: bool):
-    if body.model != model_name:
-      raise api.APIError(404, f"the model '{body.model}' does not exist: this server serves '{model_name}'",
-                         param="model", code="model_not_found")
-    if state["draining"]:
-      raise api.APIError(503, "the server is shutting down", kind="server_error")
-    sampling = _sampling(engine, body, ids, chat=chat, logprobs=logprobs)
-    if engine.pending >= max_queue:
-      raise api.APIError(429, f"too many requests waiting ({engine.pending}): retry later",
-                         kind="rate_limit_exceeded", code="queue_full")
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
-    handle = state["worker"].submit(ids, sampling, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-    request_id = api.new_id("chatcmpl" if chat else "cmpl")
-    if body.stream:
-      include_usage = bool(body.stream_options and body.stream_options.include_usage)
-      return StreamingResponse(_stream(handle, events, request_id, len(ids), chat, logprobs, include_usage),
-                               media_type="text/event-stream")
-    try:
-      event = await events.get()
-      while not isinstance(event, Exception) and event.finish_reason is None:
-        event = await events.get()
-    finally:
-      state["worker"].cancel(handle)  # a client gone mid-request frees its slot; a no-op once done
-    if isinstance(event, Exception):
-      raise api.APIError(500, state["worker"].failure, kind="server_error")
-    done = handle.completion()
-    block = _logprobs(engine, done.tokens, done.logprobs, chat) if logprobs else None
-    choice = api.completion_choice(done.text, done.finish_reason, block, chat=chat)
-    return api.envelope(request_id, model_name, [choice], chat=chat,
-                        usage_counts=api.usage(len(ids), len(done.tokens)))
-
-  async def _stream(handle, events, request_id, prompt_tokens, chat, logprobs, include_usage):
-    def sse(payload) -> str:
-      return f"data: {json.dumps(payload)}\n\n"
-    try:
-      if chat:
-        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
-        yield sse(api.envelope(request_id, model_name, [first], chat=True, chunk=True))
-      while True:
-        event = await events.get()
-        if isinstance(event, Exception):
-          error = api.APIError(500, state["worker"].failure, kind="server_error")
-          yield sse(error.body())
-          break
-        block = (_logprobs(engine, [event.token], [event.logprob], chat)
-                 if logprobs and event.token is not None and event.text else None)
-        if event.text or event.finish_reason:
-          choice = api.completion_choice(event.text, event.finish_reason, block, chat=chat, delta=True)
-          yield sse(api.envelope(request_id, model_name, [choice], chat=chat, chunk=True))
-        if event.finish_reason:
-          break
-      if include_usage:
-        yield sse(api.envelope(request_id, model_name, [], chat=chat, chunk=True,
-                               usage_counts=api.usage(prompt_tokens, len(handle.generated))))
-      yield "data: [DONE]\n\n"
-    finally:
-      state["worker"].cancel(handle)  # the client left mid-stream: free the slot
+    return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token or None,
+            "bos_token": tokenizer.bos_token or None, "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": engine.max_seq_len}
 
   return app
+
+
+def _parse(kind, raw) -> tuple:
+  """A validated request and the response headers naming the fields it ignored."""
+  body, ignored = api.parse(kind, raw)
+  for name in ignored:
+    if name not in _warned:
+      _warned.add(name)
+      log.warning("ignoring the unknown request field %r (named in the %s response header)", name,
+                  api.IGNORED_HEADER)
+  return body, {api.IGNORED_HEADER: ", ".join(ignored)} if ignored else {}
 
 
 async def _json(request: Request):
@@ -187,41 +193,6 @@ async def _json(request: Request):
     return json.loads(raw)
   except (json.JSONDecodeError, UnicodeDecodeError):
     raise api.APIError(400, "could not parse the JSON body of your request: send valid JSON") from None
-
-
-def _encode(engine, prompt) -> list[int]:
-  if isinstance(prompt, str) and not prompt:
-    raise api.APIError(400, "the prompt is empty", param="prompt")
-  try:
-    ids = engine.encode(prompt)
-  except (TypeError, ValueError) as e:
-    raise api.APIError(400, f"invalid prompt: {e}", param="prompt") from None
-  vocab = engine.runtime.model_config.vocab_size
-  if not ids or min(ids) < 0 or max(ids) >= vocab:
-    raise api.APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-  return ids
-
-
-def _sampling(engine, body, ids, *, chat: bool, logprobs: bool) -> SamplingParams:
-  limit = engine.max_seq_len
-  requested = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
-  room = limit - len(ids)
-  if room < 1:
-    raise api.APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
-                       f"prompt has {len(ids)} tokens: shorten it", param="messages" if chat else "prompt",
-                       code="context_length_exceeded")
-  if requested is not None and not 1 <= requested <= room:
-    raise api.APIError(400, f"max_tokens={requested} is out of range: this model's maximum context length "
-                       f"is {limit} tokens and the prompt has {len(ids)}, so use 1 to {room}",
-                       param="max_tokens", code="context_length_exceeded" if requested > room else None)
-  seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
-  return SamplingParams(max_tokens=requested or room, temperature=body.temperature, top_k=body.top_k,
-                        top_p=body.top_p, seed=seed % 2 ** 32, stop=body.stops(), logprobs=logprobs)
-
-
-def _logprobs(engine, tokens, logprobs, chat):
-  texts = [engine.tokenizer.decode([t]) for t in tokens]
-  return api.logprobs_block(texts, list(logprobs), chat=chat)
 
 
 def serve(engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64,

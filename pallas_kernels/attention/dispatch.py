@@ -27,6 +27,7 @@ from jaxpar.pallas_kernels.attention.blockwise import AttentionOptions
 from jaxpar.pallas_kernels.attention.chunked import chunked_attention
 from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gpu
 from jaxpar.pallas_kernels.attention.decode_tpu import paged_decode_attention_tpu
+from jaxpar.pallas_kernels.attention.decode_xla import paged_decode_attention_xla
 from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
 from jaxpar.pallas_kernels.attention.flash_tpu import flash_attention_tpu
 from jaxpar.pallas_kernels.attention.reference import (attention_reference, decode_attention_reference,
@@ -132,10 +133,11 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
   bandwidth-bound matrix-vector product). Paged cache: k [Hkv, num_pages, page_size, D],
   v [.., Dv] with page_table int [B, pages_per_seq]; "auto"/"flash" use the Pallas kernel on
   TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode). With a sliding window every
-  implementation gets only the pages inside it (`visible_pages`). v_cache None: the values
-  are the first `value_dim` entries of each key (multi-head latent attention's latent
-  cache, absorbed form: queries [B, Hq, latent + rope] against one latent "kv head").
-  sinks: [Hq] or None, as `attention` takes them.
+  implementation gets only the pages inside it (`visible_pages`); "auto" on CPU the
+  transpose-free XLA form (decode_xla.py). v_cache None: the values are the first
+  `value_dim` entries of each key (multi-head latent attention's latent cache, absorbed
+  form: queries [B, Hq, latent + rope] against one latent "kv head"). sinks: [Hq] or
+  None, as `attention` takes them.
   """
   _check_implementation(implementation)
   validation.check_sinks(sinks, q.shape[1])
@@ -147,6 +149,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
     lengths = jnp.where(lengths > 0, lengths - start, 0)
   use_kernel = page_table is not None and (
       implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")))
+  if not use_kernel and page_table is not None and implementation == "auto":
+    return paged_decode_attention_xla(q, k_cache, v_cache, lengths, page_table, sinks=sinks, **options)
   if not use_kernel:
     return decode_attention_reference(q, k_cache, v_cache, lengths, page_table=page_table,
                                       sinks=sinks, **options)
