@@ -29,6 +29,8 @@ _COMMON = (
   ("act_embed", None),
   ("head_dim", None),
   ("norm", None),
+  ("q_lora", None),  # multi-head latent attention's query and key/value latents
+  ("kv_lora", None),
   ("layers", None),
   ("cache_pages", None),  # KV-cache pages: one pool, indexed by every sequence's page table
   ("experts", "expert"),  # MoE expert weights: expert parallelism

@@ -6,12 +6,14 @@ global Flax behaviour: `build_model` scopes what it needs.
 """
 
 # Importing these registers the shipped families and blocks.
-from jaxpar.models import attention, decoder, llama, mlp, moe_families  # noqa: F401
+from jaxpar.models import attention, decoder, llama, mla, mlp, moe_families  # noqa: F401
 from jaxpar.models.attention import Attention
 from jaxpar.models.caches import NoCache, SimulatedKVQuantization
 from jaxpar.models.config import LayerKind, ModelConfig, QuantizationConfig, RopeScaling
 from jaxpar.models.decoder import DecoderLayer, LayerContext
+from jaxpar.models.deepseek_config import DeepSeekConfig, MLAConfig
 from jaxpar.models.kv_cache import PagedCache
+from jaxpar.models.kv_cache_latent import LatentPagedCache
 from jaxpar.models.kv_cache_quantized import QuantizedPagedCache
 from jaxpar.models.layer_pattern import AttentionOptions, LayerOptions, Rope, kv_reach, layer_options
 from jaxpar.models.dense import QuantizedKernel
@@ -23,8 +25,8 @@ from jaxpar.models.registry import (HFMapping, ModelFamily, block_names, build_m
                                     family_names, get_block, get_family, register_block, register_family)
 from jaxpar.models.transformer import Transformer
 
-__all__ = ["Attention", "AttentionOptions", "DecoderLayer", "HFMapping", "KVQuantization", "LayerContext",
-           "LayerKind", "LayerOptions", "MLP", "ModelConfig", "ModelFamily", "MoE", "MoEConfig",
+__all__ = ["Attention", "AttentionOptions", "DecoderLayer", "DeepSeekConfig", "HFMapping", "KVQuantization", "LayerContext",
+           "LatentPagedCache", "LayerKind", "LayerOptions", "MLAConfig", "MLP", "ModelConfig", "ModelFamily", "MoE", "MoEConfig",
            "MoEModelConfig", "NoCache", "PagedCache", "QuantizationConfig", "QuantizedKernel",
            "QuantizedPagedCache", "Rope", "RopeScaling", "SimulatedKVQuantization", "Transformer",
            "block_names", "build_model", "check_blocks", "family_names", "get_block", "get_family",

@@ -16,15 +16,18 @@ view. The kinds:
                            KV quantization quality is measured (kv_quant.cached_attention)
   PagedCache               generation, float pages (kv_cache.py)
   QuantizedPagedCache      generation, int8 / KIVI pages with a float tail (kv_cache_quantized.py)
+  LatentPagedCache         generation with multi-head latent attention: the latent, not
+                           per-head keys and values (kv_cache_latent.py)
 
-A new kind (a latent cache for MLA) is a class with `at` and `update_and_attend`; the
+A new kind is a class with `at` and `update_and_attend`; the
 model picks the kind here, once, from what the caller asks for.
 """
 
 from flax import struct
 
 from jaxpar import pallas_kernels
-from jaxpar.models import kv_cache, kv_cache_quantized, kv_quant
+from jaxpar.errors import ConfigError
+from jaxpar.models import kv_cache, kv_cache_latent, kv_cache_quantized, kv_quant
 
 
 @struct.dataclass
@@ -65,6 +68,8 @@ def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail
   """A group's paged cache (`pages` as `init` made it) at `layer`, for rows whose pages
   `page_table` [B, pages_per_seq] lists; quantized when `kv_quantization` is given
   (`tail_index` [B]: each row's slot)."""
+  if "latent" in pages:
+    return kv_cache_latent.LatentPagedCache(pages, page_table, layer)
   if kv_quantization is None:
     return kv_cache.PagedCache(pages, page_table, layer)
   return kv_cache_quantized.QuantizedPagedCache(pages, page_table, tail_index, layer, kv_quantization)
@@ -73,7 +78,12 @@ def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail
 def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quantization=None,
          slots: int = 1) -> dict:
   """Zeroed pages for a group of `num_layers` layers: float, or quantized with a float tail
-  page per slot."""
+  page per slot; with multi-head latent attention, the latent cache."""
+  if cfg.attention_block == "mla":
+    if kv_quantization is not None:
+      raise ConfigError(f"kv_cache={kv_quantization.mode} with model.attention_block=mla is not supported: "
+                        "the latent cache is not quantized; serve it float (kv_cache: float)")
+    return kv_cache_latent.init_pages(cfg, num_layers, num_pages, page_size, dtype)
   if kv_quantization is None:
     return kv_cache.init_pages(cfg, num_layers, num_pages, page_size, dtype)
   return kv_cache_quantized.init(cfg, num_layers, num_pages, page_size, slots, kv_quantization, dtype)

@@ -4,16 +4,34 @@ from jaxpar.models.layer_pattern import layer_options
 
 
 def attention_params(cfg) -> int:
+  if cfg.attention_block == "mla":
+    return _mla_params(cfg)
   return cfg.embed_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
 
 
+def _mla_params(cfg) -> int:
+  """Multi-head latent attention's projections: q (through its latent), the kv latent and
+  rotary key, the per-head key/value expansion, the output."""
+  m, e, h = cfg.mla, cfg.embed_dim, cfg.num_heads
+  q = e * h * m.qk_head_dim if m.q_lora_rank is None else m.q_lora_rank * (e + h * m.qk_head_dim)
+  return q + e * m.latent_dim + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * e
+
+
+def _head_dims(cfg) -> tuple[int, int]:
+  """(q/k, v) entries per head: the scores' and the values' matmul widths."""
+  if cfg.attention_block == "mla":
+    return cfg.mla.qk_head_dim, cfg.mla.v_head_dim
+  return cfg.head_dim, cfg.head_dim
+
+
 def causal_attention_flops(cfg, seq_len: int) -> float:
-  """Scores and values per token, forward + backward: per layer 2 matmuls x 2 flops x seq x
-  heads x head_dim, halved for the causal mask, x 3. A layer with a sliding window w below
+  """Scores and values per token, forward + backward: per layer 2 flops x seq x heads x
+  (q/k head dim + v head dim), halved for the causal mask, x 3. A layer with a sliding window w below
   seq_len sees w - w^2 / (2 seq) keys per query on average, not seq / 2."""
-  windows = [layer_options(cfg, i).attention.sliding_window for i in range(cfg.num_layers)]
+  layers = cfg.num_layers + getattr(cfg, "mtp_depth", 0)  # multi-token prediction's layer too
+  windows = [layer_options(cfg, i).attention.sliding_window for i in range(layers)]
   spans = [seq_len if w is None or w >= seq_len else 2 * w - w * w / seq_len for w in windows]
-  return 6 * sum(spans) * cfg.num_heads * cfg.head_dim
+  return 3 * sum(spans) * cfg.num_heads * sum(_head_dims(cfg))
 
 
 def dense_matmul_params(cfg) -> int:
@@ -30,12 +48,15 @@ def dense_train_flops_per_token(cfg, seq_len: int) -> float:
 def moe_active_matmul_params(cfg) -> int:
   """Matmul parameters one token passes through in a mixture-of-experts decoder: attention,
   the router, its k routed experts and the shared expert in MoE layers, the dense MLP in
-  the first `first_dense_layers`, and the output head. Idle experts do no work."""
+  the first `first_dense_layers`, and the output head; with multi-token prediction
+  (DeepSeek-V3) its merge projection, one more MoE layer and the head again. Idle experts
+  do no work."""
   m, e = cfg.moe, cfg.embed_dim
   moe_ffn = e * m.num_experts + 3 * e * (m.experts_per_token * m.expert_mlp_dim + m.shared_mlp_dim)
   dense = cfg.first_dense_layers
+  mtp = getattr(cfg, "mtp_depth", 0) * (2 * e * e + attention_params(cfg) + moe_ffn + e * cfg.vocab_size)
   return (cfg.num_layers * attention_params(cfg) + dense * 3 * e * cfg.mlp_dim
-          + (cfg.num_layers - dense) * moe_ffn + e * cfg.vocab_size)
+          + (cfg.num_layers - dense) * moe_ffn + e * cfg.vocab_size + mtp)
 
 
 def moe_train_flops_per_token(cfg, seq_len: int) -> float:

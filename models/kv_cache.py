@@ -61,25 +61,27 @@ class PagedCache:
 
 def write(cache: PagedCache, k, v, positions) -> PagedCache:
   """Store new keys/values [B, T, kv_heads, head_dim] at `positions` [B, T] in this layer's
-  pages (an in-place scatter into the stacked cache).
+  pages (an in-place scatter into the stacked cache)."""
+  put = lambda pages, new: scatter(pages, cache.layer, cache.page_table, new, positions)  # noqa: E731
+  return cache.replace(pages={"k": put(cache.pages["k"], k), "v": put(cache.pages["v"], v)})
+
+
+def scatter(pages, layer, page_table, new, positions):
+  """pages [L, Hkv, P, S, D] with `new` [B, T, Hkv, D] written at `positions` [B, T] of
+  layer `layer`, through each row's page table.
 
   Negative positions (padding) and positions past the page table are dropped, so ragged
   batches need no masking by the caller.
   """
-  page_table = cache.page_table
-  _, _, num_pages, page_size, _ = cache.pages["k"].shape
+  _, _, num_pages, page_size, _ = pages.shape
   capacity = page_table.shape[1] * page_size
   valid = (positions >= 0) & (positions < capacity)
   safe = jnp.where(valid, positions, 0)
   page = jnp.take_along_axis(page_table, safe // page_size, axis=1)
   page = jnp.where(valid, page, num_pages)  # out of range: the scatter drops it
   slot = safe % page_size
-
-  def put(pages, new):  # pages [L, Hkv, P, S, D]; new [B, T, Hkv, D]
-    # The indexed dims are split by a slice, so (NumPy rules) the update is [B, T, Hkv, D].
-    return pages.at[cache.layer, :, page, slot].set(new.astype(pages.dtype), mode="drop")
-
-  return cache.replace(pages={"k": put(cache.pages["k"], k), "v": put(cache.pages["v"], v)})
+  # The indexed dims are split by a slice, so (NumPy rules) the update is [B, T, Hkv, D].
+  return pages.at[layer, :, page, slot].set(new.astype(pages.dtype), mode="drop")
 
 
 def bytes_per_token(cfg, dtype) -> int:

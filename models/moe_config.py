@@ -17,6 +17,11 @@ class MoEConfig(Frozen):
   router: Literal["softmax", "sigmoid"] = "softmax"
   normalize_weights: bool = True  # the top-k weights sum to 1 (Qwen3's norm_topk_prob)
   routed_scale: float = Field(1.0, gt=0)  # multiplies the routed output (DeepSeek-V3: 2.5)
+  # Node-limited routing (DeepSeek-V3): the experts form `num_groups` equal groups (one per
+  # node); a token first picks `groups_per_token` groups by the sum of each group's two best
+  # biased scores, then its top-k among their experts. 1 group: plain top-k.
+  num_groups: int = Field(1, ge=1)
+  groups_per_token: int = Field(1, ge=1)
   balance_loss: float = Field(0.01, ge=0)  # weight of the load-balancing loss (Switch)
   router_z_loss: float = Field(0.001, ge=0)  # weight of mean(logsumexp(router logits)^2)
   # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias on the scores that pick the
@@ -35,6 +40,13 @@ class MoEConfig(Frozen):
     if self.experts_per_token > self.num_experts:
       raise ValueError(f"model.moe.experts_per_token={self.experts_per_token} exceeds "
                        f"model.moe.num_experts={self.num_experts}")
+    if self.num_experts % self.num_groups or self.groups_per_token > self.num_groups:
+      raise ValueError(f"model.moe.num_groups={self.num_groups} must divide model.moe.num_experts="
+                       f"{self.num_experts}, and model.moe.groups_per_token={self.groups_per_token} "
+                       "may not exceed it")
+    if self.experts_per_token > self.groups_per_token * (self.num_experts // self.num_groups):
+      raise ValueError(f"model.moe.experts_per_token={self.experts_per_token} exceeds the experts of "
+                       f"model.moe.groups_per_token={self.groups_per_token} groups")
     return self
 
 

@@ -6,7 +6,7 @@ Blocks are the interchangeable parts a config picks, by kind:
 
   feed_forward   `model.mlp` (dense, moe): factory(cfg, *, param_dtype, compute_dtype, rngs),
                  its module's call (x) -> (y, aux dict)
-  attention      `model.attention_block` (gqa): the same factory; its module's call
+  attention      `model.attention_block` (gqa, mla): the same factory; its module's call
                  (x, context, cache, options) -> (y, cache), attending through the cache
                  object it is given (models/caches.py) with the layer's static options
                  (models/layer_pattern.py)
@@ -32,12 +32,14 @@ class HFMapping:
   `top` and `layer` list (our path, HF tensor name, layout) triples; layer names follow
   `model.layers.{i}.`. Layouts: same, transpose, heads_in, heads_out, heads_bias
   (see jaxpar/convert/hf.py). Entries whose parameter the model lacks are skipped.
+  `dense_layer`: the entries of the `model.first_dense_layers` layers, when they differ.
   """
   model_types: tuple[str, ...]
   config_from_hf: Callable[[dict], ModelConfig]
   config_to_hf: Callable[[ModelConfig, str], dict]
   top: tuple[tuple[tuple[str, ...], str, str], ...]
   layer: tuple[tuple[tuple[str, ...], str, str], ...]
+  dense_layer: tuple[tuple[tuple[str, ...], str, str], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

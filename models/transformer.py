@@ -94,6 +94,12 @@ class Transformer(nnx.Module):
     zigzag: the length axis (tokens, positions, segment ids) is in zig-zag order over the
     devices that split it (`pallas_kernels.zigzag`), as the train step lays it out to
     balance causal attention; the outputs are in that order too."""
+    x, aux, _ = self.stack_output(tokens, positions, segment_ids, kv_quantization, zigzag=zigzag)
+    return self.final_norm(x), aux
+
+  def stack_output(self, tokens, positions=None, segment_ids=None, kv_quantization=None, *, zigzag=False):
+    """The last layer's output [B, L, embed] before the final norm, aux, and the layers'
+    LayerContext: what `hidden_states` normalises (and multi-token prediction starts from)."""
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
       if zigzag:
@@ -101,7 +107,7 @@ class Transformer(nnx.Module):
     context = LayerContext(positions, segment_ids, zigzag=zigzag)
     cache = caches.for_forward(kv_quantization)
     x, aux, _ = self._run_stack(self._embed(tokens), context, {g.name: cache for g in layer_groups(self.cfg)})
-    return self.final_norm(x), aux
+    return x, aux, context
 
   def decode(self, tokens, positions, cache: dict, page_table, logits_index=None, *,
              kv_quantization=None, tail_index=None):

@@ -135,9 +135,9 @@ def test_unknown_family_and_block_are_one_line_errors():
     _config(model={"family": "gpt9"})
   with pytest.raises(ConfigError, match="model.mlp='nope' is not a registered feed_forward block"):
     _config(model={"mlp": "nope"})
-  with pytest.raises(ConfigError, match=r"model.attention_block='mla' is not a registered attention block; "
-                                        r"use one of \['gqa', 'nope'\]"):
-    _config(model={"attention_block": "mla"})
+  with pytest.raises(ConfigError, match=r"model.attention_block='sparse' is not a registered attention block; "
+                                        r"use one of \['gqa', 'mla', 'nope'\]"):
+    _config(model={"attention_block": "sparse"})
   with pytest.raises(ConfigError, match="model.layer_block='sandwich' is not a registered decoder_layer block"):
     _config(model={"layer_block": "sandwich"})
   with pytest.raises(ConfigError, match="unknown config key 'model.probe_weight'"):

@@ -1,7 +1,8 @@
 """Hugging Face <-> jaxpar, for every registered family with an HF mapping (the `llama`
 family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, see models/llama_hf.py; `mixtral` and
-`qwen3_moe`, see models/moe_hf.py). HF stores layers (and experts) one tensor each; ours
-are stacked on leading `layers` (and `experts`) axes.
+`qwen3_moe`, see models/moe_hf.py; `deepseek`, see models/deepseek_hf.py). HF stores
+layers (and experts) one tensor each; ours are stacked on leading `layers` (and `experts`)
+axes, per layer group (`first_dense_layers`: `dense_layers`, then `layers`).
 
 Import reads `config.json` and the `*.safetensors` files (sharded or not) tensor by tensor;
 each device reads only the slice of each tensor that its shard holds, so a model never has
@@ -25,6 +26,7 @@ from jaxpar.convert.byte_tokenizer import write_byte_tokenizer
 from jaxpar.data import copy_tokenizer_files
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models import family_names, get_family
+from jaxpar.models.transformer import layer_groups
 from jaxpar.runtime import Runtime
 from jaxpar.saved_run import SavedRun
 
@@ -68,13 +70,15 @@ def _span(index: slice, size: int) -> tuple[int, int]:
   return start, stop
 
 
-def _read_shard(layout: str, tensor, shape: tuple, head_dim: int, index: tuple) -> np.ndarray:
-  """Our-layout shard `index` of an HF tensor, reading only the HF slice it needs."""
+def _read_shard(layout: str, tensor, shape: tuple, index: tuple) -> np.ndarray:
+  """Our-layout shard `index` of an HF tensor, reading only the HF slice it needs. A heads
+  layout's head dim is our parameter's own (multi-head latent attention's differ)."""
   if layout == "same":
     return tensor[index]
   if layout == "transpose":
     return tensor[index[1], index[0]].T
   heads = _span(index[1] if layout == "heads_in" else index[0], shape[1 if layout == "heads_in" else 0])
+  head_dim = shape[2] if layout == "heads_in" else shape[1]
   rows = slice(heads[0] * head_dim, heads[1] * head_dim)
   n = heads[1] - heads[0]
   if layout == "heads_in":  # ours [E, H, D] <- HF [H*D, E]
@@ -110,16 +114,18 @@ def _entries(params: dict, cfg: ModelConfig):
   for path, name, layout in mapping.top:
     if present(params, path):
       yield path, name, layout, ()
-  layer0 = params["layers"] if cfg.scan_layers else params["layers"][0]
-  for path, name, layout in mapping.layer:
-    if not present(layer0, path):
-      continue
-    experts = range(_get(layer0, path).shape[int(cfg.scan_layers)]) if "{expert}" in name else [None]
-    for i in range(cfg.num_layers):
-      ours = ("layers",) + path if cfg.scan_layers else ("layers", i) + path
-      for j in experts:
-        index = (i,) * cfg.scan_layers + (() if j is None else (j,))
-        yield ours, f"model.layers.{i}.{name}".format(expert=j), layout, index
+  for group in layer_groups(cfg):
+    entries = mapping.layer if group.name == "layers" else mapping.dense_layer or mapping.layer
+    layer0 = params[group.name] if cfg.scan_layers else params[group.name][0]
+    for path, name, layout in entries:
+      if not present(layer0, path):
+        continue
+      experts = range(_get(layer0, path).shape[int(cfg.scan_layers)]) if "{expert}" in name else [None]
+      for i in range(group.count):
+        ours = (group.name,) + path if cfg.scan_layers else (group.name, i) + path
+        for j in experts:
+          index = (i,) * cfg.scan_layers + (() if j is None else (j,))
+          yield ours, f"model.layers.{group.start + i}.{name}".format(expert=j), layout, index
 
 
 def _get(tree, path):
@@ -166,14 +172,14 @@ class _SafetensorsDir:
     self._open.clear()  # the handles close (and unmap their files) when dropped
 
 
-def _import_param(source, names: np.ndarray, layout, cfg, sharding, shape, dtype):
+def _import_param(source, names: np.ndarray, layout, sharding, shape, dtype):
   """One parameter built shard by shard straight onto its devices. `names` holds the HF
   tensor of each index of the leading stacked axes (layers, experts; 0-d: unstacked)."""
   lead = names.ndim
 
   def shard(index):
     spans = [range(*_span(index[a], shape[a])) for a in range(lead)]
-    blocks = [_read_shard(layout, source.slice(names[i]), shape[lead:], cfg.head_dim, index[lead:])
+    blocks = [_read_shard(layout, source.slice(names[i]), shape[lead:], index[lead:])
               for i in itertools.product(*spans)]
     return np.stack(blocks).reshape(*map(len, spans), *blocks[0].shape).astype(dtype)
   return jax.make_array_from_callback(shape, sharding, shard)
@@ -212,7 +218,7 @@ def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: s
       hf_names = np.empty(shape[:len(next(iter(by_index)))], object)
       for index, name in by_index.items():
         hf_names[index] = name
-      _set(params, path, _import_param(source, hf_names, layout, config.model, _get(shardings, path),
+      _set(params, path, _import_param(source, hf_names, layout, _get(shardings, path),
                                        shape, DTYPES[param_dtype]))
   finally:
     source.close()

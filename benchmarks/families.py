@@ -1,0 +1,71 @@
+"""Model families at real size and on CPU. DeepSeek-V3's part: KV-cache bytes per token
+at real size, its multi-head latent attention's latent cache against Llama 3 8B's GQA
+cache and against the GQA cache DeepSeek-V3's own attention would need (128 heads of
+128-wide keys and values), computed from the shipped configs by the cache code itself;
+with --v5p, one DeepSeek-V3 MoE layer at real width compiled (libtpu, on this host) for a
+v5p-16 slice with expert parallelism, train step and decode step, its compiled cache
+checked against the latent size counted by hand (about 10 CPU-minutes).
+
+    python benchmarks/families.py [--v5p]
+"""
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from jaxpar.config import load_config  # noqa: E402
+from jaxpar.models import kv_cache, kv_cache_latent  # noqa: E402
+
+
+def deepseek_kv_cache_bytes(dtype: str = "bfloat16") -> list[tuple[str, str, int, int]]:
+  """(model, cache layout, layers, bytes per token over all layers), in `dtype`."""
+  v3 = load_config("deepseek-v3-671b").model
+  llama = load_config("llama3-8b").model
+  m = v3.mla
+  return [
+      ("deepseek-v3-671b", f"MLA latent: {v3.num_layers} layers x ({m.kv_lora_rank} + {m.qk_rope_head_dim})",
+       v3.num_layers, kv_cache_latent.bytes_per_token(v3, dtype)),
+      ("deepseek-v3-671b", f"as GQA: {v3.num_layers} layers x 2 x {v3.num_heads} heads x {m.v_head_dim}",
+       v3.num_layers, kv_cache.bytes_per_token(v3.model_copy(update={"head_dim": m.v_head_dim}), dtype)),
+      ("llama3-8b", f"GQA: {llama.num_layers} layers x 2 x {llama.num_kv_heads} kv heads x {llama.head_dim}",
+       llama.num_layers, kv_cache.bytes_per_token(llama, dtype)),
+  ]
+
+
+def print_deepseek_kv_cache():
+  rows = deepseek_kv_cache_bytes()
+  latent = rows[0][3] / rows[0][2]
+  print("KV-cache bytes per token (bf16)\n")
+  header = f"{'model':<18} {'layout':<48} {'all layers':>11} {'per layer':>10} {'x latent/layer':>15}"
+  print(header + "\n" + "-" * len(header))
+  for model, layout, layers, nbytes in rows:
+    print(f"{model:<18} {layout:<48} {nbytes:>11,} {nbytes // layers:>10,} {nbytes / layers / latent:>15.2f}")
+
+
+def deepseek_v3_layer_on_v5p(slots: int = 8, context: int = 4096, page: int = 128):
+  """Compile one real-width DeepSeek-V3 MoE layer (256 experts over mesh.expert=8) for a
+  v5p-16: the train step, then the decode step over a latent cache of `slots` x `context`
+  tokens, whose bytes per device must equal layers x slots x context x 576 x 2 (bf16)."""
+  from jaxpar.aot.compile import compile_for_topology
+  from jaxpar.aot.inference import compile_inference
+  config = load_config("deepseek-v3-671b", ["model.num_layers=1", "model.first_dense_layers=0", "model.mtp_depth=0",
+                                            "mesh.expert=8", "mesh.topology=v5p-16", "data.seq_len=1024",
+                                            "data.global_batch_size=8"])
+  report, compiled = compile_for_topology(config, "v5p-16")
+  print(f"train step: compiled for {report['devices']} v5p chips, mesh {report['mesh']}, "
+        f"{compiled.as_text().count('all-to-all')} all-to-all ops, fits: {report['fits']}")
+  served = compile_inference(config, "v5p-16", slots=slots, context=context, page_size=page, chunk=None)
+  by_hand = 1 * slots * (context // page) * page * (config.model.mla.latent_dim) * 2
+  decode = served["programs"]["decode"]
+  print(f"decode step: {decode['pallas_calls']} Pallas calls; cache {served['cache_bytes']:,} bytes per device, "
+        f"by hand {by_hand:,} (1 layer x {slots} x {context} tokens x 576 x 2 bytes)")
+  assert served["cache_bytes"] == by_hand and decode["pallas_calls"] >= 1
+
+
+if __name__ == "__main__":
+  print_deepseek_kv_cache()
+  if "--v5p" in sys.argv:
+    print()
+    deepseek_v3_layer_on_v5p()
