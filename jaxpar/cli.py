@@ -39,6 +39,8 @@ def _cmd_train(ns):
                 f"{config.train.steps} steps of {config.data.global_batch_size} x {config.data.seq_len} tokens; "
                 f"{config.train.optimizer} ({trainer.optimizer_bytes_per_param:.1f} bytes of optimizer state "
                 f"per parameter), {config.train.schedule} schedule")
+  if trainer.runtime.plan.pipelined:
+    console.print(trainer.runtime.plan.describe_pipeline(), markup=False, highlight=False)
   tokenizer = trainer.tokenizer()
   result = trainer.fit(batches=trainer.batches(tokenizer), show_progress=not ns.no_progress,
                        restore=ns.restore)

@@ -267,7 +267,10 @@ class Trainer:
     values = scalars(jax.device_get(metrics))
     dt = clock.step_time(step)  # None for the first step of a run: it includes compiling
     if dt is not None:
+      # The model's FLOPs: a pipeline's bubble iterations are idle time, not useful work.
       values.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt, mfu=flops_per_step / dt / peak)
+    if self.runtime.plan.pipelined:
+      values["pipeline_bubble"] = self.runtime.plan.bubble_fraction
     every = self.config.train.log_every
     logger.log(step, values, echo=every > 0 and (step % every == 0 or step == 1), echo_eval=every > 0)
 
