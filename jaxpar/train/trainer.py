@@ -191,9 +191,9 @@ class Trainer:
     elif checkpointer is not None and checkpointer.latest_step() is not None:
       items, data_state = checkpointer.restore(self.abstract_state().items())
       where = checkpointer.path(int(items["step"]))
-      saved = checkpointer.saved_config(int(items["step"]))
-      if saved:  # written with another stage count or schedule: its layers in its order
-        items = relayout(items, saved_layer_order(from_dict(saved, check_paths=False)), self.runtime.layer_order())
+      if (where / "config").is_dir():  # maybe another stage count or schedule: its layers in its order
+        saved = from_dict(checkpointer.saved_config(int(items["step"])), check_paths=False)
+        items = relayout(items, saved_layer_order(saved), self.runtime.layer_order())
     else:
       return self.init_state()
     state = TrainState(**items)
