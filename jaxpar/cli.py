@@ -39,6 +39,8 @@ def _cmd_train(ns):
                 f"{config.train.steps} steps of {config.data.global_batch_size} x {config.data.seq_len} tokens; "
                 f"{config.train.optimizer} ({trainer.optimizer_bytes_per_param:.1f} bytes of optimizer state "
                 f"per parameter), {config.train.schedule} schedule")
+  if trainer.runtime.plan.pipelined:
+    console.print(trainer.runtime.plan.describe_pipeline(), markup=False, highlight=False)
   tokenizer = trainer.tokenizer()
   result = trainer.fit(batches=trainer.batches(tokenizer), show_progress=not ns.no_progress,
                        restore=ns.restore)
@@ -68,18 +70,18 @@ def _cmd_train(ns):
 
 def _print_sample(trainer, state, tokenizer):
   """A short sample from the trained model, through the inference engine."""
-  import jax
-
   from jaxpar.inference import Engine, SamplingParams
   from jaxpar.runtime import Runtime
+  from jaxpar.saved_run import relayout
   t, runtime = trainer.config.train, trainer.runtime
   params, model_state = state.params, state.model_state
   sizes = runtime.plan.generation_sizes()
   if sizes != runtime.plan.sizes:  # generation lays the same devices out its own way
     mesh = trainer.config.mesh.model_copy(update=sizes)
+    source = runtime.layer_order()
     runtime = Runtime(trainer.config.model, mesh, runtime.mesh.devices.flat, parallel=trainer.config.parallel)
-    params, model_state = jax.device_put((params, model_state),
-                                         (runtime.param_shardings, runtime.model_state_shardings))
+    params, model_state = relayout((params, model_state), source, runtime.layer_order(),
+                                   (runtime.param_shardings, runtime.model_state_shardings))
   engine = Engine(runtime, params, tokenizer, model_state=model_state, slots=1, prefill_chunks=(64,))
   sampling = SamplingParams(max_tokens=t.sample_tokens, temperature=t.sample_temperature,
                             top_p=t.sample_top_p, seed=t.seed)

@@ -2,7 +2,7 @@
 
 The `mesh` section says how many devices each axis has; the `parallel` section holds the
 execution choices (how attention crosses the `context` devices, zig-zag load balance,
-Megatron sequence parallelism). A `ParallelPlan` joins the two once and answers the rest
+Megatron sequence parallelism, the pipeline schedule over the `stage` devices). A `ParallelPlan` joins the two once and answers the rest
 of jaxpar: the trainer (batch split, zig-zag), the runtime (rules, the attention strategy),
 the engine (can it generate on this mesh), `aot/` and the planner (which axes a layout may
 use). The model config describes the network only.
@@ -16,10 +16,15 @@ import logging
 import math
 from typing import Literal
 
+import numpy as np
+from pydantic import Field
+
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import AXES, ExecutionOptions
+from jaxpar.mesh import AXES, ExecutionOptions, PipelineOptions
 from jaxpar.mesh.rules import sequence_parallel_rules, unused_mesh_axes
 from jaxpar.models.config import Frozen
+from jaxpar.models.layer_pattern import unit_options
+from jaxpar.models.pipeline import bubble_fraction, stage_major_order
 
 _log = logging.getLogger(__name__)
 
@@ -34,9 +39,20 @@ class ContextParallelConfig(Frozen):
   load_balance: bool = True
 
 
+class PipelineConfig(Frozen):
+  """With mesh.stage > 1: the repeated layers run as stages x repeats groups over the stage
+  devices, `microbatches` streaming through (docs/parallelism.md#pipelines)."""
+  # gpipe: each stage holds one contiguous block of layers; circular: `repeats` blocks, so a
+  # microbatch loops through the stages `repeats` times and the bubble shrinks R-fold.
+  schedule: Literal["gpipe", "circular"] = "gpipe"
+  microbatches: int | None = Field(None, ge=1)  # per train step (per accumulation step); None: mesh.stage
+  repeats: int = Field(1, ge=1)
+
+
 class ParallelConfig(Frozen):
   """How the mesh's axes run the model (the `parallel` section of a config)."""
   context: ContextParallelConfig = ContextParallelConfig()
+  pipeline: PipelineConfig = PipelineConfig()
   # Megatron sequence parallelism: with mesh.tensor > 1, split the residual stream (norms,
   # residual adds) along length over `tensor` too, instead of repeating it on each device.
   sequence_parallel: bool = False
@@ -107,13 +123,66 @@ class ParallelPlan:
     return self.config.sequence_parallel
 
   @property
+  def pipelined(self) -> bool:
+    return self.size("stage") > 1
+
+  @property
+  def stages(self) -> int:
+    return self.size("stage")
+
+  @property
+  def repeats(self) -> int:
+    return self.config.pipeline.repeats
+
+  @property
+  def microbatches(self) -> int:
+    """Pipeline microbatches per step (1 without a pipeline)."""
+    if not self.pipelined:
+      return 1
+    return self.config.pipeline.microbatches or self.stages
+
+  @property
+  def bubble_fraction(self) -> float:
+    """Each stage's idle share of the pipeline iterations (0 without a pipeline)."""
+    return bubble_fraction(self.stages, self.microbatches, self.repeats) if self.pipelined else 0.0
+
+  def describe_pipeline(self) -> str:
+    p = self.config.pipeline
+    return (f"pipeline: {self.stages} stages, {p.schedule}"
+            + (f" x {self.repeats} repeats" if self.repeats > 1 else "")
+            + f", {self.microbatches} microbatches: bubble {100 * self.bubble_fraction:.1f}% "
+            f"= (S-1)/(M*R+S-1) = {self.stages - 1}/{self.microbatches * self.repeats + self.stages - 1}")
+
+  def layer_order(self, model) -> np.ndarray | None:
+    """Stored position -> canonical layer of the pipelined layer group (None: canonical
+    order, as without a pipeline or with one repeat). Checkpoints are read in the order of
+    the config that wrote them and moved to this one's (saved_run.relayout)."""
+    if not self.pipelined or self.repeats == 1:
+      return None
+    return stage_major_order(model.num_layers - model.first_dense_layers, self.stages, self.repeats)
+
+  @property
   def execution_options(self) -> ExecutionOptions:
-    return ExecutionOptions(context_attention=self.config.context.attention)
+    pipeline = None
+    if self.pipelined:
+      pipeline = PipelineOptions(self.stages, self.microbatches, self.repeats, axis="stage")
+    return ExecutionOptions(context_attention=self.config.context.attention, pipeline=pipeline)
+
+  def pipeline_rules(self, rules):
+    """The rules of the pipelined layer group: its stacked `layers` axis lives on `stage`,
+    and nothing else does."""
+    return tuple((name, ("stage",) if name == "layers" else tuple(a for a in axes if a != "stage"))
+                 for name, axes in rules)
 
   def rules(self, rules):
-    """The logical rules as this plan runs them (sequence parallelism splits the residual
-    stream's length over `tensor` too)."""
-    return sequence_parallel_rules(rules) if self.sequence_parallel else rules
+    """The logical rules as this plan runs them: sequence parallelism splits the residual
+    stream's length over `tensor` too; a pipeline splits the weights outside its layer
+    group (embedding, output projection, dense first layers) over `stage` as one more FSDP
+    axis, so every device holds 1/N of the whole model state."""
+    rules = sequence_parallel_rules(rules) if self.sequence_parallel else rules
+    if self.pipelined:
+      rules = tuple((name, axes + ("stage",) if name == "embed" else axes) for name, axes in rules)
+    return rules
 
   def layout_axes(self, model, seq_len: int) -> tuple[str, ...]:
     """The mesh axes a planner may give devices to for this model: data, fsdp and tensor
@@ -129,7 +198,7 @@ class ParallelPlan:
 
   def check(self, model, data=None, train=None):
     """Every axis check that the sizes known so far allow (see the module docstring)."""
-    self._check_stage()
+    self._check_pipeline(model)
     tensor, expert = self.size("tensor"), self.size("expert")
     if tensor > 1 and model.num_heads % tensor:
       raise ConfigError(f"mesh.tensor={tensor} does not divide model.num_heads={model.num_heads}")
@@ -142,10 +211,49 @@ class ParallelPlan:
     if data is not None and train is not None:
       self._check_batch_split(data.global_batch_size, train.microbatches)
 
-  def _check_stage(self):
-    if self.size("stage") > 1:
-      raise ConfigError(f"mesh.stage={self.sizes['stage']}: pipeline parallelism is not implemented "
-                        "yet; set mesh.stage=1 and use fsdp, tensor or data for these devices")
+  def _check_pipeline(self, model):
+    p = self.config.pipeline
+    if p.schedule == "gpipe" and p.repeats > 1:
+      raise ConfigError(f"parallel.pipeline.repeats={p.repeats} needs parallel.pipeline.schedule=circular "
+                        "(gpipe runs each stage's layers once)")
+    if p.schedule == "circular" and p.repeats == 1:
+      raise ConfigError("parallel.pipeline.schedule=circular needs parallel.pipeline.repeats > 1 "
+                        "(with one repeat it is gpipe)")
+    if self.sizes["stage"] == -1 and p.repeats > 1:
+      raise ConfigError("mesh.stage=-1 with parallel.pipeline.schedule=circular: give the stage count "
+                        "(a checkpoint's layer order follows it)")
+    if not self.pipelined:
+      return
+    S, R, M = self.stages, self.repeats, self.microbatches
+    # Their shard_maps (context attention, MoE dispatch) nested in the stages' do not lower yet.
+    if self.splits_sequence:
+      raise ConfigError(f"mesh.context={self.size('context')} with mesh.stage={S}: context parallelism inside "
+                        "pipeline stages is not supported yet; use mesh.context=1 (fsdp or tensor instead)")
+    if model.mlp == "moe":
+      raise ConfigError(f"model.mlp='moe' with mesh.stage={S}: mixture-of-experts layers inside pipeline "
+                        "stages are not supported yet; use mesh.stage=1 (expert or fsdp instead)")
+    if R > 1 and M < S:
+      raise ConfigError(f"parallel.pipeline.microbatches={M} is below mesh.stage={S}: a circular schedule "
+                        f"needs at least one microbatch per stage in flight; use {S} or more")
+    if not model.scan_layers:
+      raise ConfigError(f"model.scan_layers=false with mesh.stage={S}: pipeline stages run stacked "
+                        "layers; set model.scan_layers=true")
+    count = model.num_layers - model.first_dense_layers
+    groups = S * R
+    what = f"mesh.stage={S} x parallel.pipeline.repeats={R} = {groups}" if R > 1 else f"mesh.stage={S}"
+    dense = f" (after model.first_dense_layers={model.first_dense_layers}, which run before the pipeline)" \
+        if model.first_dense_layers else ""
+    if count % groups:
+      near = sorted({max(groups, count // groups * groups), (count // groups + 1) * groups})
+      stages = [d for d in range(2, count + 1) if count % (d * R) == 0][:6]
+      raise ConfigError(f"model.num_layers={model.num_layers}: {count} pipelined layers{dense} do not split "
+                        f"into {what} groups; pipeline {' or '.join(map(str, near))} layers, or use "
+                        f"mesh.stage in {stages or [1]}")
+    period = len(unit_options(model, model.first_dense_layers))
+    if (count // groups) % period:
+      raise ConfigError(f"{what} gives each stage {count // groups} layers per repeat, not a whole "
+                        f"number of model.layer_pattern's {period}-layer units: every stage must run the "
+                        "same per-layer options; change the stage or repeat count")
 
   def _check_sequence_split(self, model, seq_len: int):
     """seq_len must split evenly where the mesh splits it, and attention must have a form
@@ -173,11 +281,17 @@ class ParallelPlan:
     if global_batch % microbatches:
       raise ConfigError(f"train.microbatches={microbatches} must divide "
                         f"data.global_batch_size={global_batch}")
+    stream = self.microbatches
+    if (global_batch // microbatches) % stream:
+      raise ConfigError(f"parallel.pipeline.microbatches={stream} must divide the {global_batch // microbatches} "
+                        f"rows of each step (data.global_batch_size={global_batch} / train.microbatches="
+                        f"{microbatches})")
     if rules is None or any(s < 1 for s in self.sizes.values()):
       return
     shards = math.prod(self.sizes[a] for a in dict(rules).get("batch", ()))
-    if (global_batch // microbatches) % shards:
-      raise ConfigError(f"data.global_batch_size={global_batch} (/ train.microbatches={microbatches}) "
+    if (global_batch // microbatches // stream) % shards:
+      piped = f" / parallel.pipeline.microbatches={stream}" if stream > 1 else ""
+      raise ConfigError(f"data.global_batch_size={global_batch} (/ train.microbatches={microbatches}{piped}) "
                         f"must divide over the {shards} batch shards of the mesh")
 
   def check_training(self, model, data, train, rules):
@@ -187,7 +301,7 @@ class ParallelPlan:
 
   def check_rules(self, rules, rules_name):
     """Every mesh axis with devices must be used by some rule, else its devices repeat work."""
-    unused = unused_mesh_axes(rules, self.sizes)
+    unused = [a for a in unused_mesh_axes(rules, self.sizes) if a != "stage"]  # the pipeline's
     if unused:
       raise ConfigError(f"mesh.{unused[0]}={self.sizes[unused[0]]} but mesh.rules={rules_name!r} "
                         "never uses that axis: pick rules that do (e.g. fsdp_tp) or set it to 1")
@@ -201,14 +315,18 @@ class ParallelPlan:
                         "'auto' when mesh.context > 1")
 
   def check_generation(self):
-    """Generation decodes whole sequences per device."""
+    """Generation decodes whole sequences per device, through every layer in order."""
     if self.splits_sequence:
       raise ConfigError(f"mesh.context={self.sizes['context']}: generation does not split sequences "
                         "over devices; use mesh.context=1 (tensor or data parallelism instead)")
+    if self.pipelined:
+      raise ConfigError(f"mesh.stage={self.sizes['stage']}: generation does not run pipeline stages; "
+                        "use mesh.stage=1 (the weights restore onto any mesh)")
 
   def generation_sizes(self) -> dict:
-    """These devices laid out for generation: the context devices fold into fsdp."""
+    """These devices laid out for generation: the context and stage devices fold into fsdp."""
     sizes = dict(self.sizes)
-    if self.splits_sequence:
-      sizes["fsdp"], sizes["context"] = self.size("fsdp") * sizes["context"], 1
+    for axis in ("context", "stage"):
+      if self.size(axis) > 1:
+        sizes["fsdp"], sizes[axis] = self.size("fsdp") * sizes[axis], 1
     return sizes

@@ -14,6 +14,8 @@ from flax import nnx
 
 from jaxpar.mesh import build_mesh, execution_options, resolve_rules, state_shardings
 from jaxpar.models import build_model, get_family
+from jaxpar.models.pipeline import reorder_layers
+from jaxpar.models.transformer import PIPELINED_GROUP
 from jaxpar.parallel import ParallelConfig, ParallelPlan
 
 
@@ -80,9 +82,20 @@ class Runtime:
     self.axis_names = logical_axis_names(abstract_params)
     self.abstract_params = nnx.to_pure_dict(abstract_params)
     self.abstract_model_state = nnx.to_pure_dict(abstract_model_state)
-    self.param_shardings = nnx.to_pure_dict(state_shardings(abstract_params, self.mesh, self.rules))
-    self.model_state_shardings = nnx.to_pure_dict(
-        state_shardings(abstract_model_state, self.mesh, self.rules))
+    self.param_shardings = self._shardings(abstract_params)
+    self.model_state_shardings = self._shardings(abstract_model_state)
+
+  def _shardings(self, abstract) -> dict:
+    """NamedShardings from the axis names; a pipeline's layer group lies split over `stage`."""
+    shardings = nnx.to_pure_dict(state_shardings(abstract, self.mesh, self.rules))
+    if self.plan.pipelined and PIPELINED_GROUP in shardings:
+      shardings[PIPELINED_GROUP] = nnx.to_pure_dict(state_shardings(
+          abstract[PIPELINED_GROUP], self.mesh, self.plan.pipeline_rules(self.rules)))
+    return shardings
+
+  def layer_order(self):
+    """Stored position -> canonical layer of the pipelined group (None: canonical order)."""
+    return self.plan.layer_order(self.model_config)
 
   @contextlib.contextmanager
   def context(self):
@@ -92,9 +105,11 @@ class Runtime:
       yield
 
   def create(self) -> tuple[dict, dict]:
-    """(params, model_state) freshly initialised: the body of `init`, for use inside jit."""
+    """(params, model_state) freshly initialised: the body of `init`, for use inside jit. The
+    same values on every mesh; a circular pipeline stores its layer group stage-major."""
     params, model_state = _split(build_model(self.model_config, nnx.Rngs(self.seed)))[1:]
-    return nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
+    trees = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
+    return tuple(reorder_layers(tree, PIPELINED_GROUP, None, self.layer_order()) for tree in trees)
 
   def init(self) -> tuple[dict, dict]:
     """(params, model_state) initialised inside jit with out_shardings: each device creates

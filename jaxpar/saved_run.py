@@ -13,11 +13,37 @@ validated (keys that moved since are migrated) and the tokenizer found beside th
 
 from pathlib import Path
 
+import jax
+import numpy as np
+
 from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import MeshConfig, from_dict
 from jaxpar.data import load_tokenizer
 from jaxpar.errors import CheckpointError
+from jaxpar.models.pipeline import reorder_layers
+from jaxpar.models.transformer import PIPELINED_GROUP
 from jaxpar.runtime import Runtime
+
+
+def saved_layer_order(config):
+  """The pipelined layer group's order in a checkpoint written with `config` (plan.layer_order)."""
+  return config.plan().layer_order(config.model)
+
+
+def relayout(tree, source, target, shardings=None):
+  """`tree` (params, optimizer state, model state, or a tuple/dict of them) with the
+  pipelined layer group moved from `source` layer order to `target` (`plan.layer_order`:
+  a circular pipeline stores its layers stage-major; None is canonical), in one jitted
+  gather placed on `shardings` (default: where each array is). Every path from one layout
+  to another (restoring a checkpoint, resuming a run, generating after training) goes
+  through here, so a run written with any stage count opens with any other."""
+  count = len(source) if source is not None else len(target) if target is not None else 0
+  same = np.array_equal(np.arange(count) if source is None else source,
+                        np.arange(count) if target is None else target)
+  if same:
+    return tree if shardings is None else jax.device_put(tree, shardings)
+  shardings = shardings or jax.tree.map(lambda x: x.sharding, tree)
+  return jax.jit(lambda t: reorder_layers(t, PIPELINED_GROUP, source, target), out_shardings=shardings)(tree)
 
 
 def resolve_run(path) -> tuple[Path, int | None]:
@@ -102,8 +128,14 @@ class SavedRun:
       mesh = MeshConfig(**(mesh or {"fsdp": -1}))
     self.runtime = Runtime(self.config.model, mesh, devices, seed=self.config.train.seed,
                            parallel=self.config.parallel)
-    self.params, self.model_state = self.runtime.restore(self._checkpoints, self.step)
+    saved = self.runtime.restore(self._checkpoints, self.step)
+    self.params, self.model_state = relayout(saved, self.layer_order, self.runtime.layer_order())
     return self
+
+  @property
+  def layer_order(self):
+    """The pipelined layer group's order as saved."""
+    return saved_layer_order(self.config)
 
   @property
   def model(self):
@@ -119,15 +151,17 @@ class SavedRun:
     return Engine(self.runtime, self.params, tokenizer or self.tokenizer, model_state=self.model_state,
                   **options)
 
-  def restore_train_state(self, abstract_state: dict) -> tuple[dict, dict]:
-    """(train state items placed per `abstract_state`'s shardings, data iterator state): to
-    continue training from this step (a params-only checkpoint gives opt_state None)."""
+  def restore_train_state(self, abstract_state: dict, layer_order=None) -> tuple[dict, dict]:
+    """(train state items placed per `abstract_state`'s shardings, in `layer_order` (the
+    target runtime's), data iterator state): to continue training from this step (a
+    params-only checkpoint gives opt_state None)."""
     quantization = self.config.model.quantization
     if quantization is not None:
       raise CheckpointError(f"checkpoint {self.path} is quantized (model.quantization.mode={quantization.mode}): "
                             "quantized weights are for inference; train from the float checkpoint it was "
                             "quantized from")
-    return self._checkpoints.restore(abstract_state, self.step)
+    items, data_state = self._checkpoints.restore(abstract_state, self.step)
+    return relayout(items, self.layer_order, layer_order), data_state
 
   def close(self):
     self._checkpoints.close()

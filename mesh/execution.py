@@ -11,8 +11,25 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+  """How the repeated layer group runs over the pipeline stages (models/pipeline.py).
+
+  stages x repeats groups of layers; the group is stored stage-major (stage s holds the
+  layers it runs in every repeat, contiguously), so its stacked axis splits over `axis`.
+  bubble_fill: what the bubble iterations' inputs hold before they are masked (tests fill
+  them with NaN so that any leak shows).
+  """
+  stages: int
+  microbatches: int
+  repeats: int = 1
+  axis: str = "stage"  # the mesh axis the stages live on
+  bubble_fill: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class ExecutionOptions:
   context_attention: str = "all_gather"  # how attention crosses the devices that split `length`
+  pipeline: PipelineOptions | None = None  # None: the layer groups run as one scan each
 
 
 _CURRENT = contextvars.ContextVar("jaxpar_execution_options", default=ExecutionOptions())

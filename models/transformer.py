@@ -21,7 +21,8 @@ from jaxpar.models.init import embedding_init, fan_in
 from jaxpar.models.layer_pattern import unit_options
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.registry import get_block
-from jaxpar.models.stack import create_layers, run_layers, with_remat
+from jaxpar.models.pipeline import run_group
+from jaxpar.models.stack import create_layers, with_remat
 
 
 class LayerGroup(NamedTuple):
@@ -30,6 +31,11 @@ class LayerGroup(NamedTuple):
   start: int  # its first layer's index in the whole stack
   count: int
   feed_forward: str  # its feed-forward block
+
+
+# The group a pipeline runs over its stages (`mesh.stage > 1`): the repeated layers. The
+# groups before it (dense first layers) run before the pipeline, on every stage.
+PIPELINED_GROUP = "layers"
 
 
 def layer_groups(cfg) -> list[LayerGroup]:
@@ -156,19 +162,21 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     per_group, new_caches = [], {}
     for group in layer_groups(cfg):
-      layer_fns = [self._layer_fn(context, options) for options in unit_options(cfg, group.start)]
-      (x, new_caches[group.name]), aux = run_layers(
-          getattr(self, group.name), layer_fns, (x, group_caches[group.name]), jnp.arange(group.count),
-          scan=cfg.scan_layers, unroll=cfg.scan_unroll)
+      layer_fns = [self._layer_fn(options) for options in unit_options(cfg, group.start)]
+      # The context rides in the carry: a pipeline streams each microbatch's with it.
+      (x, _, new_caches[group.name]), aux = run_group(
+          getattr(self, group.name), layer_fns, (x, context, group_caches[group.name]),
+          jnp.arange(group.count), scan=cfg.scan_layers, unroll=cfg.scan_unroll,
+          pipelined=group.name == PIPELINED_GROUP)
       per_group.append(aux)
     return x, reduce_aux(per_group), new_caches
 
-  def _layer_fn(self, context, options):
+  def _layer_fn(self, options):
     """The per-layer function of layers with these static options (stack.run_layers)."""
     block = with_remat(lambda layer, x, context, cache: layer(x, context, cache, options), self.cfg.remat)
 
     def layer_fn(layer, carry, index):
-      x, cache = carry
+      x, context, cache = carry
       x, aux, cache = block(layer, x, context, cache.at(index))
-      return (x, cache), aux
+      return (x, context, cache), aux
     return layer_fn

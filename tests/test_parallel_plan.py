@@ -29,8 +29,9 @@ def test_old_model_keys_move_to_the_parallel_section_with_one_note_each(caplog):
 
 
 def test_checks_run_when_the_config_loads_with_the_sizes_known_then():
-  with pytest.raises(ConfigError, match="mesh.stage=2: pipeline parallelism is not implemented yet"):
-    load_config("tiny", ["mesh.stage=2"])
+  with pytest.raises(ConfigError, match=r"model.num_layers=4: 4 pipelined layers do not split into mesh.stage=3 "
+                                        r"groups; pipeline 3 or 6 layers, or use mesh.stage in \[2, 4\]"):
+    load_config("tiny", ["mesh.stage=3"])
   with pytest.raises(ConfigError, match="mesh.tensor=3 does not divide model.num_heads=4"):
     load_config("tiny", ["mesh.tensor=3"])
   with pytest.raises(ConfigError, match="mesh.expert=3 does not divide model.moe.num_experts=8"):

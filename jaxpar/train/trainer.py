@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
 from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
-from jaxpar.config import Config, checkpoint_dir
+from jaxpar.config import Config, checkpoint_dir, from_dict
 from jaxpar.data import TrainBatches, copy_tokenizer_files, load_tokenizer
 from jaxpar.train.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import logical_to_sharding
@@ -23,7 +23,7 @@ from jaxpar.cluster.preemption import stop_on_signals
 from jaxpar.cluster.run_lock import hold_run_dirs
 from jaxpar.errors import ConfigError
 from jaxpar.runtime import Runtime, with_shardings
-from jaxpar.saved_run import SavedRun
+from jaxpar.saved_run import SavedRun, relayout, saved_layer_order
 from jaxpar.train.state import TrainState
 from jaxpar.train.step import make_train_step
 from jaxpar.cluster.xla_flags import compiler_options
@@ -186,11 +186,14 @@ class Trainer:
   def _start_state(self, checkpointer, batches, restore) -> TrainState:
     if restore is not None:
       with SavedRun(restore) as source:
-        items, data_state = source.restore_train_state(self.abstract_state().items())
+        items, data_state = source.restore_train_state(self.abstract_state().items(), self.runtime.layer_order())
         where = source.path
     elif checkpointer is not None and checkpointer.latest_step() is not None:
       items, data_state = checkpointer.restore(self.abstract_state().items())
       where = checkpointer.path(int(items["step"]))
+      if (where / "config").is_dir():  # maybe another stage count or schedule: its layers in its order
+        saved = from_dict(checkpointer.saved_config(int(items["step"])), check_paths=False)
+        items = relayout(items, saved_layer_order(saved), self.runtime.layer_order())
     else:
       return self.init_state()
     state = TrainState(**items)
@@ -267,7 +270,10 @@ class Trainer:
     values = scalars(jax.device_get(metrics))
     dt = clock.step_time(step)  # None for the first step of a run: it includes compiling
     if dt is not None:
+      # The model's FLOPs: a pipeline's bubble iterations are idle time, not useful work.
       values.update(step_time_s=dt, tokens_per_s=tokens_per_step / dt, mfu=flops_per_step / dt / peak)
+    if self.runtime.plan.pipelined:
+      values["pipeline_bubble"] = self.runtime.plan.bubble_fraction
     every = self.config.train.log_every
     logger.log(step, values, echo=every > 0 and (step % every == 0 or step == 1), echo_eval=every > 0)
 
