@@ -22,6 +22,7 @@ from jaxpar.train.optim import (learning_rate_schedule, make_optimizer, opt_stat
 from jaxpar.cluster.preemption import stop_on_signals
 from jaxpar.cluster.run_lock import hold_run_dirs
 from jaxpar.errors import ConfigError
+from jaxpar.finetune.base import load_base, split_weights
 from jaxpar.runtime import Runtime, with_shardings
 from jaxpar.saved_run import SavedRun
 from jaxpar.train.state import TrainState
@@ -44,14 +45,16 @@ class Trainer:
 
   def __init__(self, config: Config, devices=None, *, console: Console | None = None):
     self.config = config
-    if config.model.quantization is not None:
+    if config.model.quantization is not None and config.model.lora is None:
       raise ConfigError(f"model.quantization.mode={config.model.quantization.mode}: quantized "
                         "weights are for inference; train the float model, then `jaxpar quantize` "
-                        "its checkpoint")
+                        "its checkpoint, or train adapters over it (model.lora: QLoRA)")
     self.runtime = Runtime.from_config(config, devices)
     self.runtime.plan.check_training(config.model, config.data, config.train, self.rules)
     self.console = console or Console()
-    self.optimizer = make_optimizer(config.train, self.runtime.decay_mask, self.runtime.axis_names)
+    # Under model.lora the optimizer sees the adapters only: the base is TrainState.frozen.
+    self.optimizer = make_optimizer(config.train, self._trainable(self.runtime.decay_mask),
+                                    self._trainable(self.runtime.axis_names))
     self.schedule = learning_rate_schedule(config.train)
     self.state_shardings = self._state_shardings()
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
@@ -75,23 +78,28 @@ class Trainer:
     """The mesh and logical rules that tracing model code needs."""
     return self.runtime.context()
 
+  def _trainable(self, tree: dict) -> dict:
+    """The part of a params-shaped tree that trains (all of it, or the adapters)."""
+    return split_weights(self.runtime, tree)[0]
+
   @property
   def optimizer_bytes_per_param(self) -> float:
     """Optimizer-state bytes per parameter (AdamW in float32: 8; SGD with momentum: 4)."""
-    abstract_opt = jax.eval_shape(self.optimizer.init, self.runtime.abstract_params)
+    abstract_opt = jax.eval_shape(self.optimizer.init, self._trainable(self.runtime.abstract_params))
     return state_bytes_per_param(abstract_opt, self.num_params)
 
   def _state_shardings(self) -> TrainState:
-    params = self.runtime.param_shardings
-    abstract_opt = jax.eval_shape(self.optimizer.init, self.runtime.abstract_params)
-    opt = opt_state_shardings(abstract_opt, self.runtime.abstract_params, params, self.mesh)
+    params, frozen = split_weights(self.runtime, self.runtime.param_shardings)
+    abstract = self._trainable(self.runtime.abstract_params)
+    opt = opt_state_shardings(jax.eval_shape(self.optimizer.init, abstract), abstract, params, self.mesh)
     return TrainState(step=NamedSharding(self.mesh, PartitionSpec()), params=params, opt_state=opt,
-                      model_state=self.runtime.model_state_shardings)
+                      model_state=self.runtime.model_state_shardings, frozen=frozen)
 
-  def _create_state(self) -> TrainState:
+  def _create_state(self, with_frozen=True) -> TrainState:
     params, model_state = self.runtime.create()
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=self.optimizer.init(params), model_state=model_state)
+    params, frozen = split_weights(self.runtime, params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params),
+                      model_state=model_state, frozen=frozen if with_frozen else {})
 
   def abstract_state(self) -> TrainState:
     """ShapeDtypeStructs with shardings: for AOT compiles and checkpoint restores."""
@@ -100,8 +108,14 @@ class Trainer:
     return with_shardings(shapes, self.state_shardings)
 
   def init_state(self) -> TrainState:
+    """A fresh state; under model.lora, fresh adapters over the base model.lora.base names."""
+    if self.runtime.adapter_mask is None:
+      with self.context():
+        return jax.jit(self._create_state, out_shardings=self.state_shardings)()
     with self.context():
-      return jax.jit(self._create_state, out_shardings=self.state_shardings)()
+      state = jax.jit(lambda: self._create_state(with_frozen=False),
+                      out_shardings=self.state_shardings.replace(frozen={}))()
+    return state.replace(frozen=load_base(self.runtime))
 
   def tokenizer(self):
     return load_tokenizer(self.config.data.tokenizer)
@@ -117,7 +131,7 @@ class Trainer:
     """The config's eval sets on this trainer's mesh and shardings (jaxpar/train/evaluator.py);
     `sources`: the training loader's, so nothing is read twice. Every evaluator of a trainer
     shares one eval step, so it compiles once."""
-    shardings = (self.state_shardings.params, self.state_shardings.model_state, self.batch_sharding)
+    shardings = (self.runtime.param_shardings, self.state_shardings.model_state, self.batch_sharding)
     if self._eval_step is None:
       self._eval_step = jit_eval_step(self.runtime, self.config.train.logits_chunk_len, *shardings)
     return Evaluator(self.config, self.runtime, tokenizer or self.tokenizer(), *shardings, sources=sources,
@@ -186,6 +200,9 @@ class Trainer:
   def _start_state(self, checkpointer, batches, restore) -> TrainState:
     if restore is not None:
       with SavedRun(restore) as source:
+        if self.runtime.adapter_mask is not None and source.config.model.lora is None:
+          raise ConfigError(f"--restore {restore}: that checkpoint has no adapters; to train adapters "
+                            f"over it, set model.lora.base={restore} instead")
         items, data_state = source.restore_train_state(self.abstract_state().items())
         where = source.path
     elif checkpointer is not None and checkpointer.latest_step() is not None:
@@ -194,6 +211,8 @@ class Trainer:
     else:
       return self.init_state()
     state = TrainState(**items)
+    if self.runtime.adapter_mask is not None:  # an adapter checkpoint: the base comes from its own place
+      state = state.replace(frozen=load_base(self.runtime))
     if state.opt_state is None:  # a params-only checkpoint (an imported model): fine-tune it
       with self.context():
         opt_state = jax.jit(self.optimizer.init,
@@ -230,7 +249,7 @@ class Trainer:
           self._log(logger, clock, pending, tokens_per_step, flops_per_step, peak)
         every = cfg.eval.every_steps
         if evaluator is not None and not stopping and (step % every == 0 or step == start_step + steps):
-          metrics = {**metrics, **flat_metrics(evaluator.run(state.params, state.model_state))}
+          metrics = {**metrics, **flat_metrics(evaluator.run(state.weights(), state.model_state))}
           clock.pause_after(step)  # the evaluation is not part of the next step's time
         pending = (step, metrics)
         if stopping:
