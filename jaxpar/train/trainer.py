@@ -125,6 +125,9 @@ class Trainer:
     if tokenizer.vocab_size > self.config.model.vocab_size:
       raise ConfigError(f"model.vocab_size={self.config.model.vocab_size} is smaller than the "
                        f"tokenizer's {tokenizer.vocab_size} tokens: raise model.vocab_size")
+    if self.config.data.format == "chat":
+      from jaxpar.finetune.sft_batches import ChatBatches
+      return ChatBatches(self.config.data, tokenizer, self.batch_sharding)
     return TrainBatches(self.config.data, tokenizer, self.batch_sharding)
 
   def evaluator(self, tokenizer=None, sources=None, **options) -> Evaluator:
