@@ -90,8 +90,9 @@ class DataConfig(_Frozen):
   tokens_key: str | None = None  # pre-tokenized: the column of token-id lists
   tokenizer: str = "byte"
   # chat: fine-tuning rows (`messages`, or `prompt` + `completion`) in JSON lines, packed with
-  # loss on the assistant's tokens only (jaxpar/finetune/sft_batches.py); text: plain documents.
-  format: Literal["text", "chat"] = "text"
+  # loss on the assistant's tokens only (jaxpar/finetune/sft_batches.py); preference: DPO pairs
+  # (`prompt`, `chosen`, `rejected`: jaxpar/finetune/preference_batches.py); text: plain documents.
+  format: Literal["text", "chat", "preference"] = "text"
   chat_template: str | None = None  # a .jinja file, or chatml (bundled); default: the tokenizer's own
   seq_len: int = 128
   global_batch_size: int = 16
@@ -155,6 +156,10 @@ class TrainConfig(_Frozen):
   momentum: float | None = Field(None, ge=0, lt=1)  # sgd (default 0.9), muon (default 0.95)
   grad_clip: float | None = 1.0
   z_loss: float = 0.0
+  # lm: next-token cross-entropy; dpo: preference pairs against the base with adapters off
+  # (needs model.lora and data.format=preference; jaxpar/finetune/dpo.py), with this beta.
+  objective: Literal["lm", "dpo"] = "lm"
+  dpo_beta: float = Field(0.1, gt=0)
   microbatches: int = 1
   # Sequence positions per device in each chunk of the fused output-projection + loss
   # (0: plain logits); under context parallelism a chunk spans the context devices.

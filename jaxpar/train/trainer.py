@@ -61,7 +61,7 @@ class Trainer:
     step = make_train_step(self.graphdef, self.optimizer, self.schedule,
                            z_loss=config.train.z_loss, microbatches=config.train.microbatches,
                            logits_chunk_len=config.train.logits_chunk_len,
-                           load_balance=self.runtime.plan.load_balance)
+                           load_balance=self.runtime.plan.load_balance, objective=self._objective())
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
     self.xla_options, self.xla_notes = compiler_options(config.mesh.xla_flags, self.mesh.devices.flat)
     self._eval_step = None  # built with the first evaluator
@@ -77,6 +77,21 @@ class Trainer:
   def context(self):
     """The mesh and logical rules that tracing model code needs."""
     return self.runtime.context()
+
+  def _objective(self):
+    """The objective train.objective names (None: the language-model loss)."""
+    cfg = self.config
+    if (cfg.train.objective == "dpo") != (cfg.data.format == "preference"):
+      raise ConfigError(f"train.objective={cfg.train.objective} with data.format={cfg.data.format}: DPO trains on "
+                        "preference pairs and only on them; set both (train.objective=dpo data.format=preference) "
+                        "or neither")
+    if cfg.train.objective == "lm":
+      return None
+    if self.runtime.adapter_mask is None:
+      raise ConfigError("train.objective=dpo needs adapters (model.lora): the reference model is the base with "
+                        "the adapters off, so no second copy of the weights is held")
+    from jaxpar.finetune.dpo import make_dpo_objective
+    return make_dpo_objective(self.graphdef, cfg.train.dpo_beta)
 
   def _trainable(self, tree: dict) -> dict:
     """The part of a params-shaped tree that trains (all of it, or the adapters)."""
@@ -128,6 +143,9 @@ class Trainer:
     if self.config.data.format == "chat":
       from jaxpar.finetune.sft_batches import ChatBatches
       return ChatBatches(self.config.data, tokenizer, self.batch_sharding)
+    if self.config.data.format == "preference":
+      from jaxpar.finetune.preference_batches import PreferenceBatches
+      return PreferenceBatches(self.config.data, tokenizer, self.batch_sharding)
     return TrainBatches(self.config.data, tokenizer, self.batch_sharding)
 
   def evaluator(self, tokenizer=None, sources=None, **options) -> Evaluator:
