@@ -160,3 +160,32 @@ def test_qlora_int4_base_trains_and_tracks_the_float_base(base, trained):
   losses = [h["loss"] for h in quantized.history]
   np.testing.assert_allclose(losses, [h["loss"] for h in full.history], rtol=0.02)
   assert losses[-1] < losses[0]
+
+
+def test_expert_adapters_merge_into_the_experts():
+  """model.lora.experts: one adapter pair per routed expert (and the attention's), whose
+  low-rank updates the merged weights hold: same logits, no adapters left."""
+  from jaxpar.finetune.merge import merged_weights
+  from jaxpar.runtime import Runtime
+  lora = {"rank": 2, "alpha": 4.0, "experts": True, "targets": ["q", "gate", "down"]}
+  config = small_config(mesh={"fsdp": 1}, model={"family": "mixtral", "num_layers": 1, "moe": {
+      "num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 32}, "lora": lora})
+  adapted = Runtime.from_config(config, jax.devices()[:1])
+  params, model_state = adapted.init()
+  keys = iter(jax.random.split(jax.random.key(3), 64))
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, x: 0.2 * jax.random.normal(next(keys), x.shape) if "lora" in jax.tree_util.keystr(p) else x, params)
+  assert params["layers"]["mlp"]["lora"]["gate"]["b"].shape == (1, 4, 2, 32)  # [layers, experts, rank, mlp]
+  plain = Runtime.from_config(small_config(mesh={"fsdp": 1}, model=config.model.model_dump() | {"lora": None}),
+                              jax.devices()[:1])
+  merged = merged_weights(params, config.model.lora.scale)
+  assert jax.tree.structure(merged) == jax.tree.structure(plain.abstract_params)
+  def logits(runtime):  # jitted: op by op, a MoE forward takes a minute on CPU
+    return jax.jit(lambda p: runtime.merge(p, model_state)(TOKENS[:, :16])[0])
+  with adapted.context():
+    ours = logits(adapted)(params)
+  with plain.context():
+    plain_logits = logits(plain)
+    folded, base = plain_logits(merged), plain_logits(merged_weights(params, 0.0))
+  np.testing.assert_allclose(folded, ours, rtol=1e-4, atol=1e-5)
+  assert np.abs(np.asarray(base) - np.asarray(ours)).max() > 1e-3  # the expert adapters matter
