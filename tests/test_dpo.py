@@ -32,7 +32,8 @@ def _config(tmp_path, **train):
   return small_config(mesh={"fsdp": 1}, model={"lora": LORA},
                       data={"source": _pairs(tmp_path / "pairs.jsonl"), "format": "preference", "seq_len": 16,
                             "global_batch_size": 8},
-                      train={"objective": "dpo", "steps": 12, "learning_rate": 2e-2, "warmup_steps": 1, "dpo_beta": 0.5, **train})
+                      train={"objective": "dpo", "steps": 12, "learning_rate": 2e-2, "warmup_steps": 1,
+                             "dpo_beta": 0.5, **train})
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.cli import main
 from jaxpar.convert.hf import hf_to_jaxpar, jaxpar_to_hf
 from jaxpar.finetune.merge import merge_checkpoint
-from jaxpar.finetune.peft import export_peft, import_peft
+from jaxpar.finetune.peft import import_peft
 from jaxpar.saved_run import open_run
 from jaxpar.train.trainer import Trainer
 

@@ -60,7 +60,8 @@ def make_dpo_objective(graphdef, beta: float):
     loss, margin, chosen, rejected = dpo_loss(policy, reference, beta)
     total = jnp.sum(loss)
     sums = {"ce_sum": total, "z_sum": jnp.zeros(()), "tokens": jnp.asarray(loss.shape[0], jnp.float32),
-            "metric/reward_margin": jnp.sum(margin), "metric/reward_accuracy": jnp.sum((margin > 0).astype(jnp.float32)),
+            "metric/reward_margin": jnp.sum(margin),
+            "metric/reward_accuracy": jnp.sum((margin > 0).astype(jnp.float32)),
             "metric/chosen_reward": jnp.sum(chosen), "metric/rejected_reward": jnp.sum(rejected)}
     return total, (sums, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
 
