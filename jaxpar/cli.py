@@ -74,7 +74,7 @@ def _print_sample(trainer, state, tokenizer):
   from jaxpar.runtime import Runtime
   from jaxpar.saved_run import relayout
   t, runtime = trainer.config.train, trainer.runtime
-  params, model_state = state.params, state.model_state
+  params, model_state = state.weights(), state.model_state
   sizes = runtime.plan.generation_sizes()
   if sizes != runtime.plan.sizes:  # generation lays the same devices out its own way
     mesh = trainer.config.mesh.model_copy(update=sizes)
@@ -296,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
   add_data_parsers(commands)
   from jaxpar.train.eval_command import add_parsers as add_eval_parsers
   add_eval_parsers(commands)
+  from jaxpar.finetune.commands import add_parsers as add_lora_parsers
+  add_lora_parsers(commands)
 
   launch = commands.add_parser(
       "launch-local", help="run N processes of one job on this machine (simulated CPU devices)",

@@ -75,8 +75,8 @@ SINGLE_SOURCE = "heldout"  # the name `data.source` goes by (its held-out docume
 
 
 def _check_path(key: str, path: str):
-  from jaxpar.data.sources import BUNDLED, is_glob
-  if path != BUNDLED and not is_glob(path) and not Path(path).expanduser().exists():
+  from jaxpar.data.sources import BUNDLED, BUNDLED_CHAT, is_glob
+  if path not in (BUNDLED, BUNDLED_CHAT) and not is_glob(path) and not Path(path).expanduser().exists():
     raise ValueError(f"{key}={path!r} does not exist: give 'bundled', a data file (.txt, .jsonl, "
                      ".parquet, .arrow, .feather), a folder or glob of them, or a token cache")
 
@@ -89,6 +89,11 @@ class DataConfig(_Frozen):
   text_key: str = "text"
   tokens_key: str | None = None  # pre-tokenized: the column of token-id lists
   tokenizer: str = "byte"
+  # chat: fine-tuning rows (`messages`, or `prompt` + `completion`) in JSON lines, packed with
+  # loss on the assistant's tokens only (jaxpar/finetune/sft_batches.py); preference: DPO pairs
+  # (`prompt`, `chosen`, `rejected`: jaxpar/finetune/preference_batches.py); text: plain documents.
+  format: Literal["text", "chat", "preference"] = "text"
+  chat_template: str | None = None  # a .jinja file, or chatml (bundled); default: the tokenizer's own
   seq_len: int = 128
   global_batch_size: int = 16
   shuffle_seed: int = 0
@@ -109,8 +114,12 @@ class DataConfig(_Frozen):
     if self.sources and not any(s.weight > 0 for s in self.sources.values()):
       raise ValueError("data.sources: every weight is 0, so nothing is trained on: give at least one "
                        "source a positive weight")
+    if self.format != "text" and self.sources:
+      raise ValueError(f"data.format={self.format} reads one data.source of JSON lines, not data.sources")
     if (info.context or {}).get("check_paths", True) is False:
       return self  # a saved run's config: the weights carry their tokenizer
+    if self.chat_template not in (None, "chatml") and not Path(self.chat_template).is_file():
+      raise ValueError(f"data.chat_template={self.chat_template!r} does not exist: give a .jinja file")
     for name, s in self.sources.items():
       _check_path(f"data.sources.{name}.path", s.path)
     if not self.sources:
@@ -147,6 +156,10 @@ class TrainConfig(_Frozen):
   momentum: float | None = Field(None, ge=0, lt=1)  # sgd (default 0.9), muon (default 0.95)
   grad_clip: float | None = 1.0
   z_loss: float = 0.0
+  # lm: next-token cross-entropy; dpo: preference pairs against the base with adapters off
+  # (needs model.lora and data.format=preference; jaxpar/finetune/dpo.py), with this beta.
+  objective: Literal["lm", "dpo"] = "lm"
+  dpo_beta: float = Field(0.1, gt=0)
   microbatches: int = 1
   # Sequence positions per device in each chunk of the fused output-projection + loss
   # (0: plain logits); under context parallelism a chunk spans the context devices.

@@ -39,6 +39,12 @@ def weight_decay_mask(abstract_params) -> dict:
                                        abstract_params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
+def adapter_leaves(abstract_params) -> dict:
+  """True for every adapter (nnx.LoRAParam, models/lora.py) leaf: what trains under model.lora."""
+  return nnx.to_pure_dict(jax.tree.map(lambda v: isinstance(v, nnx.LoRAParam), abstract_params,
+                                       is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
 def logical_axis_names(abstract_params) -> dict:
   """Each parameter's logical axis names, e.g. ("layers", "embed", "mlp")."""
   return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata().get("out_sharding") or ()),
@@ -56,7 +62,9 @@ class Runtime:
   mesh, rules: the named mesh and the logical-axis rules (the config's, else the family's
   preset, as the plan runs them); plan: what each mesh axis does (jaxpar/parallel.py);
   graphdef + abstract_params / abstract_model_state: the model without memory;
-  param_shardings / model_state_shardings: NamedShardings read from the axis names.
+  param_shardings / model_state_shardings: NamedShardings read from the axis names;
+  adapter_mask: under model.lora, a params-shaped tree of bools, True for the adapters (the
+  only weights that train: jaxpar/finetune/partition.py); None without adapters.
   """
 
   @classmethod
@@ -80,6 +88,7 @@ class Runtime:
     self.num_params = count_params(abstract_params)
     self.decay_mask = weight_decay_mask(abstract_params)
     self.axis_names = logical_axis_names(abstract_params)
+    self.adapter_mask = adapter_leaves(abstract_params) if model_cfg.lora is not None else None
     self.abstract_params = nnx.to_pure_dict(abstract_params)
     self.abstract_model_state = nnx.to_pure_dict(abstract_model_state)
     self.param_shardings = self._shardings(abstract_params)

@@ -20,6 +20,7 @@ from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import MeshConfig, from_dict
 from jaxpar.data import load_tokenizer
 from jaxpar.errors import CheckpointError
+from jaxpar.finetune.partition import join
 from jaxpar.models.pipeline import reorder_layers
 from jaxpar.models.transformer import PIPELINED_GROUP
 from jaxpar.runtime import Runtime
@@ -128,9 +129,20 @@ class SavedRun:
       mesh = MeshConfig(**(mesh or {"fsdp": -1}))
     self.runtime = Runtime(self.config.model, mesh, devices, seed=self.config.train.seed,
                            parallel=self.config.parallel)
-    saved = self.runtime.restore(self._checkpoints, self.step)
+    if self.config.model.lora is None:
+      saved = self.runtime.restore(self._checkpoints, self.step)
+    else:  # an adapter checkpoint: its adapters here, the base weights where model.lora.base says
+      from jaxpar.finetune.base import load_base, split_weights
+      params, model_state = self.runtime.abstract_targets()
+      adapters = self._checkpoints.restore_item("params", split_weights(self.runtime, params)[0], self.step)
+      saved = (join(adapters, load_base(self.runtime)),
+               self._checkpoints.restore_item("model_state", model_state, self.step))
     self.params, self.model_state = relayout(saved, self.layer_order, self.runtime.layer_order())
     return self
+
+  def read_params(self, targets: dict) -> dict:
+    """The saved parameters, placed per `targets` (sharded ShapeDtypeStructs of every one)."""
+    return self._checkpoints.restore_item("params", targets, self.step)
 
   @property
   def layer_order(self):

@@ -5,6 +5,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.mesh import constrain
+from jaxpar.models import lora
 from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
 from jaxpar.models.norm import RMSNorm
@@ -16,7 +17,8 @@ class Attention(nnx.Module):
   """Causal GQA over [B, L, embed] -> [B, L, embed].
 
   Parameters: q [embed, heads, head_dim], k and v [embed, kv_heads, head_dim],
-  o [heads, head_dim, embed] (each a QuantizedKernel under model.quantization); optional
+  o [heads, head_dim, embed] (each a QuantizedKernel under model.quantization; with
+  model.lora, their adapters in `lora`, models/lora.py); optional
   q/k/v biases (Qwen2) and q/k RMSNorms (Qwen3).
   The layer's options (layer_pattern.LayerOptions) give its RoPE and its attention options;
   the cache object (models/caches.py) decides where keys and values come from: the same
@@ -32,6 +34,7 @@ class Attention(nnx.Module):
     self.v = projection(proj_init, rngs.params(), (e, kv, d), ("embed", "kv_heads", "head_dim"), **proj)
     self.o = projection(fan_in(in_axis=(0, 1), out_axis=2), rngs.params(), (h, d, e),
                         ("heads", "head_dim", "embed"), contract=2, **proj)
+    self.lora = lora.adapters(cfg.lora, rngs, q=self.q, k=self.k, v=self.v, o=self.o)
     if cfg.attention_bias:
       self.q_bias = nnx.Param(jnp.zeros((h, d), param_dtype), out_sharding=("heads", "head_dim"))
       self.k_bias = nnx.Param(jnp.zeros((kv, d), param_dtype), out_sharding=("kv_heads", "head_dim"))
@@ -48,7 +51,8 @@ class Attention(nnx.Module):
   def __call__(self, x, context, cache, options):
     """x [B, L, embed] -> ([B, L, embed], cache)."""
     dt = self.dtype
-    q, k, v = (checkpoint_name(dense(x, w, dtype=dt), "qkv_proj") for w in (self.q, self.k, self.v))
+    q, k, v = (checkpoint_name(dense(x, getattr(self, n), dtype=dt, adapter=lora.adapter(self.lora, n)), "qkv_proj")
+               for n in ("q", "k", "v"))
     if self.use_bias:
       q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
                  v + self.v_bias[...].astype(dt))
@@ -60,7 +64,8 @@ class Attention(nnx.Module):
     v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
     out, cache = cache.update_and_attend(q, k, v, context, options.attention)
     out = checkpoint_name(out, "attention_out")
-    return checkpoint_name(dense(out, self.o, contract=2, dtype=dt), "out_proj"), cache
+    o = dense(out, self.o, contract=2, dtype=dt, adapter=lora.adapter(self.lora, "o"))
+    return checkpoint_name(o, "out_proj"), cache
 
   def embed_positions(self, q, k, positions, rope):
     """Rotate q and k [B, L, H, D] by their positions (rope: a layer_pattern.Rope, or None

@@ -4,6 +4,7 @@ Plain pydantic (no jaxpar imports), so a model family can extend it with its own
 by subclassing `ModelConfig` and naming the subclass in its registry entry.
 """
 
+import fnmatch
 from typing import Annotated, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer,
@@ -47,6 +48,40 @@ class QuantizationConfig(Frozen):
       raise ValueError(f"model.quantization.outlier_channels={self.outlier_channels} needs "
                        "mode=w8a8 and a count >= 0")
     return self
+
+
+# The projections adapters can attach to (models/lora.py): attention, then the feed-forward block's.
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class LoRAConfig(Frozen):
+  """Low-rank adapters (LoRA, models/lora.py): each projection whose name matches a pattern in
+  `targets` computes W x + (alpha / rank) * B(A(x)), A [in, rank] and B [rank, out] being
+  the only weights that train. `experts`: the routed experts' gate/up/down too (MoE).
+  `base`: the checkpoint (run, checkpoints or step dir) holding the frozen base weights;
+  None starts the base from the model's random init (tests, benchmarks)."""
+  rank: int = Field(8, ge=1)
+  alpha: float = Field(16.0, gt=0)
+  targets: tuple[str, ...] = PROJECTIONS  # shell-style patterns over PROJECTIONS, e.g. "[qkvo]"
+  experts: bool = False
+  base: str | None = None
+
+  @model_validator(mode="after")
+  def _targets(self):
+    if not self.targets:
+      raise ValueError(f"model.lora.targets is empty: name projections among {', '.join(PROJECTIONS)}")
+    for pattern in self.targets:
+      if not fnmatch.filter(PROJECTIONS, pattern):
+        raise ValueError(f"model.lora.targets: {pattern!r} matches no projection; use names or "
+                         f"patterns over {', '.join(PROJECTIONS)}")
+    return self
+
+  def targets_projection(self, name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in self.targets)
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
 
 
 REMAT_PRESETS = ("none", "full", "save_dots", "save_dots_no_batch")
@@ -141,6 +176,7 @@ class ModelConfig(Frozen):
   mlp_chunks: int = 1
   attention: Literal["auto", "flash", "reference", "chunked"] = "auto"
   quantization: QuantizationConfig | None = None  # None: float projections
+  lora: LoRAConfig | None = None  # None: no adapters
 
   @model_validator(mode="after")
   def _heads(self):

@@ -79,12 +79,14 @@ def projection(init, key, shape, names, *, param_dtype, quantization=None, contr
   `quantization` (model.quantization) that kernel quantized into a QuantizedKernel."""
   value = init(key, shape, param_dtype)
   if quantization is None:
-    return nnx.Param(value, out_sharding=names)
+    # `contract` travels as metadata so an adapter (models/lora.py) can read the layout.
+    return nnx.Param(value, out_sharding=names, contract=contract)
   return QuantizedKernel(value, names, contract, quantization)
 
 
-def dense(x, kernel, *, contract: int = 1, dtype=None):
-  """Contract the last `contract` dims of x with the first `contract` dims of kernel.
+def dense(x, kernel, *, contract: int = 1, dtype=None, adapter=None):
+  """Contract the last `contract` dims of x with the first `contract` dims of kernel, plus
+  the low-rank term of `adapter` (a models/lora.py LoRA) when given.
 
   kernel: an array, an nnx.Param (cast to `dtype` when given) or a QuantizedKernel.
   [B, L, ...in] x [...in, ...out] -> [B, L, ...out], computed as [B*L, in] @ [in, out]:
@@ -94,8 +96,11 @@ def dense(x, kernel, *, contract: int = 1, dtype=None):
   length (context or sequence parallelism) as well as the batch, B*L would interleave
   the two splits, which XLA can only undo by gathering: then the contraction keeps B, L.
   """
-  if isinstance(kernel, QuantizedKernel):
-    return kernel(x)
+  y = kernel(x) if isinstance(kernel, QuantizedKernel) else _float_dense(x, kernel, contract, dtype)
+  return y if adapter is None else y + adapter(x, dtype)
+
+
+def _float_dense(x, kernel, contract, dtype):
   kernel = kernel[...] if dtype is None else kernel[...].astype(dtype)
   lead = x.shape[:x.ndim - contract]
   n_in = math.prod(kernel.shape[:contract])

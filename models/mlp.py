@@ -6,6 +6,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.mesh import constrain
 from jaxpar.mesh.length_chunks import length_spans, merge_length, split_length
+from jaxpar.models import lora
 from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
 from jaxpar.models.registry import register_block
@@ -21,7 +22,7 @@ class MLP(nnx.Module):
   """down(silu(x @ gate) * (x @ up)): [B, L, embed] -> ([B, L, embed], {}).
 
   Parameters: gate, up [embed, mlp]; down [mlp, embed] (QuantizedKernels under
-  model.quantization). No auxiliary outputs.
+  model.quantization; their adapters in `lora` under model.lora). No auxiliary outputs.
 
   chunks > 1 (`model.mlp_chunks`) runs a float block over the sequence in that many pieces,
   one after another, each rematerialised under `remat`: the [tokens, mlp] intermediates the
@@ -30,11 +31,12 @@ class MLP(nnx.Module):
   """
 
   def __init__(self, embed_dim, mlp_dim, *, param_dtype, compute_dtype, rngs: nnx.Rngs,
-               quantization=None, chunks: int = 1, remat="none"):
+               quantization=None, chunks: int = 1, remat="none", adapters=None):
     init, proj = fan_in(), dict(param_dtype=param_dtype, quantization=quantization)
     self.gate = projection(init, rngs.params(), (embed_dim, mlp_dim), ("embed", "mlp"), **proj)
     self.up = projection(init, rngs.params(), (embed_dim, mlp_dim), ("embed", "mlp"), **proj)
     self.down = projection(init, rngs.params(), (mlp_dim, embed_dim), ("mlp", "embed"), **proj)
+    self.lora = lora.adapters(adapters, rngs, gate=self.gate, up=self.up, down=self.down)
     self.dtype = compute_dtype
     self.chunks = chunks if quantization is None else 1
     # A piece keeps or recomputes its activations as the layer does.
@@ -55,12 +57,13 @@ class MLP(nnx.Module):
     return merge_length(jax.lax.map(piece, split_length(x, self.chunks, spans))), {}
 
   def _feed_forward(self, x, gate_kernel, up_kernel, down_kernel):
-    gate = checkpoint_name(dense(x, gate_kernel, dtype=self.dtype), "mlp_in")
-    up = checkpoint_name(dense(x, up_kernel, dtype=self.dtype), "mlp_in")
+    adapter = lambda name: lora.adapter(self.lora, name)  # noqa: E731
+    gate = checkpoint_name(dense(x, gate_kernel, dtype=self.dtype, adapter=adapter("gate")), "mlp_in")
+    up = checkpoint_name(dense(x, up_kernel, dtype=self.dtype, adapter=adapter("up")), "mlp_in")
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
-    return checkpoint_name(dense(hidden, down_kernel, dtype=self.dtype), "mlp_out")
+    return checkpoint_name(dense(hidden, down_kernel, dtype=self.dtype, adapter=adapter("down")), "mlp_out")
 
 
 register_block("feed_forward", "dense",
                lambda cfg, **kwargs: MLP(cfg.embed_dim, cfg.mlp_dim, quantization=cfg.quantization,
-                                         chunks=cfg.mlp_chunks, remat=cfg.remat, **kwargs))
+                                         chunks=cfg.mlp_chunks, remat=cfg.remat, adapters=cfg.lora, **kwargs))

@@ -9,7 +9,7 @@ compute (sorting, grouped matmuls, the all-to-all of expert parallelism) happens
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.models import router
+from jaxpar.models import lora, router
 from jaxpar.models.dense import dense
 from jaxpar.models.init import fan_in
 from jaxpar.models.mlp import MLP
@@ -26,7 +26,8 @@ class MoE(nnx.Module):
   """[B, L, embed] -> ([B, L, embed], aux).
 
   Parameters: router [embed, experts]; gate, up [experts, embed, mlp]; down
-  [experts, mlp, embed]; `shared` (an MLP) when moe.shared_mlp_dim > 0. Model state: `bias`
+  [experts, mlp, embed]; `shared` (an MLP) when moe.shared_mlp_dim > 0; with model.lora, the
+  shared MLP's adapters and (lora.experts) one adapter per expert in `lora`. Model state: `bias`
   [experts] when moe.bias_update_rate > 0.
   aux losses: moe_balance, moe_router_z (already weighted); metrics: moe/load (fraction of
   assignments per expert), moe/imbalance (max / mean load), moe/dropped (fraction dropped).
@@ -44,7 +45,8 @@ class MoE(nnx.Module):
     self.down = nnx.Param(expert_init(rngs.params(), (e, f, d), param_dtype),
                           out_sharding=("experts", "mlp", "embed"))
     self.shared = (MLP(d, m.shared_mlp_dim, param_dtype=param_dtype, compute_dtype=compute_dtype,
-                       rngs=rngs) if m.shared_mlp_dim else None)
+                       rngs=rngs, adapters=cfg.lora) if m.shared_mlp_dim else None)
+    self.lora = lora.expert_adapters(cfg.lora, rngs, gate=self.gate, up=self.up, down=self.down)
     self.bias = RouterBias(jnp.zeros((e,), jnp.float32)) if m.bias_update_rate > 0 else None
     self.dtype = compute_dtype
 
@@ -53,8 +55,8 @@ class MoE(nnx.Module):
     # Routing in float32: near-ties between experts must not flip with the compute dtype.
     logits = dense(x.astype(jnp.float32), self.router[...].astype(jnp.float32))
     ids, weights, scores = router.route(logits, None if self.bias is None else self.bias[...], m)
-    y, kept = routed_experts(x, ids, weights, self.gate[...].astype(dt), self.up[...].astype(dt),
-                             self.down[...].astype(dt), capacity_factor=m.capacity_factor,
+    gate, up, down = (lora.adapted(getattr(self, n)[...], self.lora, n).astype(dt) for n in ("gate", "up", "down"))
+    y, kept = routed_experts(x, ids, weights, gate, up, down, capacity_factor=m.capacity_factor,
                              ep_buffer_factor=m.ep_buffer_factor, implementation=m.implementation)
     if self.shared is not None:
       y = y + self.shared(x)[0]

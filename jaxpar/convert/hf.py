@@ -254,6 +254,9 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
     if cfg.quantization is not None:
       raise CheckpointError(f"checkpoint {run.directory} is quantized (model.quantization.mode="
                             f"{cfg.quantization.mode}): export the float checkpoint it came from")
+    if cfg.lora is not None:
+      raise CheckpointError(f"checkpoint {run.directory} holds LoRA adapters: `jaxpar lora merge` it first, "
+                            "or write the adapters alone with `jaxpar lora export-peft`")
     dtype = dtype or cfg.param_dtype
     if dtype not in DTYPES:
       raise ConfigError(f"dtype={dtype!r} is not one of {list(DTYPES)}")

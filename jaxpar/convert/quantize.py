@@ -45,8 +45,9 @@ def _get(tree, path):
   return tree
 
 
-def quantize_params(params: dict, quant_runtime: Runtime) -> dict:
-  """Float params (a nested dict) -> the quantized model's params, placed on its shardings.
+def quantize_params(params: dict, quant_runtime: Runtime, shardings=None) -> dict:
+  """Float params (a nested dict) -> the quantized model's params, placed on its shardings
+  (or `shardings`: those of just the params given, e.g. a base without its adapters).
   Stacked layers are quantized one layer at a time (vmap over the leading axes)."""
   kernels = quantized_kernels(quant_runtime)
   config = quant_runtime.model_config.quantization
@@ -63,7 +64,7 @@ def quantize_params(params: dict, quant_runtime: Runtime) -> dict:
     return out
 
   with quant_runtime.context():
-    return jax.jit(convert, out_shardings=quant_runtime.param_shardings)(params)
+    return jax.jit(convert, out_shardings=shardings or quant_runtime.param_shardings)(params)
 
 
 def quantize_checkpoint(ckpt, out, mode: str, group_size=None, *, zero_point=False,

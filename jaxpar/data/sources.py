@@ -25,12 +25,13 @@ from jaxpar.data.readers import Column, file_format, read_file
 from jaxpar.errors import DataError
 
 BUNDLED = "bundled"
+BUNDLED_CHAT = "bundled-chat"  # the small chat set configs/sft-tiny.yaml fine-tunes on (data.format=chat)
 _KINDS = ".txt, .jsonl, .parquet, .arrow, .feather (text and JSON lines may be .gz or .zst)"
 
 
-def bundled_path() -> str:
-  """The path of the corpus shipped inside the package (works for installed wheels too)."""
-  res = importlib.resources.files("jaxpar.data") / "corpus" / "austen.txt.gz"
+def bundled_path(name: str = "austen.txt.gz") -> str:
+  """The path of a file shipped in the package's corpus folder (works for installed wheels too)."""
+  res = importlib.resources.files("jaxpar.data") / "corpus" / name
   return os.fspath(res)
 
 
@@ -64,6 +65,8 @@ def source_files(spec: str) -> list[str]:
   """The files of a source, in reading order."""
   if spec == BUNDLED:
     return [bundled_path()]
+  if spec == BUNDLED_CHAT:
+    return [bundled_path("tiny_chat.jsonl")]
   path = os.path.expanduser(spec)
   if is_glob(path):
     found = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p) and file_format(p))

@@ -4,16 +4,25 @@ from typing import Any
 
 from flax import struct
 
+from jaxpar.finetune.partition import join
+
 
 @struct.dataclass
 class TrainState:
   """step: int32 scalar; params: what the optimizer updates (nnx.Param leaves);
   opt_state: the optimizer's state; model_state: every other model variable (router
-  biases, statistics), changed only by the model's own forward pass, never decayed."""
+  biases, statistics), changed only by the model's own forward pass, never decayed;
+  frozen: the weights that do not train (with adapters, model.lora: the base model; else
+  empty), read by every step but neither updated nor saved in checkpoints."""
   step: Any
   params: Any
   opt_state: Any
   model_state: Any
+  frozen: Any = struct.field(default_factory=dict)
+
+  def weights(self) -> dict:
+    """Every model parameter (the trained and the frozen): what the model is merged with."""
+    return join(self.params, self.frozen) if self.frozen else self.params
 
   def items(self) -> dict:
     """As a dict of the four fields (what the checkpointer saves and restores)."""

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpar.finetune.partition import join
 from jaxpar.train.loss import causal_lm_loss, fused_lm_loss
 from jaxpar.mesh import num_shards
 from jaxpar.pallas_kernels import zigzag
@@ -28,16 +29,17 @@ def _split_microbatches(batch, count: int):
 
 
 def make_objective(graphdef, *, z_loss: float, logits_chunk_len: int = 0, load_balance: bool = True):
-  """(params, model_state, batch) -> (objective, (sums, new model_state)): what training
-  differentiates and evaluation reports.
+  """(params, model_state, batch, frozen=None) -> (objective, (sums, new model_state)): what
+  training differentiates and evaluation reports. `frozen`: weights the model needs that are
+  not differentiated (the base under adapters, TrainState.frozen).
 
   sums: {"ce_sum", "z_sum", "tokens"} plus, for each auxiliary loss or metric the model
   returns, its value x tokens under "loss/NAME" or "metric/NAME".
   logits_chunk_len > 0: the fused chunked loss (never holds all logits); 0: plain logits.
   load_balance: zig-zag order over the devices that split the length (if any).
   """
-  def objective(params, model_state, batch):
-    model = nnx.merge(graphdef, params, model_state)
+  def objective(params, model_state, batch, frozen=None):
+    model = nnx.merge(graphdef, join(params, frozen) if frozen else params, model_state)
     shards = num_shards("length")
     balanced = load_balance and shards > 1
     if balanced:
@@ -62,27 +64,28 @@ def make_objective(graphdef, *, z_loss: float, logits_chunk_len: int = 0, load_b
 
 
 def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_len: int = 0,
-                   load_balance: bool = True):
-  """(params, batch, model_state) -> (summed grads, sums, new model_state); `make_objective`
-  says what the sums hold."""
-  objective = make_objective(graphdef, z_loss=z_loss, logits_chunk_len=logits_chunk_len,
-                             load_balance=load_balance)
+                   load_balance: bool = True, objective=None):
+  """(params, batch, model_state, frozen) -> (summed grads of params, sums, new model_state);
+  `make_objective` says what the sums hold. `objective`: another with the same contract
+  (DPO's, jaxpar/finetune/dpo.py) instead of the language-model loss."""
+  objective = objective or make_objective(graphdef, z_loss=z_loss, logits_chunk_len=logits_chunk_len,
+                                          load_balance=load_balance)
   grad_fn = jax.grad(objective, has_aux=True)
 
-  def gradients(params, batch, model_state=None):
+  def gradients(params, batch, model_state=None, frozen=None):
     model_state = {} if model_state is None else model_state
     if microbatches == 1:
-      grads, (sums, model_state) = grad_fn(params, model_state, batch)
+      grads, (sums, model_state) = grad_fn(params, model_state, batch, frozen)
       return grads, sums, model_state
 
     def accumulate(carry, microbatch):
       grads, sums, model_state = carry
-      g, (s, model_state) = grad_fn(params, model_state, microbatch)
+      g, (s, model_state) = grad_fn(params, model_state, microbatch, frozen)
       return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s), model_state), None
 
     micro = _split_microbatches(batch, microbatches)
     first = jax.tree.map(lambda x: x[0], micro)
-    shapes = jax.eval_shape(grad_fn, params, model_state, first)[1][0]
+    shapes = jax.eval_shape(grad_fn, params, model_state, first, frozen)[1][0]
     zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, shapes), model_state)
     (grads, sums, model_state), _ = jax.lax.scan(accumulate, zeros, micro)
     return grads, sums, model_state
@@ -91,17 +94,17 @@ def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_l
 
 
 def make_train_step(graphdef, optimizer, schedule, *, z_loss: float, microbatches: int,
-                    logits_chunk_len: int, load_balance: bool = True):
+                    logits_chunk_len: int, load_balance: bool = True, objective=None):
   gradients = make_gradients(graphdef, z_loss=z_loss, microbatches=microbatches,
-                             logits_chunk_len=logits_chunk_len, load_balance=load_balance)
+                             logits_chunk_len=logits_chunk_len, load_balance=load_balance, objective=objective)
 
   def train_step(state: TrainState, batch):
-    grads, sums, model_state = gradients(state.params, batch, state.model_state)
+    grads, sums, model_state = gradients(state.params, batch, state.model_state, state.frozen)
     tokens = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / tokens, grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                           opt_state=opt_state, model_state=model_state)
+                           opt_state=opt_state, model_state=model_state, frozen=state.frozen)
     metrics = {"loss": sums["ce_sum"] / tokens, "z_loss": sums["z_sum"] / tokens,
                "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
                "tokens": sums["tokens"]}

@@ -22,6 +22,7 @@ from jaxpar.train.optim import (learning_rate_schedule, make_optimizer, opt_stat
 from jaxpar.cluster.preemption import stop_on_signals
 from jaxpar.cluster.run_lock import hold_run_dirs
 from jaxpar.errors import ConfigError
+from jaxpar.finetune.base import load_base, split_weights
 from jaxpar.runtime import Runtime, with_shardings
 from jaxpar.saved_run import SavedRun, relayout, saved_layer_order
 from jaxpar.train.state import TrainState
@@ -44,21 +45,23 @@ class Trainer:
 
   def __init__(self, config: Config, devices=None, *, console: Console | None = None):
     self.config = config
-    if config.model.quantization is not None:
+    if config.model.quantization is not None and config.model.lora is None:
       raise ConfigError(f"model.quantization.mode={config.model.quantization.mode}: quantized "
                         "weights are for inference; train the float model, then `jaxpar quantize` "
-                        "its checkpoint")
+                        "its checkpoint, or train adapters over it (model.lora: QLoRA)")
     self.runtime = Runtime.from_config(config, devices)
     self.runtime.plan.check_training(config.model, config.data, config.train, self.rules)
     self.console = console or Console()
-    self.optimizer = make_optimizer(config.train, self.runtime.decay_mask, self.runtime.axis_names)
+    # Under model.lora the optimizer sees the adapters only: the base is TrainState.frozen.
+    self.optimizer = make_optimizer(config.train, self._trainable(self.runtime.decay_mask),
+                                    self._trainable(self.runtime.axis_names))
     self.schedule = learning_rate_schedule(config.train)
     self.state_shardings = self._state_shardings()
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
     step = make_train_step(self.graphdef, self.optimizer, self.schedule,
                            z_loss=config.train.z_loss, microbatches=config.train.microbatches,
                            logits_chunk_len=config.train.logits_chunk_len,
-                           load_balance=self.runtime.plan.load_balance)
+                           load_balance=self.runtime.plan.load_balance, objective=self._objective())
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
     self.xla_options, self.xla_notes = compiler_options(config.mesh.xla_flags, self.mesh.devices.flat)
     self._eval_step = None  # built with the first evaluator
@@ -75,23 +78,43 @@ class Trainer:
     """The mesh and logical rules that tracing model code needs."""
     return self.runtime.context()
 
+  def _objective(self):
+    """The objective train.objective names (None: the language-model loss)."""
+    cfg = self.config
+    if (cfg.train.objective == "dpo") != (cfg.data.format == "preference"):
+      raise ConfigError(f"train.objective={cfg.train.objective} with data.format={cfg.data.format}: DPO trains on "
+                        "preference pairs and only on them; set both (train.objective=dpo data.format=preference) "
+                        "or neither")
+    if cfg.train.objective == "lm":
+      return None
+    if self.runtime.adapter_mask is None:
+      raise ConfigError("train.objective=dpo needs adapters (model.lora): the reference model is the base with "
+                        "the adapters off, so no second copy of the weights is held")
+    from jaxpar.finetune.dpo import make_dpo_objective
+    return make_dpo_objective(self.graphdef, cfg.train.dpo_beta)
+
+  def _trainable(self, tree: dict) -> dict:
+    """The part of a params-shaped tree that trains (all of it, or the adapters)."""
+    return split_weights(self.runtime, tree)[0]
+
   @property
   def optimizer_bytes_per_param(self) -> float:
     """Optimizer-state bytes per parameter (AdamW in float32: 8; SGD with momentum: 4)."""
-    abstract_opt = jax.eval_shape(self.optimizer.init, self.runtime.abstract_params)
+    abstract_opt = jax.eval_shape(self.optimizer.init, self._trainable(self.runtime.abstract_params))
     return state_bytes_per_param(abstract_opt, self.num_params)
 
   def _state_shardings(self) -> TrainState:
-    params = self.runtime.param_shardings
-    abstract_opt = jax.eval_shape(self.optimizer.init, self.runtime.abstract_params)
-    opt = opt_state_shardings(abstract_opt, self.runtime.abstract_params, params, self.mesh)
+    params, frozen = split_weights(self.runtime, self.runtime.param_shardings)
+    abstract = self._trainable(self.runtime.abstract_params)
+    opt = opt_state_shardings(jax.eval_shape(self.optimizer.init, abstract), abstract, params, self.mesh)
     return TrainState(step=NamedSharding(self.mesh, PartitionSpec()), params=params, opt_state=opt,
-                      model_state=self.runtime.model_state_shardings)
+                      model_state=self.runtime.model_state_shardings, frozen=frozen)
 
-  def _create_state(self) -> TrainState:
+  def _create_state(self, with_frozen=True) -> TrainState:
     params, model_state = self.runtime.create()
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=self.optimizer.init(params), model_state=model_state)
+    params, frozen = split_weights(self.runtime, params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params),
+                      model_state=model_state, frozen=frozen if with_frozen else {})
 
   def abstract_state(self) -> TrainState:
     """ShapeDtypeStructs with shardings: for AOT compiles and checkpoint restores."""
@@ -100,8 +123,14 @@ class Trainer:
     return with_shardings(shapes, self.state_shardings)
 
   def init_state(self) -> TrainState:
+    """A fresh state; under model.lora, fresh adapters over the base model.lora.base names."""
+    if self.runtime.adapter_mask is None:
+      with self.context():
+        return jax.jit(self._create_state, out_shardings=self.state_shardings)()
     with self.context():
-      return jax.jit(self._create_state, out_shardings=self.state_shardings)()
+      state = jax.jit(lambda: self._create_state(with_frozen=False),
+                      out_shardings=self.state_shardings.replace(frozen={}))()
+    return state.replace(frozen=load_base(self.runtime))
 
   def tokenizer(self):
     return load_tokenizer(self.config.data.tokenizer)
@@ -111,13 +140,19 @@ class Trainer:
     if tokenizer.vocab_size > self.config.model.vocab_size:
       raise ConfigError(f"model.vocab_size={self.config.model.vocab_size} is smaller than the "
                        f"tokenizer's {tokenizer.vocab_size} tokens: raise model.vocab_size")
+    if self.config.data.format == "chat":
+      from jaxpar.finetune.sft_batches import ChatBatches
+      return ChatBatches(self.config.data, tokenizer, self.batch_sharding)
+    if self.config.data.format == "preference":
+      from jaxpar.finetune.preference_batches import PreferenceBatches
+      return PreferenceBatches(self.config.data, tokenizer, self.batch_sharding)
     return TrainBatches(self.config.data, tokenizer, self.batch_sharding)
 
   def evaluator(self, tokenizer=None, sources=None, **options) -> Evaluator:
     """The config's eval sets on this trainer's mesh and shardings (jaxpar/train/evaluator.py);
     `sources`: the training loader's, so nothing is read twice. Every evaluator of a trainer
     shares one eval step, so it compiles once."""
-    shardings = (self.state_shardings.params, self.state_shardings.model_state, self.batch_sharding)
+    shardings = (self.runtime.param_shardings, self.state_shardings.model_state, self.batch_sharding)
     if self._eval_step is None:
       self._eval_step = jit_eval_step(self.runtime, self.config.train.logits_chunk_len, *shardings)
     return Evaluator(self.config, self.runtime, tokenizer or self.tokenizer(), *shardings, sources=sources,
@@ -186,6 +221,9 @@ class Trainer:
   def _start_state(self, checkpointer, batches, restore) -> TrainState:
     if restore is not None:
       with SavedRun(restore) as source:
+        if self.runtime.adapter_mask is not None and source.config.model.lora is None:
+          raise ConfigError(f"--restore {restore}: that checkpoint has no adapters; to train adapters "
+                            f"over it, set model.lora.base={restore} instead")
         items, data_state = source.restore_train_state(self.abstract_state().items(), self.runtime.layer_order())
         where = source.path
     elif checkpointer is not None and checkpointer.latest_step() is not None:
@@ -197,6 +235,8 @@ class Trainer:
     else:
       return self.init_state()
     state = TrainState(**items)
+    if self.runtime.adapter_mask is not None:  # an adapter checkpoint: the base comes from its own place
+      state = state.replace(frozen=load_base(self.runtime))
     if state.opt_state is None:  # a params-only checkpoint (an imported model): fine-tune it
       with self.context():
         opt_state = jax.jit(self.optimizer.init,
@@ -233,7 +273,7 @@ class Trainer:
           self._log(logger, clock, pending, tokens_per_step, flops_per_step, peak)
         every = cfg.eval.every_steps
         if evaluator is not None and not stopping and (step % every == 0 or step == start_step + steps):
-          metrics = {**metrics, **flat_metrics(evaluator.run(state.params, state.model_state))}
+          metrics = {**metrics, **flat_metrics(evaluator.run(state.weights(), state.model_state))}
           clock.pause_after(step)  # the evaluation is not part of the next step's time
         pending = (step, metrics)
         if stopping:

@@ -1,0 +1,115 @@
+"""Supervised chat fine-tuning: loss masks from real chat templates (written here, no download),
+packing that changes no loss, and a tiny run on the bundled chat set that learns."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import small_config
+from jaxpar.cli import main
+from jaxpar.data.tokenizer import ByteTokenizer
+from jaxpar.errors import DataError
+from jaxpar.finetune.chat_data import ChatRenderer, example_tokens
+from jaxpar.finetune.sft_batches import pack_examples, read_rows
+from jaxpar.runtime import Runtime
+from jaxpar.train.step import make_objective
+from jaxpar.train.trainer import Trainer
+
+LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+          "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+          "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+          "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+QWEN25 = ("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + "
+          "'<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are "
+          "a helpful assistant.<|im_end|>\n' }}{%- endif %}{%- for message in messages %}{%- if (message.role == "
+          "\"user\") or (message.role == \"system\" and not loop.first) or (message.role == \"assistant\") %}"
+          "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}{%- endif %}"
+          "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML_MARKED = open(__import__("jaxpar.data.sources", fromlist=["x"]).bundled_path("chatml.jinja")).read()
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4."}]
+BYTES = ByteTokenizer()
+
+
+def _assistant_runs(tokens, mask) -> list[str]:
+  """The text of each run of consecutive assistant tokens."""
+  runs, current = [], []
+  for token, marked in zip(tokens, mask):
+    if marked:
+      current.append(token)
+    elif current:
+      runs.append(BYTES.decode(current))
+      current = []
+  return runs + ([BYTES.decode(current)] if current else [])
+
+
+@pytest.mark.parametrize("template, turn_end, bos", [
+    (LLAMA3, "<|eot_id|>", "<|begin_of_text|>"), (QWEN25, "<|im_end|>\n", ""), (CHATML, "<|im_end|>\n", ""),
+    (CHATML_MARKED, "<|im_end|>", "")], ids=["llama3", "qwen2.5", "chatml", "chatml-generation-markers"])
+def test_only_assistant_tokens_carry_loss(template, turn_end, bos):
+  renderer = ChatRenderer(template, bos_token=bos)
+  tokens, mask = example_tokens({"messages": CONVERSATION}, renderer, BYTES)
+  assert BYTES.decode(tokens) == renderer.render(CONVERSATION, False)  # the pieces are the whole render
+  assert _assistant_runs(tokens, mask) == ["Hello!" + turn_end, "4." + turn_end]
+  # Everything else (system, user, headers, the bos) is context only.
+  context = BYTES.decode(tokens[~mask])
+  assert "Be brief." in context and "2+2?" in context and "Hello!" not in context and bos in context
+
+
+def test_prompt_completion_and_unusable_templates():
+  tokens, mask = example_tokens({"prompt": "Q: 1+1? A:", "completion": " 2"}, None, BYTES)
+  assert BYTES.decode(tokens[mask]) == " 2" and tokens[-1] == BYTES.eos_id and mask[-1]
+  counting = "{{ messages | length }}" + CHATML  # every prefix renders differently: no way to tell
+  with pytest.raises(DataError, match="cannot be told apart") as error:
+    example_tokens({"messages": CONVERSATION}, ChatRenderer(counting), BYTES)
+  assert "\n" not in str(error.value)
+  with pytest.raises(DataError, match="`messages`.*`prompt` and `completion`"):
+    example_tokens({"text": "hi"}, None, BYTES)
+
+
+def test_packing_gives_the_unpacked_loss():
+  renderer = ChatRenderer(CHATML_MARKED)
+  examples = [example_tokens(row, renderer, BYTES) for row in read_rows("bundled-chat")[:8]]
+  packed, truncated = pack_examples(examples, 384)
+  assert truncated == 0 and len(packed["inputs"]) <= len(examples) / 2  # several examples per row
+  alone = [pack_examples([example], 384)[0] for example in examples]
+  unpacked = {k: np.concatenate([a[k] for a in alone]) for k in packed}
+  assert packed["loss_mask"].sum() == sum(mask[1:].sum() for _, mask in examples)
+  config = small_config(mesh={"fsdp": 1}, model={"max_seq_len": 384})
+  runtime = Runtime.from_config(config, jax.devices()[:1])
+  params, model_state = runtime.init()
+  objective = jax.jit(make_objective(runtime.graphdef, z_loss=0.0, logits_chunk_len=0))
+  with runtime.context():
+    sums = [objective(params, model_state, batch)[1][0] for batch in (packed, unpacked)]
+  np.testing.assert_allclose(sums[0]["ce_sum"], sums[1]["ce_sum"], rtol=1e-5)
+  assert sums[0]["tokens"] == sums[1]["tokens"] == packed["loss_mask"].sum()
+
+
+def test_tiny_chat_run_lowers_assistant_loss(tmp_path):
+  config = small_config(mesh={"fsdp": 1}, model={"max_seq_len": 384},
+                        data={"source": "bundled-chat", "format": "chat", "chat_template": "chatml", "seq_len": 384,
+                              "global_batch_size": 4},
+                        train={"steps": 24, "learning_rate": 1e-2, "warmup_steps": 3})
+  trainer = Trainer(config, devices=jax.devices()[:1])
+  batches = trainer.batches()
+  result = trainer.fit(batches=batches, show_progress=False)
+  losses = [h["loss"] for h in result.history]
+  assert np.mean(losses[-5:]) < 0.6 * losses[0]
+  assert batches.truncated == 0
+  assert 0 < result.history[0]["tokens"] < 4 * 384 / 2  # the loss is over assistant tokens only
+
+
+def test_chat_config_errors_are_one_line(tmp_path, capsys):
+  data = tmp_path / "chat.jsonl"
+  data.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+  template = tmp_path / "t.jinja"
+  template.write_text("{{ messages | length }}" + CHATML)
+  code = main(["train", "tiny", f"data.source={data}", "data.format=chat", f"data.chat_template={template}"])
+  err = capsys.readouterr().err.strip()
+  assert code == 2 and "cannot be told apart" in err and len(err.splitlines()) == 1
