@@ -39,7 +39,7 @@ class Attention(nnx.Module):
     self.use_bias = cfg.attention_bias
     if cfg.qk_norm:
       norm = dict(eps=cfg.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype,
-                  names=("head_dim",))
+                  names=("head_dim",), unit_offset=cfg.norm_unit_offset)
       self.q_norm, self.k_norm = RMSNorm(d, **norm), RMSNorm(d, **norm)
     else:
       self.q_norm = self.k_norm = None

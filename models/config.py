@@ -118,6 +118,14 @@ class ModelConfig(Frozen):
   # Keys at most this far back (the query's own included) on every layer (Mistral); None: all.
   sliding_window: int | None = Field(None, ge=1)
   attn_logit_soft_cap: float | None = Field(None, gt=0)  # cap * tanh(logits / cap) (Gemma 2)
+  final_logit_soft_cap: float | None = Field(None, gt=0)  # the same on the output logits (Gemma 2)
+  # Attention scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma).
+  query_pre_attn_scalar: int | None = Field(None, gt=0)
+  scale_embeddings: bool = False  # embeddings x sqrt(embed_dim), in param_dtype (Gemma)
+  # RMSNorms multiply by (1 + scale), their scale starting at 0: Gemma's layout, so checkpoints
+  # (and bf16 scales near 1) are stored as Gemma stores them.
+  norm_unit_offset: bool = False
+  mlp_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's: SwiGLU or GeGLU (Gemma)
   # Per-layer differences, cycled over the layers by absolute index: layer i is entry
   # i % len. E.g. Gemma 3: five {sliding_window: 1024, rope_theta: 10000, rope_scaling: null}
   # then one {}. Empty: every layer as above.

@@ -56,8 +56,9 @@ def layer_options(cfg: ModelConfig, index: int) -> LayerOptions:
     entry = cfg.layer_pattern[index % len(cfg.layer_pattern)]
     values.update({key: getattr(entry, key) for key in _OVERRIDABLE if key in entry.model_fields_set})
     use_rope = entry.rope
-  attention = AttentionOptions(sliding_window=values["sliding_window"],
-                               logit_soft_cap=values["attn_logit_soft_cap"], implementation=cfg.attention)
+  scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
+  attention = AttentionOptions(sliding_window=values["sliding_window"], logit_soft_cap=values["attn_logit_soft_cap"],
+                               scale=scale, implementation=cfg.attention)
   return LayerOptions(attention, Rope(values["rope_theta"], values["rope_scaling"]) if use_rope else None)
 
 
