@@ -17,7 +17,7 @@ class Attention(nnx.Module):
 
   Parameters: q [embed, heads, head_dim], k and v [embed, kv_heads, head_dim],
   o [heads, head_dim, embed] (each a QuantizedKernel under model.quantization); optional
-  q/k/v biases (Qwen2) and q/k RMSNorms (Qwen3).
+  q/k/v biases (Qwen2), q/k RMSNorms (Qwen3) and sinks [heads] (GPT-OSS).
   The layer's options (layer_pattern.LayerOptions) give its RoPE and its attention options;
   the cache object (models/caches.py) decides where keys and values come from: the same
   call trains, measures KV quantization, prefills and decodes.
@@ -43,6 +43,9 @@ class Attention(nnx.Module):
       self.q_norm, self.k_norm = RMSNorm(d, **norm), RMSNorm(d, **norm)
     else:
       self.q_norm = self.k_norm = None
+    # Not decayed: a sink is a logit offset, as a norm scale is a gain.
+    self.sinks = (nnx.Param(jnp.zeros((h,), param_dtype), out_sharding=("heads",), weight_decay=False)
+                  if cfg.attention_sinks else None)
     self.dtype = compute_dtype
 
   def __call__(self, x, context, cache, options):
@@ -58,7 +61,8 @@ class Attention(nnx.Module):
     q = constrain(q, ("batch", "length", "act_heads", "head_dim"))
     k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
-    out, cache = cache.update_and_attend(q, k, v, context, options.attention)
+    sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
+    out, cache = cache.update_and_attend(q, k, v, context, options.attention, sinks=sinks)
     out = checkpoint_name(out, "attention_out")
     return checkpoint_name(dense(out, self.o, contract=2, dtype=dt), "out_proj"), cache
 

@@ -134,6 +134,8 @@ class ModelConfig(Frozen):
   tie_embeddings: bool = False
   qk_norm: bool = False
   attention_bias: bool = False  # q/k/v projection biases (Qwen2 / Qwen2.5)
+  # A learned logit per query head that joins every row's softmax with a zero value (GPT-OSS).
+  attention_sinks: bool = False
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   compute_dtype: Literal["float32", "bfloat16"] = "float32"
   scan_layers: bool = True
