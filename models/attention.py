@@ -71,8 +71,8 @@ class Attention(nnx.Module):
     for a layer without position embedding)."""
     if rope is None:
       return q, k
-    inv_freq = rope.frequencies(q.shape[-1])
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    inv_freq, factor = rope.frequencies(q.shape[-1]), rope.attention_factor()
+    return apply_rope(q, positions, inv_freq, factor), apply_rope(k, positions, inv_freq, factor)
 
 
 register_block("attention", "gqa", Attention)

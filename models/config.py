@@ -17,13 +17,20 @@ class Frozen(BaseModel):
 
 class RopeScaling(Frozen):
   """Frequency scaling of RoPE: llama3 (Llama 3.1: low frequencies divided by `factor`,
-  high ones kept, a smooth blend between) or linear (every frequency divided by `factor`,
-  as Gemma 3's global layers; the other fields are unused)."""
-  rope_type: Literal["llama3", "linear"] = "llama3"
+  high ones kept, a smooth blend between), linear (every frequency divided by `factor`,
+  as Gemma 3's global layers) or yarn (YaRN, GPT-OSS: frequencies that turn fewer than
+  `beta_slow` times over `original_max_position` divided by `factor`, more than `beta_fast`
+  kept, a linear ramp between; q and k scaled by `attention_factor`, by default
+  0.1 ln(factor) + 1). Each type reads only its own fields."""
+  rope_type: Literal["llama3", "linear", "yarn"] = "llama3"
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position: int = 8192
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+  attention_factor: float | None = None
 
 
 class QuantizationConfig(Frozen):

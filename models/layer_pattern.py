@@ -11,7 +11,7 @@ over units of one period of the pattern, each layer of a unit with its own stati
 import dataclasses
 
 from jaxpar.models.config import ModelConfig, RopeScaling
-from jaxpar.models.rope import rope_frequencies
+from jaxpar.models.rope import attention_factor, rope_frequencies
 
 # The model-section fields a pattern entry may override, by the entry's key.
 _OVERRIDABLE = ("sliding_window", "attn_logit_soft_cap", "rope_theta", "rope_scaling")
@@ -39,6 +39,9 @@ class Rope:
 
   def frequencies(self, head_dim: int):
     return rope_frequencies(head_dim, self.theta, self.scaling)
+
+  def attention_factor(self) -> float:
+    return attention_factor(self.scaling)
 
 
 @dataclasses.dataclass(frozen=True)
