@@ -2,7 +2,7 @@
 shapes (4 query heads per kv head, untied output head, a window of 8 under 40+ tokens,
 query_pre_attn_scalar != head_dim, Gemma 3 with a 2:1 local:global period): import with
 f32 logits parity, export back exactly, greedy generation through the engine's paged cache
-equal to transformers.generate past the window, and a train step on 8 devices (fsdp x
+equal to transformers.generate past the window; and a train step on 8 devices (fsdp x
 tensor, the fused loss through the final soft-cap) equal to one device's (plain logits)."""
 
 import jax
@@ -77,9 +77,14 @@ def test_generates_like_transformers_past_the_window(family):
   assert ours == hf[0, len(prompt):].tolist()  # 40 tokens, 32 of them past the window of 8
 
 
-def test_train_step_on_8_devices_equals_one_device(family):
-  _, _, config, _ = family
-  model = config.model.model_copy(update={"max_seq_len": 32})
+def test_train_step_on_8_devices_equals_one_device():
+  """One model with every Gemma piece (Gemma 2's soft caps and alternation, Gemma 3's
+  QK-norm and local RoPE) and GPT-OSS's sinks: one compile pair instead of three."""
+  from jaxpar.models.gemma import Gemma2Config
+  model = Gemma2Config(vocab_size=320, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16,
+                       mlp_dim=96, max_seq_len=32, tie_embeddings=False, qk_norm=True, attention_sinks=True,
+                       query_pre_attn_scalar=24, attn_logit_soft_cap=4.0, final_logit_soft_cap=3.0,
+                       layer_pattern=[{"sliding_window": WINDOW, "rope_theta": 100.0}, {}])
   batch = synthetic_batch(small_config(data={"global_batch_size": 8}))
   wide = Runtime(model, MeshConfig(fsdp=4, tensor=2))
   one = Runtime(model, MeshConfig(fsdp=1), jax.devices()[:1])
@@ -92,6 +97,7 @@ def test_train_step_on_8_devices_equals_one_device(family):
 
   (want, want_sums), (got, got_sums) = gradients(one, 0), gradients(wide, 16)  # plain logits, fused loss
   np.testing.assert_allclose(got_sums["ce_sum"], want_sums["ce_sum"], rtol=1e-5)
+  assert np.abs(want["layers"]["attn"]["sinks"]).min() > 0, "every sink gets a gradient"
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
 

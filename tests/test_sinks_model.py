@@ -1,7 +1,7 @@
 """Attention sinks in the model (`model.attention_sinks`, GPT-OSS's attention): a `sinks`
-parameter [heads] split with the heads, reaching every KV-cache kind. A train step on 8
-devices (fsdp x tensor) equals one device's, the sinks' gradient included; the engine's
-paged decode (float and int8 pages) past a window equals a full forward's greedy choice."""
+parameter [heads] reaching every KV-cache kind. The engine's paged decode (float and int8
+pages) past a window equals a full forward's greedy choice. (A train step on 8 devices
+equal to one device's, the sinks' gradient included: tests/test_gemma.py.)"""
 
 import jax
 import numpy as np
@@ -13,8 +13,7 @@ from jaxpar.inference import Engine, SamplingParams
 from jaxpar.models.kv_quant import KVQuantization
 from jaxpar.runtime import Runtime
 from jaxpar.train.evaluate import logits as forward_logits
-from jaxpar.train.step import make_gradients
-from tests.helpers import SMALL_MODEL, small_config, synthetic_batch
+from tests.helpers import SMALL_MODEL
 
 WINDOW, PAGE, LENGTH = 8, 4, 64
 MODEL = ModelConfig(**{**SMALL_MODEL, "max_seq_len": LENGTH, "attention_sinks": True,
@@ -37,26 +36,12 @@ def _logits(runtime, params, tokens, kv_quantization=None):
     return np.asarray(jax.jit(lambda p, t: forward_logits(runtime.merge(p), t, kv_quantization))(params, tokens))
 
 
-def test_train_step_on_8_devices_equals_one_device(run):
-  one, params, _ = run
-  wide = Runtime(MODEL, MeshConfig(fsdp=4, tensor=2))
-  batch = synthetic_batch(small_config())
-
-  def gradients(runtime):
-    step = jax.jit(make_gradients(runtime.graphdef, z_loss=0.0, microbatches=1))
-    with runtime.context():
-      return jax.device_get(step(jax.device_put(jax.device_get(params), runtime.param_shardings), batch)[:2])
-
-  (want, want_sums), (got, got_sums) = gradients(one), gradients(wide)
-  np.testing.assert_allclose(got_sums["ce_sum"], want_sums["ce_sum"], rtol=1e-5)
-  assert np.abs(want["layers"]["attn"]["sinks"]).min() > 0, "every sink gets a gradient"
-  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
-  # The sinks are part of the model: without them the loss differs.
-  no_sinks = jax.tree.map(lambda x: x, jax.device_get(params))
+def test_sinks_change_the_model(run):
+  runtime, params, _ = run
+  no_sinks = jax.device_get(params)
   no_sinks["layers"]["attn"]["sinks"] = np.full_like(no_sinks["layers"]["attn"]["sinks"], -1e9)
-  tokens = batch["inputs"][:1]
-  assert np.abs(_logits(one, params, tokens) - _logits(one, no_sinks, tokens)).max() > 1e-3
+  tokens = np.arange(32, dtype=np.int32)[None]
+  assert np.abs(_logits(runtime, params, tokens) - _logits(runtime, no_sinks, tokens)).max() > 1e-3
 
 
 @pytest.mark.parametrize("kv_cache", [None, "int8"])
