@@ -18,8 +18,8 @@ class Attention(nnx.Module):
 
   Parameters: q [embed, heads, head_dim], k and v [embed, kv_heads, head_dim],
   o [heads, head_dim, embed] (each a QuantizedKernel under model.quantization; with
-  model.lora, their adapters in `lora`, models/lora.py); optional
-  q/k/v biases (Qwen2) and q/k RMSNorms (Qwen3).
+  model.lora, their adapters in `lora`, models/lora.py); optional q/k/v biases (Qwen2),
+  q/k RMSNorms (Qwen3) and sinks [heads] (GPT-OSS).
   The layer's options (layer_pattern.LayerOptions) give its RoPE and its attention options;
   the cache object (models/caches.py) decides where keys and values come from: the same
   call trains, measures KV quantization, prefills and decodes.
@@ -42,10 +42,13 @@ class Attention(nnx.Module):
     self.use_bias = cfg.attention_bias
     if cfg.qk_norm:
       norm = dict(eps=cfg.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype,
-                  names=("head_dim",))
+                  names=("head_dim",), unit_offset=cfg.norm_unit_offset)
       self.q_norm, self.k_norm = RMSNorm(d, **norm), RMSNorm(d, **norm)
     else:
       self.q_norm = self.k_norm = None
+    # Not decayed: a sink is a logit offset, as a norm scale is a gain.
+    self.sinks = (nnx.Param(jnp.zeros((h,), param_dtype), out_sharding=("heads",), weight_decay=False)
+                  if cfg.attention_sinks else None)
     self.dtype = compute_dtype
 
   def __call__(self, x, context, cache, options):
@@ -62,7 +65,8 @@ class Attention(nnx.Module):
     q = constrain(q, ("batch", "length", "act_heads", "head_dim"))
     k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
-    out, cache = cache.update_and_attend(q, k, v, context, options.attention)
+    sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
+    out, cache = cache.update_and_attend(q, k, v, context, options.attention, sinks=sinks)
     out = checkpoint_name(out, "attention_out")
     o = dense(out, self.o, contract=2, dtype=dt, adapter=lora.adapter(self.lora, "o"))
     return checkpoint_name(o, "out_proj"), cache
@@ -72,8 +76,8 @@ class Attention(nnx.Module):
     for a layer without position embedding)."""
     if rope is None:
       return q, k
-    inv_freq = rope.frequencies(q.shape[-1])
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    inv_freq, factor = rope.frequencies(q.shape[-1]), rope.attention_factor()
+    return apply_rope(q, positions, inv_freq, factor), apply_rope(k, positions, inv_freq, factor)
 
 
 register_block("attention", "gqa", Attention)

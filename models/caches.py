@@ -2,11 +2,12 @@
 
 An attention block computes q, k, v and makes one call, whatever the kind:
 
-  out, cache = cache.update_and_attend(q, k, v, context, options)
+  out, cache = cache.update_and_attend(q, k, v, context, options, sinks=None)
 
 q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim]; `context` the layer's
 LayerContext (positions, segment ids, the length layout); `options` its static
-layer_pattern.AttentionOptions (window, soft cap, scale, kernel). A cache is stacked over
+layer_pattern.AttentionOptions (window, soft cap, scale, kernel); `sinks` the layer's
+attention sinks [heads] (GPT-OSS), or None. A cache is stacked over
 the layers of a group and rides through the layer scan; `cache.at(layer)` is one layer's
 view. The kinds:
 
@@ -37,9 +38,9 @@ class NoCache:
   def at(self, layer) -> "NoCache":
     return self
 
-  def update_and_attend(self, q, k, v, context, options):
+  def update_and_attend(self, q, k, v, context, options, sinks=None):
     out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=context.segment_ids,
-                                   zigzag=context.zigzag, **options.kernel_args())
+                                   zigzag=context.zigzag, sinks=sinks, **options.kernel_args())
     return out, self
 
 
@@ -52,10 +53,10 @@ class SimulatedKVQuantization:
   def at(self, layer) -> "SimulatedKVQuantization":
     return self
 
-  def update_and_attend(self, q, k, v, context, options):
+  def update_and_attend(self, q, k, v, context, options, sinks=None):
     out = kv_quant.cached_attention(q, k, v, self.spec, context.segment_ids,
                                     sliding_window=options.sliding_window,
-                                    logit_soft_cap=options.logit_soft_cap, scale=options.scale)
+                                    logit_soft_cap=options.logit_soft_cap, scale=options.scale, sinks=sinks)
     return out, self
 
 

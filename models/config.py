@@ -18,13 +18,20 @@ class Frozen(BaseModel):
 
 class RopeScaling(Frozen):
   """Frequency scaling of RoPE: llama3 (Llama 3.1: low frequencies divided by `factor`,
-  high ones kept, a smooth blend between) or linear (every frequency divided by `factor`,
-  as Gemma 3's global layers; the other fields are unused)."""
-  rope_type: Literal["llama3", "linear"] = "llama3"
+  high ones kept, a smooth blend between), linear (every frequency divided by `factor`,
+  as Gemma 3's global layers) or yarn (YaRN, GPT-OSS: frequencies that turn fewer than
+  `beta_slow` times over `original_max_position` divided by `factor`, more than `beta_fast`
+  kept, a linear ramp between; q and k scaled by `attention_factor`, by default
+  0.1 ln(factor) + 1). Each type reads only its own fields."""
+  rope_type: Literal["llama3", "linear", "yarn"] = "llama3"
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position: int = 8192
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+  attention_factor: float | None = None
 
 
 class QuantizationConfig(Frozen):
@@ -153,6 +160,14 @@ class ModelConfig(Frozen):
   # Keys at most this far back (the query's own included) on every layer (Mistral); None: all.
   sliding_window: int | None = Field(None, ge=1)
   attn_logit_soft_cap: float | None = Field(None, gt=0)  # cap * tanh(logits / cap) (Gemma 2)
+  final_logit_soft_cap: float | None = Field(None, gt=0)  # the same on the output logits (Gemma 2)
+  # Attention scores scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma).
+  query_pre_attn_scalar: int | None = Field(None, gt=0)
+  scale_embeddings: bool = False  # embeddings x sqrt(embed_dim), in param_dtype (Gemma)
+  # RMSNorms multiply by (1 + scale), their scale starting at 0: Gemma's layout, so checkpoints
+  # (and bf16 scales near 1) are stored as Gemma stores them.
+  norm_unit_offset: bool = False
+  mlp_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's: SwiGLU or GeGLU (Gemma)
   # Per-layer differences, cycled over the layers by absolute index: layer i is entry
   # i % len. E.g. Gemma 3: five {sliding_window: 1024, rope_theta: 10000, rope_scaling: null}
   # then one {}. Empty: every layer as above.
@@ -161,6 +176,8 @@ class ModelConfig(Frozen):
   tie_embeddings: bool = False
   qk_norm: bool = False
   attention_bias: bool = False  # q/k/v projection biases (Qwen2 / Qwen2.5)
+  # A learned logit per query head that joins every row's softmax with a zero value (GPT-OSS).
+  attention_sinks: bool = False
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   compute_dtype: Literal["float32", "bfloat16"] = "float32"
   scan_layers: bool = True

@@ -41,9 +41,9 @@ class DecoderLayer(nnx.Module):
 
   def __init__(self, cfg, rngs: nnx.Rngs, *, feed_forward: str | None = None):
     dtypes = dict(param_dtype=jnp.dtype(cfg.param_dtype), compute_dtype=jnp.dtype(cfg.compute_dtype))
-    self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, **dtypes)
+    self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, **dtypes)
     self.attn = get_block("attention", cfg.attention_block)(cfg, rngs=rngs, **dtypes)
-    self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, **dtypes)
+    self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, **dtypes)
     self.mlp = get_block("feed_forward", feed_forward or cfg.mlp)(cfg, rngs=rngs, **dtypes)
 
   def __call__(self, x, context: LayerContext, cache, options):

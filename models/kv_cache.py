@@ -50,12 +50,12 @@ class PagedCache:
     take = lambda x: jax.lax.dynamic_index_in_dim(x, self.layer, keepdims=False)  # noqa: E731
     return take(self.pages["k"]), take(self.pages["v"])
 
-  def update_and_attend(self, q, k, v, context, options):
+  def update_and_attend(self, q, k, v, context, options, sinks=None):
     """Store k, v [B, T, kv_heads, head_dim] at context.positions, then attend q to
     everything cached up to each query's position -> (out [B, T, heads, head_dim], cache)."""
     cache = write(self, k, v, context.positions)
     out = pallas_kernels.paged_attention(q, *cache.keys_values(), context.positions, self.page_table,
-                                         **options.kernel_args())
+                                         sinks=sinks, **options.kernel_args())
     return out, cache
 
 

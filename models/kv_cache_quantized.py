@@ -49,7 +49,7 @@ class QuantizedPagedCache:
   def at(self, layer) -> "QuantizedPagedCache":
     return self.replace(layer=layer)
 
-  def update_and_attend(self, q, k, v, context, options):
+  def update_and_attend(self, q, k, v, context, options, sinks=None):
     """Store k, v [B, T, kv_heads, head_dim] at context.positions (contiguous per row), then
     attend q to what a decode step reads back: only the pages the queries' window can see
     are dequantized -> (out [B, T, heads, head_dim], cache)."""
@@ -59,7 +59,8 @@ class QuantizedPagedCache:
     table, start = pallas_kernels.visible_pages(self.page_table, positions, page_size, options.sliding_window)
     positions = jnp.where(positions >= 0, positions - start[:, None], -1)  # relative to the visible pages
     k_pages, v_pages, table = read(cache, table, jnp.max(positions, axis=1), q.dtype)
-    out = pallas_kernels.paged_attention(q, k_pages, v_pages, positions, table, **options.kernel_args())
+    out = pallas_kernels.paged_attention(q, k_pages, v_pages, positions, table, sinks=sinks,
+                                         **options.kernel_args())
     return out, cache
 
 

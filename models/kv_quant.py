@@ -103,14 +103,14 @@ def _from_pages(x):
 
 
 def cached_attention(q, k, v, spec: KVQuantization, segment_ids=None, *, sliding_window=None,
-                     logit_soft_cap=None, scale=None):
+                     logit_soft_cap=None, scale=None, sinks=None):
   """Causal attention as a decode step reads a quantized paged cache, for every query of a
   full forward at once: query t sees the keys/values of sealed pages (for t) dequantized
   and the rest in float, exactly the cache's content when token t is decoded.
 
   q [B, L, Hq, D]; k, v [B, L, Hkv, D] with L a multiple of page_size -> [B, L, Hq, D].
   Sequences are unpacked (a token's position is its index), as a cache holds them.
-  sliding_window, logit_soft_cap, scale: as `pallas_kernels.attention` takes them.
+  sliding_window, logit_soft_cap, scale, sinks: as `pallas_kernels.attention` takes them.
   """
   b, l, hq, d = q.shape
   hkv = k.shape[2]
@@ -132,7 +132,11 @@ def cached_attention(q, k, v, spec: KVQuantization, segment_ids=None, *, sliding
   visible = pos[None, :] <= pos[:, None]
   if sliding_window is not None:
     visible &= pos[:, None] - pos[None, :] < sliding_window
-  probs = jax.nn.softmax(jnp.where(visible, logits, -1e30), axis=-1)
+  logits = jnp.where(visible, logits, -1e30)
+  if sinks is not None:  # one more column per row, of value zero: dropped after the softmax
+    column = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, group, 1, 1), logits.shape[:-1] + (1,))
+    logits = jnp.concatenate([logits, column], axis=-1)
+  probs = jax.nn.softmax(logits, axis=-1)[..., :l]
   mix = lambda p, values: jnp.einsum("bhgqk,bkhd->bqhgd", p, values.astype(jnp.float32))
   out = mix(jnp.where(use_q, probs, 0.0), v_q) + mix(jnp.where(use_q, 0.0, probs), v)
   return out.reshape(b, l, hq, d).astype(q.dtype)

@@ -11,7 +11,7 @@ over units of one period of the pattern, each layer of a unit with its own stati
 import dataclasses
 
 from jaxpar.models.config import ModelConfig, RopeScaling
-from jaxpar.models.rope import rope_frequencies
+from jaxpar.models.rope import attention_factor, rope_frequencies
 
 # The model-section fields a pattern entry may override, by the entry's key.
 _OVERRIDABLE = ("sliding_window", "attn_logit_soft_cap", "rope_theta", "rope_scaling")
@@ -40,6 +40,9 @@ class Rope:
   def frequencies(self, head_dim: int):
     return rope_frequencies(head_dim, self.theta, self.scaling)
 
+  def attention_factor(self) -> float:
+    return attention_factor(self.scaling)
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerOptions:
@@ -56,8 +59,9 @@ def layer_options(cfg: ModelConfig, index: int) -> LayerOptions:
     entry = cfg.layer_pattern[index % len(cfg.layer_pattern)]
     values.update({key: getattr(entry, key) for key in _OVERRIDABLE if key in entry.model_fields_set})
     use_rope = entry.rope
-  attention = AttentionOptions(sliding_window=values["sliding_window"],
-                               logit_soft_cap=values["attn_logit_soft_cap"], implementation=cfg.attention)
+  scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
+  attention = AttentionOptions(sliding_window=values["sliding_window"], logit_soft_cap=values["attn_logit_soft_cap"],
+                               scale=scale, implementation=cfg.attention)
   return LayerOptions(attention, Rope(values["rope_theta"], values["rope_scaling"]) if use_rope else None)
 
 

@@ -50,9 +50,17 @@ def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
     return theta, None
   if kind == "linear":
     return theta, {"rope_type": "linear", "factor": params["factor"]}
+  if kind == "yarn":
+    if params.get("mscale") or params.get("mscale_all_dim"):
+      raise ConfigError("yarn RoPE with mscale / mscale_all_dim is not supported: give attention_factor")
+    return theta, {"rope_type": "yarn", "factor": params["factor"], "beta_fast": params.get("beta_fast") or 32.0,
+                   "beta_slow": params.get("beta_slow") or 1.0, "truncate": params.get("truncate", True),
+                   "original_max_position": params.get("original_max_position_embeddings",
+                                                       hf.get("max_position_embeddings")),
+                   "attention_factor": params.get("attention_factor")}
   if kind != "llama3":
-    raise ConfigError(f"rope type {kind!r} is not supported: jaxpar implements default, linear and llama3 "
-                      "RoPE")
+    raise ConfigError(f"rope type {kind!r} is not supported: jaxpar implements default, linear, llama3 and "
+                      "yarn RoPE")
   return theta, {"factor": params["factor"], "low_freq_factor": params["low_freq_factor"],
                  "high_freq_factor": params["high_freq_factor"],
                  "original_max_position": params["original_max_position_embeddings"]}
@@ -127,6 +135,18 @@ def windows_to_hf(cfg: ModelConfig, model_type: str) -> dict:
   return fields
 
 
+def rope_scaling_to_hf(s) -> dict:
+  """HF's rope_scaling dict for our RopeScaling."""
+  if s.rope_type == "linear":
+    return {"rope_type": "linear", "factor": s.factor}
+  if s.rope_type == "yarn":
+    yarn = {"rope_type": "yarn", "factor": s.factor, "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
+            "truncate": s.truncate, "original_max_position_embeddings": s.original_max_position}
+    return yarn if s.attention_factor is None else {**yarn, "attention_factor": s.attention_factor}
+  return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+          "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
+
+
 def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
   kind = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
   if cfg.mlp != "dense":
@@ -141,12 +161,7 @@ def decoder_config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
   """The HF config fields every decoder family here shares (no model type)."""
   if cfg.qk_norm and cfg.attention_bias:
     raise ConfigError("model.qk_norm with model.attention_bias has no Hugging Face architecture")
-  scaling = cfg.rope_scaling and ({"rope_type": "linear", "factor": cfg.rope_scaling.factor}
-                                   if cfg.rope_scaling.rope_type == "linear" else {
-      "rope_type": "llama3", "factor": cfg.rope_scaling.factor,
-      "low_freq_factor": cfg.rope_scaling.low_freq_factor,
-      "high_freq_factor": cfg.rope_scaling.high_freq_factor,
-      "original_max_position_embeddings": cfg.rope_scaling.original_max_position})
+  scaling = cfg.rope_scaling and rope_scaling_to_hf(cfg.rope_scaling)
   return {
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.embed_dim, "intermediate_size": cfg.mlp_dim,

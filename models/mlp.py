@@ -1,4 +1,5 @@
-"""SwiGLU feed-forward block (Shazeer, 2020), as in Llama: the `dense` block."""
+"""Gated feed-forward block (Shazeer, 2020): SwiGLU as in Llama, or GeGLU as in Gemma (the
+`dense` block, `model.mlp_activation`)."""
 
 import jax
 from flax import nnx
@@ -16,10 +17,12 @@ from jaxpar.models.stack import remat_policy
 # layer (not once per piece), still split over `tensor`.
 _GATHERED = {"gate": ("act_embed", "act_mlp"), "up": ("act_embed", "act_mlp"),
              "down": ("act_mlp", "act_embed")}
+# The gate's activation, by `model.mlp_activation`: gelu_tanh is GELU's tanh approximation.
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class MLP(nnx.Module):
-  """down(silu(x @ gate) * (x @ up)): [B, L, embed] -> ([B, L, embed], {}).
+  """down(act(x @ gate) * (x @ up)): [B, L, embed] -> ([B, L, embed], {}); act: silu or gelu_tanh.
 
   Parameters: gate, up [embed, mlp]; down [mlp, embed] (QuantizedKernels under
   model.quantization; their adapters in `lora` under model.lora). No auxiliary outputs.
@@ -31,13 +34,13 @@ class MLP(nnx.Module):
   """
 
   def __init__(self, embed_dim, mlp_dim, *, param_dtype, compute_dtype, rngs: nnx.Rngs,
-               quantization=None, chunks: int = 1, remat="none", adapters=None):
+               quantization=None, chunks: int = 1, remat="none", adapters=None, activation: str = "silu"):
     init, proj = fan_in(), dict(param_dtype=param_dtype, quantization=quantization)
     self.gate = projection(init, rngs.params(), (embed_dim, mlp_dim), ("embed", "mlp"), **proj)
     self.up = projection(init, rngs.params(), (embed_dim, mlp_dim), ("embed", "mlp"), **proj)
     self.down = projection(init, rngs.params(), (mlp_dim, embed_dim), ("mlp", "embed"), **proj)
     self.lora = lora.adapters(adapters, rngs, gate=self.gate, up=self.up, down=self.down)
-    self.dtype = compute_dtype
+    self.dtype, self.activation = compute_dtype, ACTIVATIONS[activation]
     self.chunks = chunks if quantization is None else 1
     # A piece keeps or recomputes its activations as the layer does.
     self.piece_policy = None if remat == "none" else remat_policy(remat)
@@ -60,10 +63,11 @@ class MLP(nnx.Module):
     adapter = lambda name: lora.adapter(self.lora, name)  # noqa: E731
     gate = checkpoint_name(dense(x, gate_kernel, dtype=self.dtype, adapter=adapter("gate")), "mlp_in")
     up = checkpoint_name(dense(x, up_kernel, dtype=self.dtype, adapter=adapter("up")), "mlp_in")
-    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "length", "act_mlp"))
+    hidden = constrain(self.activation(gate) * up, ("batch", "length", "act_mlp"))
     return checkpoint_name(dense(hidden, down_kernel, dtype=self.dtype, adapter=adapter("down")), "mlp_out")
 
 
 register_block("feed_forward", "dense",
                lambda cfg, **kwargs: MLP(cfg.embed_dim, cfg.mlp_dim, quantization=cfg.quantization,
-                                         chunks=cfg.mlp_chunks, remat=cfg.remat, adapters=cfg.lora, **kwargs))
+                                         chunks=cfg.mlp_chunks, remat=cfg.remat, adapters=cfg.lora,
+                                         activation=cfg.mlp_activation, **kwargs))

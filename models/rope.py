@@ -1,4 +1,4 @@
-"""Rotary position embeddings (Su et al., 2021), with Llama-3 or linear frequency scaling."""
+"""Rotary position embeddings (Su et al., 2021), with Llama-3, linear or YaRN frequency scaling."""
 
 import math
 
@@ -7,12 +7,14 @@ import jax.numpy as jnp
 
 def rope_frequencies(head_dim: int, theta: float, scaling=None):
   """Inverse frequencies [head_dim // 2]; `scaling` (a config.RopeScaling) stretches the low
-  frequencies (llama3, Llama 3.1) or all of them (linear)."""
+  frequencies (llama3, Llama 3.1; yarn) or all of them (linear)."""
   inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
   if scaling is None:
     return inv_freq
   if scaling.rope_type == "linear":
     return inv_freq / scaling.factor
+  if scaling.rope_type == "yarn":
+    return _yarn(inv_freq, head_dim, theta, scaling)
   low_wavelen = scaling.original_max_position / scaling.low_freq_factor
   high_wavelen = scaling.original_max_position / scaling.high_freq_factor
   wavelen = 2 * math.pi / inv_freq
@@ -24,11 +26,38 @@ def rope_frequencies(head_dim: int, theta: float, scaling=None):
                    jnp.where(wavelen < high_wavelen, inv_freq, blended))
 
 
-def apply_rope(x, positions, inv_freq):
-  """x: [B, L, H, D]; positions: [B, L]. Rotates the two halves of D (the HF layout)."""
+def _yarn(inv_freq, head_dim: int, theta: float, scaling):
+  """YaRN (Peng et al., 2023): dimension i keeps its frequency when it turns more than
+  beta_fast times over the original context, is divided by `factor` below beta_slow turns,
+  and blends linearly between."""
+  def dimension(turns):  # the dimension whose frequency turns `turns` times over the context
+    return head_dim * math.log(scaling.original_max_position / (turns * 2 * math.pi)) / (2 * math.log(theta))
+  low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+  if scaling.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  span = high - low if high != low else 1e-3  # as transformers keeps a one-point ramp finite
+  ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / span, 0, 1)
+  return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
+
+
+def attention_factor(scaling) -> float:
+  """What YaRN multiplies the rotated q and k by (1.0 for every other scaling)."""
+  if scaling is None or scaling.rope_type != "yarn":
+    return 1.0
+  if scaling.attention_factor is not None:
+    return scaling.attention_factor
+  return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
+
+
+def apply_rope(x, positions, inv_freq, factor: float = 1.0):
+  """x: [B, L, H, D]; positions: [B, L]. Rotates the two halves of D (the HF layout);
+  `factor` scales the result (YaRN's attention factor)."""
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, L, D/2]
   sin = jnp.sin(angles)[:, :, None, :]
   cos = jnp.cos(angles)[:, :, None, :]
+  if factor != 1.0:
+    sin, cos = sin * factor, cos * factor
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return rotated.astype(x.dtype)

@@ -76,7 +76,7 @@ class Transformer(nnx.Module):
       layer = lambda r, block=group.feed_forward: make_layer(cfg, r, feed_forward=block)  # noqa: E731
       setattr(self, group.name, create_layers(layer, group.count, rngs, scan=cfg.scan_layers))
     self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=param_dtype,
-                              compute_dtype=compute_dtype)
+                              compute_dtype=compute_dtype, unit_offset=cfg.norm_unit_offset)
     if not cfg.tie_embeddings:
       self.unembed = nnx.Param(fan_in()(rngs.params(), (cfg.embed_dim, cfg.vocab_size), param_dtype),
                                out_sharding=("embed", "vocab"))
@@ -84,8 +84,14 @@ class Transformer(nnx.Module):
   def __call__(self, tokens, positions=None, segment_ids=None, *, zigzag=False):
     """-> (logits [B, L, vocab] in the compute dtype, aux {"losses", "metrics"})."""
     x, aux = self.hidden_states(tokens, positions, segment_ids, zigzag=zigzag)
-    logits = jnp.einsum("ble,ev->blv", x, self.output_projection())
-    return constrain(logits, ("batch", "length", "act_vocab")), aux
+    return constrain(self.logits(x), ("batch", "length", "act_vocab")), aux
+
+  def logits(self, hidden):
+    """Final hidden states [..., embed] -> logits [..., vocab] (soft-capped when the model
+    says: `model.final_logit_soft_cap`)."""
+    logits = jnp.einsum("...e,ev->...v", hidden, self.output_projection())
+    cap = self.cfg.final_logit_soft_cap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
   def output_projection(self):
     """The [embed, vocab] matrix that turns final hidden states into logits."""
@@ -125,8 +131,7 @@ class Transformer(nnx.Module):
     x, cache = self._decode_hidden(tokens, positions, cache, page_table, kv_quantization, tail_index)
     if logits_index is not None:
       x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-      return jnp.einsum("be,ev->bv", x, self.output_projection()), cache
-    return jnp.einsum("ble,ev->blv", x, self.output_projection()), cache
+    return self.logits(x), cache
 
   def prefill_cache(self, tokens, positions, cache: dict, page_table, *, kv_quantization=None,
                     tail_index=None) -> dict:
@@ -150,7 +155,10 @@ class Transformer(nnx.Module):
 
   def _embed(self, tokens):
     table = self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype))
-    return constrain(embed_lookup(table, tokens), RESIDUAL)
+    x = embed_lookup(table, tokens)
+    if self.cfg.scale_embeddings:  # the factor rounded to the parameters' dtype, as Gemma does
+      x = x * jnp.asarray(self.cfg.embed_dim ** 0.5, self.embed.dtype).astype(x.dtype)
+    return constrain(x, RESIDUAL)
 
   def _run_stack(self, x, context, group_caches: dict):
     """Every layer group in order -> (x, reduced aux, the groups' caches).

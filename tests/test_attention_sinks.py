@@ -121,7 +121,8 @@ def test_flash_door_on_a_mesh_with_sinks():
   sum over its rows, summed across the batch devices."""
   mesh = jax.make_mesh((2, 1, 1, 1, 1, 2), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 6)
   q, k, v, sinks = _inputs(length=128)
-  run = lambda q, k, v, s: pallas_kernels.attention(q, k, v, sinks=s, implementation="flash")
+  run = lambda q, k, v, s: pallas_kernels.attention(q, k, v, sinks=s, implementation="flash",
+                                                    block_sizes=BlockSizes(128, 128))
   with jax.set_mesh(mesh):
     got = jax.jit(lambda *a: _loss_and_grads(run, *a))(q, k, v, sinks)
   _assert_close(got, _loss_and_grads(lambda q, k, v, s: attention_reference(q, k, v, sinks=s), q, k, v, sinks))

@@ -124,6 +124,6 @@ def test_moe_configs_map_both_ways_and_unmappable_ones_are_clear_errors():
 def test_unknown_architectures_are_clear_errors():
   with pytest.raises(ValueError, match="model_type='gpt2' is not supported"):
     model_config_from_hf({"model_type": "gpt2"})
-  with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+  with pytest.raises(ValueError, match="rope type 'dynamic' is not supported"):
     model_config_from_hf({"model_type": "llama", **{k: 8 for k in SMALL}, "rms_norm_eps": 1e-6,
-                          "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+                          "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}})

@@ -1,8 +1,9 @@
 """Hugging Face <-> jaxpar, for every registered family with an HF mapping (the `llama`
 family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, see models/llama_hf.py; `mixtral` and
-`qwen3_moe`, see models/moe_hf.py; `deepseek`, see models/deepseek_hf.py). HF stores
-layers (and experts) one tensor each; ours are stacked on leading `layers` (and `experts`)
-axes, per layer group (`first_dense_layers`: `dense_layers`, then `layers`).
+`qwen3_moe`, see models/moe_hf.py; `deepseek`, see models/deepseek_hf.py; `gemma2` and
+`gemma3`, see models/gemma_hf.py). HF stores layers (and experts) one tensor each; ours are
+stacked on leading `layers` (and `experts`) axes, per layer group (`first_dense_layers`:
+`dense_layers`, then `layers`).
 
 Import reads `config.json` and the `*.safetensors` files (sharded or not) tensor by tensor;
 each device reads only the slice of each tensor that its shard holds, so a model never has

@@ -37,7 +37,7 @@ def logits(model, tokens, kv_quantization=None):
   """The model's logits [B, L, vocab] for tokens [B, L]; kv_quantization (a
   kv_quant.KVQuantization): attending as through that quantized KV cache."""
   hidden, _ = model.hidden_states(tokens, kv_quantization=kv_quantization)
-  return jnp.einsum("ble,ev->blv", hidden, model.output_projection())
+  return model.logits(hidden)
 
 
 def mean_loss(runtime, params, windows, *, batch_size: int = 8, kv_quantization=None) -> float:

@@ -44,9 +44,11 @@ def _batch_shards(batch: int) -> int:
   return shards if batch % shards == 0 else 1
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def fused_lm_loss(hidden, projection, targets, loss_mask, z_loss: float = 0.0, chunk_len: int = 128):
-  """`causal_lm_loss(hidden @ projection, ...)` without ever holding the [B, L, vocab] logits.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def fused_lm_loss(hidden, projection, targets, loss_mask, z_loss: float = 0.0, chunk_len: int = 128,
+                  logit_soft_cap: float | None = None):
+  """`causal_lm_loss(hidden @ projection, ...)` without ever holding the [B, L, vocab] logits
+  (soft-capped first, cap * tanh(logits / cap), with `logit_soft_cap`: Gemma 2).
 
   Scans over `chunk_len` positions at a time; each chunk's logits give its loss *and*
   its gradients at once (softmax - one_hot), so the backward pass is two scaled copies.
@@ -58,10 +60,10 @@ def fused_lm_loss(hidden, projection, targets, loss_mask, z_loss: float = 0.0, c
   straight into the parameter's layout: one reduce-scatter per step, not one all-reduce
   per chunk.
   """
-  return _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len)[0]
+  return _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len, logit_soft_cap)[0]
 
 
-def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
+def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len, logit_soft_cap):
   batch, length, embed = hidden.shape
   # When the mesh splits the length (context parallelism), each chunk takes chunk_len
   # positions from every device's own span of the sequence: no hidden state moves, and
@@ -81,6 +83,8 @@ def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
     flat = lambda x: x.reshape(batch, spans * chunk, *x.shape[3:])  # noqa: E731
     logits = constrain(jnp.einsum("ble,ev->blv", flat(h), projection, preferred_element_type=jnp.float32),
                        ("batch", "length", "act_vocab"))
+    if logit_soft_cap is not None:
+      logits = logit_soft_cap * jnp.tanh(logits / logit_soft_cap)
     t, m = flat(t), flat(m)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     one_hot = jax.nn.one_hot(t, logits.shape[-1], dtype=jnp.float32)
@@ -89,7 +93,10 @@ def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
     z = z_loss * jnp.sum(jnp.square(log_z) * m)
     # d/dlogits of (log_z - target + z_loss * log_z^2), per token, masked.
     probs = jnp.exp(logits - log_z[..., None])
-    d_logits = ((probs * (1 + 2 * z_loss * log_z)[..., None] - one_hot) * m[..., None]).astype(h.dtype)
+    d_logits = (probs * (1 + 2 * z_loss * log_z)[..., None] - one_hot) * m[..., None]
+    if logit_soft_cap is not None:  # through the cap: d tanh = 1 - tanh^2
+      d_logits = d_logits * (1 - jnp.square(logits / logit_soft_cap))
+    d_logits = d_logits.astype(h.dtype)
     d_hidden = jnp.einsum("blv,ev->ble", d_logits, projection)
     per_span = d_logits.reshape(*h.shape[:3], -1)  # [B, spans, chunk, vocab]
     partials = jnp.einsum("sbple,sbplv->spev", per_shard(h), per_shard(per_span),
@@ -119,7 +126,7 @@ def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len):
   return (ce_sum + z_sum, aux), (d_hidden, d_projection, targets, loss_mask)
 
 
-def _fused_backward(z_loss, chunk_len, residuals, cotangents):
+def _fused_backward(z_loss, chunk_len, logit_soft_cap, residuals, cotangents):
   d_hidden, d_projection, targets, loss_mask = residuals
   g = cotangents[0]  # metrics in aux carry no gradient
   return ((g * d_hidden).astype(d_hidden.dtype), (g * d_projection).astype(d_projection.dtype),

@@ -48,7 +48,7 @@ def make_objective(graphdef, *, z_loss: float, logits_chunk_len: int = 0, load_b
     if logits_chunk_len:
       hidden, aux = model.hidden_states(*inputs, zigzag=balanced)
       total, sums = fused_lm_loss(hidden, model.output_projection(), batch["targets"],
-                                  batch["loss_mask"], z_loss, logits_chunk_len)
+                                  batch["loss_mask"], z_loss, logits_chunk_len, model.cfg.final_logit_soft_cap)
     else:
       logits, aux = model(*inputs, zigzag=balanced)
       total, sums = causal_lm_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
