@@ -33,15 +33,16 @@ class LatentPagedCache:
   def at(self, layer) -> "LatentPagedCache":
     return self.replace(layer=layer)
 
-  def update_and_attend(self, q, k, v, context, options):
+  def update_and_attend(self, q, k, v, context, options, sinks=None):
     """q [B, T, heads, latent + rope] (absorbed queries); k [B, T, 1, latent + rope] the
     new tokens' latent and rotated key; v [B, T, 1, latent] their values, which are k's
-    first entries: only k is stored -> (out [B, T, heads, latent], cache)."""
+    first entries: only k is stored; sinks [heads] or None (the door takes both)
+    -> (out [B, T, heads, latent], cache)."""
     pages = kv_cache.scatter(self.pages["latent"], self.layer, self.page_table, k, context.positions)
     cache = self.replace(pages={"latent": pages})
     layer_pages = jax.lax.dynamic_index_in_dim(pages, self.layer, keepdims=False)
     out = pallas_kernels.paged_attention(q, layer_pages, None, context.positions, self.page_table,
-                                         value_dim=v.shape[-1], **options.kernel_args())
+                                         value_dim=v.shape[-1], sinks=sinks, **options.kernel_args())
     return out, cache
 
 
