@@ -40,25 +40,13 @@ def deepseek(tmp_path_factory):
 
 
 def test_deepseek_v3_imports_with_logits_parity_and_exports(deepseek):
-  from safetensors.numpy import load_file
-  from jaxpar.convert.hf import jaxpar_to_hf
-  from tests.test_hf import _hf_logits, _our_logits
+  from tests.test_hf import assert_round_trip
   model, config, directory = deepseek
   m = config.model
   assert (m.family, m.attention_block, m.first_dense_layers, m.mla.kv_lora_rank, m.mla.q_lora_rank) == \
       ("deepseek", "mla", 1, 40, 24)
   assert (m.moe.num_groups, m.moe.groups_per_token, m.moe.shared_mlp_dim, m.moe.router) == (4, 2, 24, "sigmoid")
-  tokens = np.random.default_rng(0).integers(0, 320, (2, 40))
-  expected = _hf_logits(model, tokens)
-  np.testing.assert_allclose(_our_logits(directory / "jaxpar", config, tokens), expected, rtol=1e-5,
-                             atol=1e-5 * np.abs(expected).max())
-  jaxpar_to_hf(directory / "jaxpar", directory / "back")
-  original, exported = (load_file(directory / d / "model.safetensors") for d in ("hf", "back"))
-  assert sorted(exported) == sorted(n for n in original if "e_score_correction_bias" not in n)
-  for name, tensor in exported.items():
-    assert np.array_equal(tensor, original[name]), name
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory / "back").eval()
-  np.testing.assert_array_equal(_hf_logits(reloaded, tokens), expected)
+  assert_round_trip(model, config, directory, skip=("e_score_correction_bias",))  # not converted yet
 
 
 def test_latent_cache_generates_like_transformers(deepseek):

@@ -44,26 +44,13 @@ def family(request, tmp_path_factory):
 
 
 def test_imports_with_logits_parity_and_exports_exactly(family):
+  from tests.test_hf import assert_round_trip
   name, model, config, directory = family
-  from safetensors.numpy import load_file
-
-  from jaxpar.convert.hf import jaxpar_to_hf
-  from tests.test_hf import _hf_logits, _our_logits
   m = config.model
   assert (m.family, m.num_kv_heads, m.tie_embeddings, m.query_pre_attn_scalar) == (name, 1, False, 24)
   assert [k.sliding_window for k in m.layer_pattern] == ([WINDOW, None] if name == "gemma2" else [WINDOW, WINDOW, None])
-  tokens = np.random.default_rng(0).integers(0, 320, (2, 40))
-  expected = _hf_logits(model, tokens)
-  np.testing.assert_allclose(_our_logits(directory / "jaxpar", config, tokens), expected, rtol=1e-5,
-                             atol=1e-5 * np.abs(expected).max())
-  jaxpar_to_hf(directory / "jaxpar", directory / "back")
-  original, exported = (load_file(directory / d / "model.safetensors") for d in ("hf", "back"))
-  assert sorted(exported) == sorted(original)
-  for tensor_name, tensor in original.items():
-    np.testing.assert_array_equal(exported[tensor_name], tensor, err_msg=tensor_name)
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory / "back").eval()
+  reloaded = assert_round_trip(model, config, directory)
   assert reloaded.config.layer_types == model.config.layer_types
-  np.testing.assert_array_equal(_hf_logits(reloaded, tokens), expected)
 
 
 def test_generates_like_transformers_past_the_window(family):
