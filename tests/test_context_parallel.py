@@ -113,8 +113,8 @@ def test_blockwise_kernels_take_any_query_offset(name, kernel, blocks, head_dim)
     for a, n in halves:
       partial = None
       for b, m in halves:
-        block = kernel.forward(opts, cut(q, a, n), cut(k, b, m), cut(v, b, m), cut(seg, a, n),
-                               cut(seg, b, m), jnp.int32(a - b))
+        block = kernel.forward(opts, cut(q, a, n), cut(k, b, m), cut(v, b, m), None,  # no sinks
+                               cut(seg, a, n), cut(seg, b, m), jnp.int32(a - b))
         partial = block if partial is None else merge_partials(partial, block)
       outs.append(partial)
     dq, dk, dv = jnp.zeros(q.shape), jnp.zeros(k.shape), jnp.zeros(v.shape)

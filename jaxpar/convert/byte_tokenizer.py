@@ -13,7 +13,6 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
-from jaxpar.data import ByteTokenizer
 
 EOS, BOS = "<|endoftext|>", "<|startoftext|>"
 
@@ -32,7 +31,7 @@ def write_byte_tokenizer(directory) -> list[str]:
   directory.mkdir(parents=True, exist_ok=True)
   byte_tokenizer().save(str(directory / "tokenizer.json"))
   settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": BOS,
-              "add_bos_token": ByteTokenizer.add_bos, "split_special_tokens": True,
+              "add_bos_token": False, "split_special_tokens": True,  # prompts start with their text
               "model_max_length": 2 ** 31 - 1}
   (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
   return ["tokenizer.json", "tokenizer_config.json"]
