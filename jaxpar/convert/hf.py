@@ -106,20 +106,14 @@ def _entries(params: dict, cfg: ModelConfig):
   HF tensor of the model. The index is () for an unstacked tensor, (layer,) for a layer of
   a scanned stack, plus (expert,) for names with an `{expert}` field."""
   mapping = _mapping_for_family(cfg)
-  def present(tree, path):
-    for key in path:
-      if not isinstance(tree, dict) or key not in tree:
-        return False
-      tree = tree[key]
-    return True
   for path, name, layout in mapping.top:
-    if present(params, path):
+    if lookup(params, path) is not None:
       yield path, name, layout, ()
   for group in layer_groups(cfg):
     entries = mapping.layer if group.name == "layers" else mapping.dense_layer or mapping.layer
     layer0 = params[group.name] if cfg.scan_layers else params[group.name][0]
     for path, name, layout in entries:
-      if not present(layer0, path):
+      if lookup(layer0, path) is None:
         continue
       experts = range(_get(layer0, path).shape[int(cfg.scan_layers)]) if "{expert}" in name else [None]
       for i in range(group.count):
@@ -131,6 +125,15 @@ def _entries(params: dict, cfg: ModelConfig):
 
 def _get(tree, path):
   for key in path:
+    tree = tree[key]
+  return tree
+
+
+def lookup(tree, path):
+  """The leaf or subtree of nested dicts at `path`, or None where the path is absent."""
+  for key in path:
+    if not isinstance(tree, dict) or key not in tree:
+      return None
     tree = tree[key]
   return tree
 

@@ -19,6 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import MeshConfig, replace
+from jaxpar.convert.hf import lookup
 from jaxpar.data import copy_tokenizer_files
 from jaxpar.errors import CheckpointError
 from jaxpar.finetune.base import split_weights
@@ -44,14 +45,6 @@ def _projections(cfg) -> list[tuple[tuple[str, ...], str, str]]:
   return found
 
 
-def _get(tree, path):
-  for key in path:
-    if not isinstance(tree, dict) or key not in tree:
-      return None
-    tree = tree[key]
-  return tree
-
-
 def _layers(params: dict, cfg):
   """(index, that layer's params) over the layer stack, one layer at a time on the host."""
   for i in range(cfg.num_layers):
@@ -72,7 +65,7 @@ def export_peft(ckpt, out) -> Path:
   tensors, targets = {}, set()
   for i, layer in _layers(adapters, cfg):
     for path, module, target in _projections(cfg):
-      pair = _get(layer, path)
+      pair = lookup(layer, path)
       if pair is None:
         continue
       a, b = (np.asarray(jax.device_get(pair[k]), np.float32) for k in ("a", "b"))
@@ -133,7 +126,7 @@ def import_peft(peft_dir, base, out, *, devices=None):
   per_layer = [{} for _ in range(cfg.num_layers)]
   for i in range(cfg.num_layers):
     for path, module, target in _projections(cfg):
-      pair = _get(abstract["layers"] if cfg.scan_layers else abstract["layers"][i], path)
+      pair = lookup(abstract["layers"] if cfg.scan_layers else abstract["layers"][i], path)
       if pair is None:
         continue
       name = f"{_PREFIX}model.layers.{i}.{module}"
