@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 
 from jaxpar.errors import UserError
+from jaxpar.pallas_kernels.attention.validation import check_sinks
 
 
 def visible_pages(page_table, q_positions, page_size, sliding_window):
@@ -45,10 +46,11 @@ def clamp_page(j, length, page_size, sliding_window):
   return jnp.minimum(jnp.maximum(j, first), jnp.maximum(last, 0))
 
 
-def check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim=None) -> int:
+def check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim=None, sinks=None) -> int:
   """q [B, Hq, D]; k pages [Hkv, num_pages, page_size, D]; v pages [.., Dv], or None when
-  the values are the keys' first `value_dim` entries; lengths [B]; page_table [B, n].
-  Returns the values' head dim."""
+  the values are the keys' first `value_dim` entries; lengths [B]; page_table [B, n];
+  sinks [Hq] or None. Returns the values' head dim."""
+  check_sinks(sinks, q.shape[1])
   if q.ndim != 3:
     raise UserError(f"q must be [batch, heads, head_dim] for decode, got shape {q.shape}")
   if k_pages.ndim != 4:

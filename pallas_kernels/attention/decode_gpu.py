@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxpar.errors import UserError
-from jaxpar.pallas_kernels.attention import decode_common, masking, validation
+from jaxpar.pallas_kernels.attention import decode_common, masking
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +81,7 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, slid
   """q: [B, Hq, D]; k_pages: [Hkv, num_pages, page_size, D]; v_pages: [.., Dv], or None with
   `value_dim` (the keys' first value_dim entries); lengths: [B]; page_table: [B, n];
   sinks: [Hq] or None -> [B, Hq, Dv]."""
-  value_dim = decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim)
-  validation.check_sinks(sinks, q.shape[1])
+  value_dim = decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim, sinks)
   batch, num_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads

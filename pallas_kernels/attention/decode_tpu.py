@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxpar.errors import UserError
-from jaxpar.pallas_kernels.attention import decode_common, masking, validation
+from jaxpar.pallas_kernels.attention import decode_common, masking
 from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
 _LANES = 128
@@ -101,8 +101,7 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, slid
   """q: [B, Hq, D]; k_pages: [Hkv, num_pages, page_size, D]; v_pages: [.., Dv], or None with
   `value_dim` (the keys' first value_dim entries); lengths: [B]; page_table: [B, n];
   sinks: [Hq] or None -> [B, Hq, Dv]."""
-  value_dim = decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim)
-  validation.check_sinks(sinks, q.shape[1])
+  value_dim = decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim, sinks)
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
   if page_size % 8:
