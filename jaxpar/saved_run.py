@@ -14,14 +14,13 @@ validated (keys that moved since are migrated) and the tokenizer found beside th
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import MeshConfig, from_dict
 from jaxpar.data import load_tokenizer
 from jaxpar.errors import CheckpointError
 from jaxpar.finetune.partition import join
-from jaxpar.models.pipeline import reorder_layers
+from jaxpar.models.pipeline import reorder_layers, same_order
 from jaxpar.models.transformer import PIPELINED_GROUP
 from jaxpar.runtime import Runtime
 
@@ -38,10 +37,7 @@ def relayout(tree, source, target, shardings=None):
   gather placed on `shardings` (default: where each array is). Every path from one layout
   to another (restoring a checkpoint, resuming a run, generating after training) goes
   through here, so a run written with any stage count opens with any other."""
-  count = len(source) if source is not None else len(target) if target is not None else 0
-  same = np.array_equal(np.arange(count) if source is None else source,
-                        np.arange(count) if target is None else target)
-  if same:
+  if same_order(source, target):
     return tree if shardings is None else jax.device_put(tree, shardings)
   shardings = shardings or jax.tree.map(lambda x: x.sharding, tree)
   return jax.jit(lambda t: reorder_layers(t, PIPELINED_GROUP, source, target), out_shardings=shardings)(tree)

@@ -50,9 +50,9 @@ def reorder_layers(tree, group: str, source, target):
   """`tree` (params, model state, optimizer state: anything with the group's stacked arrays
   under a `group` key) with the group's layers moved from `source` order to `target` order
   (stage_major_order arrays; None: canonical). Works on arrays and inside jit."""
-  count = None if source is None and target is None else len(source if source is not None else target)
-  if count is None or np.array_equal(_or_identity(source, count), _or_identity(target, count)):
+  if same_order(source, target):
     return tree
+  count = len(source if source is not None else target)
   position = np.argsort(_or_identity(source, count))  # canonical layer -> its source position
   take = position[_or_identity(target, count)]
 
@@ -60,6 +60,14 @@ def reorder_layers(tree, group: str, source, target):
     stacked = any(getattr(key, "key", None) == group for key in path)
     return jnp.take(leaf, take, axis=0) if stacked and leaf.ndim and leaf.shape[0] == count else leaf
   return jax.tree_util.tree_map_with_path(move, tree)
+
+
+def same_order(source, target) -> bool:
+  """Whether two layer orders (stage_major_order arrays, None: canonical) are the same."""
+  if source is None and target is None:
+    return True
+  count = len(source if source is not None else target)
+  return np.array_equal(_or_identity(source, count), _or_identity(target, count))
 
 
 def _or_identity(order, count):
