@@ -6,7 +6,8 @@ Both run the bench-20m shape (embed 256, 4 layers, 4 heads x 64, MLP 1024, vocab
 float32) with random weights, greedy, prompts of 64 random tokens, 64 new tokens, on the
 same host in the same run. Both are timed the same way: a call that generates 1 token
 (time to first token) and one that generates all 64; decode tokens/s = batch x 63 /
-(the difference). Best of `--repeats` after a warm-up. Then: continuous batching under a
+(the difference). Best of `--repeats` after a warm-up. Then: the same requests on an engine
+sized for 2048 positions, with and without narrower page tables; continuous batching under a
 stream of mixed-length requests, and speculative decoding with a small draft model (both
 trained here for a few minutes on the bundled corpus, so that they agree as real ones do).
 """
@@ -63,6 +64,22 @@ def hf_times(model_cfg, prompts, new, repeats):
     with torch.no_grad():
       model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
   return best(lambda: run(1), repeats), best(lambda: run(new), repeats)
+
+
+def roomy_engine(model_cfg, batch, prompt, new, repeats, max_seq_len=2048):
+  """Decode tok/s of an engine sized for `max_seq_len` (as `jaxpar serve` sizes it: the
+  model's context) on the same short requests: with the narrower page tables the decode
+  step is compiled for (pages.table_widths), and with the full table only."""
+  prompts = np.random.default_rng(batch).integers(0, 256, (batch, prompt)).tolist()
+  roomy = model_cfg.model_copy(update={"max_seq_len": max_seq_len})  # rope: the same weights
+  engine = engine_for(roomy, batch, prompt, max_seq_len - prompt - 8)
+  run = lambda n: engine.generate(prompts, SamplingParams(max_tokens=n, stop_token_ids=()))  # noqa: E731
+  rates = {}
+  for label, widths in (("narrower tables", engine.step_widths), ("full table", engine.step_widths[-1:])):
+    engine.step_widths = widths
+    first, all_ = best(lambda: run(1), repeats), best(lambda: run(new), repeats)
+    rates[label] = batch * (new - 1) / (all_ - first)
+  return engine.step_widths, rates
 
 
 def continuous_batching(model_cfg, requests=48, slots=8, seed=0):
@@ -123,6 +140,10 @@ def main():
     jrate, hrate = batch * (args.new - 1) / (jn - j1), batch * (args.new - 1) / (hn - h1)
     print(f"{batch:>5} | {j1 * 1e3:>9.1f}ms {jrate:>8,.0f} | {h1 * 1e3:>7.1f}ms {hrate:>8,.0f} | "
           f"{h1 / j1:>5.2f}x {jrate / hrate:>6.2f}x", flush=True)
+  widths, rates = roomy_engine(model_cfg, 32, args.prompt, args.new, args.repeats)
+  print(f"\nan engine sized for 2048 positions, batch 32, the same requests: "
+        + ", ".join(f"{label} {rate:,.0f} tok/s" for label, rate in rates.items())
+        + f" (tables of {', '.join(str(w * 16) for w in widths)} positions compiled)")
   rate, stats = continuous_batching(model_cfg)
   print(f"\ncontinuous batching: 48 requests (prompts 8-200, outputs 8-64 tokens), 8 slots: "
         f"{rate:,.0f} generated tokens/s ({stats['decode_steps']} decode steps, "

@@ -10,7 +10,8 @@ import pytest
 
 from jaxpar.config import MeshConfig, ModelConfig
 from jaxpar.data import ByteTokenizer
-from jaxpar.inference import Engine, SamplingParams
+from jaxpar.inference import Engine, SamplingParams, pages
+from jaxpar.inference.pages import table_widths
 from jaxpar.runtime import Runtime
 from tests.helpers import SMALL_MODEL
 
@@ -136,3 +137,28 @@ def test_bad_requests_are_clear_errors(one_device):
 def test_a_mesh_that_splits_sequences_is_refused():
   with pytest.raises(ValueError, match="mesh.context=2: generation does not split sequences"):
     _engine({"context": 2, "fsdp": 1}, jax.devices()[:2])
+
+
+def test_page_table_widths_halve_only_where_decode_gathers_every_page():
+  assert table_widths(256, 16, gathers=True) == (32, 64, 128, 256)  # down to 512 positions
+  assert table_widths(9, 16, gathers=True) == (9,)
+  assert table_widths(256, 16, gathers=False) == (256,)  # the Pallas kernels read only what they need
+
+
+@pytest.mark.parametrize("kv_cache", [None, "int8"])
+def test_decode_on_narrower_page_tables_gives_the_same_tokens(one_device, monkeypatch, kv_cache):
+  # Widths 2, 3, 6 and 12 pages of 8: steps take narrower tables as the longest rows
+  # finish, and wider ones as the others grow. Then the same requests on the widest only.
+  monkeypatch.setattr(pages, "NARROWEST_TABLE", 16)
+  engine = Engine(one_device.runtime, one_device.params, ByteTokenizer(), slots=4, page_size=8,
+                  prefill_chunks=(32,), prefill_budget=32, kv_cache=kv_cache)
+  assert engine.step_widths == (2, 3, 6, 12)
+  widths, run = [], engine.programs.run
+  engine.programs.run = lambda kind, *args: widths.append(args[5].shape[1]) or run(kind, *args)
+  prompts = _prompts([3, 9, 20, 70])
+  settings = [SamplingParams(max_tokens=n, **NO_STOP) for n in (14, 6, 6, 2)]
+  narrow = [r.tokens for r in engine.generate(prompts, settings)]
+  assert set(widths) == {2, 3, 6, 12}
+  engine.step_widths, widths[:] = (12,), []
+  assert [r.tokens for r in engine.generate(prompts, settings)] == narrow and set(widths) == {12}
+  assert engine.pool.free == engine.pool.num_pages

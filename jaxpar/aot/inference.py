@@ -55,7 +55,7 @@ def compile_inference(config, topology: str, *, slots: int, context: int, page_s
     started = time.perf_counter()
     with phase(f"compiling {'decode' if kind == 'step' else 'prefill'} [{batch} x {length}] for {topology}"):
       programs.compile(kind, batch, length, pages_per_seq)
-    compiled = programs.compiled[kind, batch, length]
+    compiled = programs.compiled[kind, batch, length, pages_per_seq]
     memory = memory_sizes(compiled.memory_analysis())
     report["programs"]["decode" if kind == "step" else "prefill"] = {
         "shape": [batch, length], "arguments": memory["arguments"],

@@ -1,6 +1,7 @@
 """The generation engine: continuous batching over a paged KV cache.
 
-A fixed number of slots decode together, one token each per step (one compiled program).
+A fixed number of slots decode together, one token each per step (one compiled program;
+on CPU, one per page-table width: `pages.table_widths`).
 Between steps, waiting requests take free slots and their prompts are written into the
 cache a chunk at a time (a few compiled chunk lengths), a bounded number of prompt tokens
 per step, so a long prompt never stalls the running decodes for its whole prefill. Prompts
@@ -22,9 +23,9 @@ import numpy as np
 
 from jaxpar.errors import ConfigError
 from jaxpar.inference import processing
-from jaxpar.inference.pages import PagePool, page_table_rows
+from jaxpar.inference.pages import PagePool, page_table_rows, table_widths
 from jaxpar.inference.prefix_cache import PrefixSharing
-from jaxpar.inference.programs import Programs
+from jaxpar.inference.programs import Programs, program_key
 from jaxpar.inference.requests import Completion, Request, TokenEvent
 from jaxpar.inference.sampling import GREEDY, RequestError, SamplingParams, row_arrays
 from jaxpar.mesh import logical_to_sharding
@@ -62,6 +63,9 @@ class Engine:
     self.model_state = model_state if model_state is not None else {}
     self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
     self.pages_per_seq = -(-self.max_seq_len // page_size)
+    # Decode steps take the narrowest of these page tables that holds their longest sequence.
+    gathers = runtime.mesh.devices.flat[0].platform not in ("tpu", "gpu")
+    self.step_widths = table_widths(self.pages_per_seq, page_size, gathers)
     self.chunks = sorted({min(c, self.max_seq_len) for c in prefill_chunks})
     # Keys further back than this are never read again (None: some layer sees everything).
     self.reach = kv_reach(cfg)
@@ -113,24 +117,26 @@ class Engine:
 
   def _compile_all(self, echo, extras: bool):
     fills = sorted({(rows, c) for c, widest in self.fill_rows.items() for rows in (1, widest)})
-    shapes = [("step", len(self.slots), 1)] + [("fill", rows, c) for rows, c in fills]
+    steps = [("step", len(self.slots), 1, width) for width in self.step_widths]
+    shapes = steps + [("fill", rows, c, self.pages_per_seq) for rows, c in fills]
     if extras:
-      shapes += [("step_processed", len(self.slots), 1)] + [("fill_logprobs", rows, c) for rows, c in fills]
+      shapes += [("step_processed", *step[1:]) for step in steps]
+      shapes += [("fill_logprobs", rows, c, self.pages_per_seq) for rows, c in fills]
     started = time.perf_counter()
-    for i, (kind, batch, length) in enumerate(shapes, 1):
+    for i, (kind, batch, length, width) in enumerate(shapes, 1):
       echo(f"compiling {kind} [{batch} x {length}] ({i}/{len(shapes)})")
-      self._compile(kind, batch, length)
+      self._compile(kind, batch, length, width)
     self.compile_s = time.perf_counter() - started
 
-  def _compile(self, kind, batch, length):
+  def _compile(self, kind, batch, length, width):
     extra = {"step_processed": processing.step_processed_kind(self.max_seq_len),
              "fill_logprobs": processing.FILL_LOGPROBS}.get(kind)
-    self.programs.compile(kind, batch, length, self.pages_per_seq, program=extra)
+    self.programs.compile(kind, batch, length, width, program=extra)
 
   def _run(self, kind, *rows):
     """Run a program, compiling `processing`'s on first use."""
-    if (kind, *rows[0].shape) not in self.programs.compiled:
-      self._compile(kind, *rows[0].shape)
+    if (key := program_key(kind, rows)) not in self.programs.compiled:
+      self._compile(*key)
     return self.programs.run(kind, self.params, self.model_state, self.cache, *rows)
 
   # -- requests ----------------------------------------------------------------------
@@ -277,14 +283,16 @@ class Engine:
     for request in sorted((r for r in self.slots if r is not None and not r.prefilling),
                           key=lambda r: r.arrival):
       if request in self.slots:  # not preempted by an older request's growth
-        self._reserve(request, len(request.context))
+        self._reserve(request, request.length)
     rows = [r if r is not None and not r.prefilling else None for r in self.slots]
     tokens = np.zeros((len(rows), 1), np.int32)
     positions = np.full((len(rows), 1), -1, np.int32)
     for i, request in enumerate(rows):
       if request is not None:
-        tokens[i, 0], positions[i, 0] = request.context[-1], len(request.context) - 1
-    table = page_table_rows([r.pages if r else [] for r in rows], self.pages_per_seq)
+        tokens[i, 0], positions[i, 0] = request.last_token, request.length - 1
+    longest = max(len(r.pages) for r in rows if r is not None)
+    table = page_table_rows([r.pages if r else [] for r in rows],
+                            next(w for w in self.step_widths if w >= longest))
     settings = row_arrays([r.sampling if r else None for r in rows])
     slots = np.arange(len(rows), dtype=np.int32)
     top = None
@@ -300,7 +308,7 @@ class Engine:
     events = []
     for i, request in enumerate(rows):
       if request is not None:
-        request.cached = len(request.context)
+        request.cached = request.length
         self.sharing.publish(request)
         event = request.accept(int(next_tokens[i]), float(logprobs[i]), self.tokenizer.decode,
                                self.max_seq_len, top[i] if top else None)

@@ -20,6 +20,7 @@ import hashlib
 import numpy as np
 
 RELEASED = -1  # the place of a page handed back while its sequence goes on
+NARROWEST_TABLE = 512  # positions: the narrowest extra page table decode is compiled for
 
 
 class PagePool:
@@ -122,6 +123,18 @@ def block_hashes(tokens: list[int], page_size: int, start: int = 0, previous: by
 def held_pages(held: list[int]) -> int:
   """Pages a sequence holds now (released places not counted)."""
   return sum(page != RELEASED for page in held)
+
+
+def table_widths(pages_per_seq: int, page_size: int, gathers: bool) -> tuple[int, ...]:
+  """The page-table widths the decode step is compiled for, narrowest first. Where decode
+  attention gathers every page its table names (XLA on CPU), a step costs the table's width
+  whatever the sequences' lengths, so halved widths are compiled too, down to
+  NARROWEST_TABLE positions, and each step takes the narrowest that holds its longest
+  sequence. The Pallas kernels read only each sequence's own pages: one width serves."""
+  widths = [pages_per_seq]
+  while gathers and (half := -(-widths[-1] // 2)) < widths[-1] and half * page_size >= NARROWEST_TABLE:
+    widths.append(half)
+  return tuple(reversed(widths))
 
 
 def page_table_rows(held: list[list[int]], width: int) -> np.ndarray:

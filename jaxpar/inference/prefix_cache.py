@@ -60,6 +60,8 @@ class PrefixSharing:
     if not self.enabled:
       return
     complete = request.cached // self.pool.page_size
+    if complete == request.published:  # most decode steps complete no page
+      return
     for index, block in enumerate(self._hashes(request, complete)[request.published:], request.published):
       if request.pages[index] != RELEASED:
         self.pool.index(request.pages[index], block)

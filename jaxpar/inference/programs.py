@@ -72,6 +72,11 @@ def _rolled_graphdef(runtime):
   return abstract_model(cfg.model_copy(update={"scan_unroll": 1}))[0]
 
 
+def program_key(kind: str, rows) -> tuple:
+  """(kind, batch, length, page-table width): what a call's per-row arguments need compiled."""
+  return (kind, *rows[0].shape, rows[2].shape[1])
+
+
 class Programs:
   """Compiled executables for one runtime, parameter layout and cache layout."""
 
@@ -91,7 +96,8 @@ class Programs:
     return NamedSharding(self.runtime.mesh, spec)
 
   def compile(self, kind: str, batch: int, length: int, pages_per_seq: int, program: Kind | None = None):
-    """Compile `kind` (one of KINDS, or any name for `program`) for [batch, length] tokens."""
+    """Compile `kind` (one of KINDS, or any name for `program`) for [batch, length] tokens
+    and page tables [batch, pages_per_seq]."""
     rows = self._rows(batch)
     mesh = self.runtime.mesh
 
@@ -111,14 +117,14 @@ class Programs:
     with self.runtime.context():
       jitted = jax.jit(fn, out_shardings=out, donate_argnums=(2,))
       executable = jitted.lower(*self._state, *args).compile()
-    self.compiled[kind, batch, length] = executable
-    self._row_shardings[kind, batch, length] = executable.input_shardings[0][3:]
+    self.compiled[kind, batch, length, pages_per_seq] = executable
+    self._row_shardings[kind, batch, length, pages_per_seq] = executable.input_shardings[0][3:]
 
   def run(self, kind: str, params, model_state, cache, *rows):
     """Call a compiled program. Host arrays go straight in: the executable places them as it
     was compiled to expect (a device_put first costs ~0.4 ms more per call on CPU). A device
     array laid out otherwise (another engine's output: a speculative draft's) is moved first."""
-    key = (kind, *rows[0].shape)
+    key = program_key(kind, rows)
     rows = [jax.device_put(x, want) if isinstance(x, jax.Array) and x.sharding != want else x
             for x, want in zip(rows, self._row_shardings[key])]
     return self.compiled[key](params, model_state, cache, *rows)

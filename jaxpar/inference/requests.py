@@ -80,8 +80,17 @@ class Request:
     return self.prompt + self.generated
 
   @property
+  def length(self) -> int:
+    """len(context), without building it (the decode loop asks every step for every row)."""
+    return len(self.prompt) + len(self.generated)
+
+  @property
+  def last_token(self) -> int:
+    return self.generated[-1] if self.generated else self.prompt[-1]
+
+  @property
   def prefilling(self) -> bool:
-    return self.cached < len(self.context) - 1
+    return self.cached < self.length - 1
 
   def completion(self) -> Completion:
     sampling = self.sampling
@@ -122,7 +131,7 @@ class Request:
         full, self.finish_reason = full[:cut], "stop"
       elif constraint_done:
         self.finish_reason = "stop"
-      elif len(self.generated) >= sampling.max_tokens or len(self.context) >= limit:
+      elif len(self.generated) >= sampling.max_tokens or self.length >= limit:
         self.finish_reason = "length"
     if self.finish_reason is None:
       full = _safe_prefix(full, sampling.stop)
