@@ -38,6 +38,29 @@ class TokenEvent:
   top_logprobs: list[tuple[int, float]] | None = None
 
 
+class IncrementalText:
+  """The text of a growing token list, decoding only its newest tokens each time: decoding
+  all of them at every step costs O(length) per token (about 1 ms per row and step at 2,048
+  tokens with an 8,000-piece BPE tokenizer on a CPU core: more than a small model's step). The tokens from `start` to `read` decoded to complete text
+  before; decoding from `start` again and keeping what follows that text gives the new
+  text with the same leading-space and byte-fallback handling as decoding everything."""
+
+  def __init__(self):
+    self.stable, self.start, self.read = "", 0, 0
+
+  def __call__(self, tokens: list[int], decode) -> str:
+    before, now = decode(tokens[self.start:self.read]), decode(tokens[self.start:])
+    if not now.startswith(before):  # a decoder that rewrites earlier text: decode it all
+      return decode(tokens)
+    tail = now[len(before):]
+    text = self.stable + tail
+    # Complete text: later tokens cannot change it. A token with no text (a skipped special)
+    # never starts a window: a decoder that strips the leading space would then strip it.
+    if tail and not tail.endswith("\ufffd"):
+      self.stable, self.start, self.read = text, self.read, len(tokens)
+    return text
+
+
 class Request:
   """A prompt in flight. `context` is the prompt plus what was generated; `cached` how many
   of its tokens have their keys and values in the cache (after a preemption, 0 again).
@@ -70,6 +93,7 @@ class Request:
     self.looked_up = False
     self.prefix_hits = 0
     self.text = ""  # the text streamed so far
+    self.generated_text = IncrementalText()
     self.finish_reason: str | None = None
     self.cancelled = False
     self.arrival = time.monotonic()
@@ -123,7 +147,7 @@ class Request:
       self.logprobs.pop()
       self.top_logprobs.pop()
       self.finish_reason = "stop"
-    full = decode(self.generated)
+    full = self.generated_text(self.generated, decode)
     if self.finish_reason is None:
       # Only new text can stop it: what was streamed (text from before min_tokens included) stays.
       cut = min((i for i in (full.find(s, len(self.text)) for s in stop_strings) if i >= 0), default=-1)
