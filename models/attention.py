@@ -40,7 +40,7 @@ class Attention(nnx.Module):
       self.k_bias = nnx.Param(jnp.zeros((kv, d), param_dtype), out_sharding=("kv_heads", "head_dim"))
       self.v_bias = nnx.Param(jnp.zeros((kv, d), param_dtype), out_sharding=("kv_heads", "head_dim"))
     self.use_bias = cfg.attention_bias
-    self.o_bias = (nnx.Param(jnp.zeros((e,), param_dtype), out_sharding=("embed",))
+    self.o_bias = (nnx.Param(jnp.zeros((e,), param_dtype), out_sharding=("embed",), weight_decay=False)
                    if cfg.attention_out_bias else None)
     if cfg.qk_norm:
       norm = dict(eps=cfg.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype,
