@@ -1,8 +1,8 @@
 """Model families at real size: KV-cache bytes per token of the shipped configs.
 
-    python benchmarks/families.py [--v5p]
+    python benchmarks/families.py [--v5p] [--gpt-oss-slice] [--tiny [CONFIG ...]]
 
-Local/global part (Gemma 2, Gemma 3; GPT-OSS when its config ships): a layer with a
+Local/global part (Gemma 2, Gemma 3, GPT-OSS): a layer with a
 sliding window never reads keys further back than its window, so over a long sequence its
 cache costs window / seq_len of a global layer's per token. The table gives, per model,
 the bytes one token adds to every layer's cache, the cache a `seq_len`-token sequence
@@ -17,6 +17,15 @@ cache and against the GQA cache DeepSeek-V3's own attention would need (128 head
 with --v5p, one DeepSeek-V3 MoE layer at real width compiled (libtpu, on this host) for a
 v5p-16 slice with expert parallelism, train step and decode step, its compiled cache
 checked against the latent size counted by hand (about 10 CPU-minutes).
+
+Tiny part: with --tiny, each family's tiny config on 1 CPU device (float32): training
+tokens/s (the mean of 5 steps after 2 warm-up steps, the config's batch and sequence) and
+decode tokens/s (random weights, greedy, 8 prompts of 64 tokens, 64 new: batch x 63 over
+the time past the first token, best of 2), against `tiny`, the Llama-style baseline.
+
+GPT-OSS part: with --gpt-oss-slice, gpt-oss-20b's whole train step (24 layers, real widths,
+its config's batch, mesh and remat) compiled for the v6e-64 its config names: per-chip HBM
+against the chip's, or DOES NOT FIT.
 """
 
 import os
@@ -106,6 +115,45 @@ def deepseek_v3_layer_on_v5p(slots: int = 8, context: int = 4096, page: int = 12
   assert served["cache_bytes"] == by_hand and decode["pallas_calls"] >= 1
 
 
+TINY = ("tiny", "tiny-gemma2", "tiny-gemma3", "tiny-deepseek", "tiny-gpt-oss")
+
+
+def print_tiny_throughput(names=TINY, steps: int = 5, batch: int = 8, prompt: int = 64, new: int = 64):
+  import jax
+  from decode import jaxpar_times
+  from train_throughput import time_steps
+  from jaxpar.train.trainer import Trainer
+  print(f"Tiny configs on 1 CPU device (float32): training and decode ({batch} x {prompt} prompt, {new} new)\n")
+  header = f"{'config':<14} {'params':>10} {'train tokens/s':>15} {'decode tokens/s':>16}"
+  print(header + "\n" + "-" * len(header))
+  for name in names:
+    config = load_config(name, ["mesh.fsdp=1", "checkpoint.enabled=false", "train.log_every=0"])
+    trainer = Trainer(config, jax.devices()[:1])
+    train = config.data.global_batch_size * config.data.seq_len / time_steps(trainer, steps)
+    prompts = np.random.default_rng(0).integers(0, 256, (batch, prompt)).tolist()
+    first, whole = jaxpar_times(config.model, batch, prompts, new, repeats=2)
+    print(f"{name:<14} {trainer.num_params:>10,} {train:>15,.0f} {batch * (new - 1) / (whole - first):>16,.0f}")
+
+
+def gpt_oss_20b_on_its_slice(name: str = "gpt-oss-20b"):
+  """Compile the shipped config's full train step for its mesh.topology (libtpu, on this host)."""
+  from jaxpar.aot.compile import compile_for_topology
+  config = load_config(name)
+  report, _ = compile_for_topology(config, config.mesh.topology)
+  gib = lambda n: n / 2**30  # noqa: E731
+  print(f"{name} train step on {config.mesh.topology} ({report['devices']} chips, mesh {report['mesh']}, "
+        f"{config.data.global_batch_size} x {config.data.seq_len} tokens, remat {config.model.remat}): "
+        f"compiled in {report['compile_s']:.0f} s")
+  if not report["fits"]:
+    print(f"DOES NOT FIT: {report['oom']}")
+    return report
+  memory, state = report["memory"], report["state_bytes"]
+  print(f"per chip: {gib(memory['total']):.2f} GiB of {gib(report['hbm_bytes']):.0f} GiB HBM (params "
+        f"{gib(state['params']):.2f}, optimizer {gib(state['opt_state']):.2f}, temporaries "
+        f"{gib(memory['temporaries']):.2f}); estimated MFU {report['estimate']['mfu']:.1%}")
+  return report
+
+
 if __name__ == "__main__":
   print_local_global_kv_cache()
   print()
@@ -113,3 +161,9 @@ if __name__ == "__main__":
   if "--v5p" in sys.argv:
     print()
     deepseek_v3_layer_on_v5p()
+  if "--tiny" in sys.argv:
+    print()
+    print_tiny_throughput([a for a in sys.argv[sys.argv.index("--tiny") + 1:] if not a.startswith("--")] or TINY)
+  if "--gpt-oss-slice" in sys.argv:
+    print()
+    gpt_oss_20b_on_its_slice()

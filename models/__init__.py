@@ -6,7 +6,7 @@ global Flax behaviour: `build_model` scopes what it needs.
 """
 
 # Importing these registers the shipped families and blocks.
-from jaxpar.models import attention, decoder, gemma, llama, mla, mlp, moe_families  # noqa: F401
+from jaxpar.models import attention, decoder, gemma, gpt_oss, llama, mla, mlp, moe_families  # noqa: F401
 from jaxpar.models.attention import Attention
 from jaxpar.models.caches import NoCache, SimulatedKVQuantization
 from jaxpar.models.config import LayerKind, ModelConfig, QuantizationConfig, RopeScaling

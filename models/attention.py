@@ -19,7 +19,7 @@ class Attention(nnx.Module):
   Parameters: q [embed, heads, head_dim], k and v [embed, kv_heads, head_dim],
   o [heads, head_dim, embed] (each a QuantizedKernel under model.quantization; with
   model.lora, their adapters in `lora`, models/lora.py); optional q/k/v biases (Qwen2),
-  q/k RMSNorms (Qwen3) and sinks [heads] (GPT-OSS).
+  an o bias [embed] (GPT-OSS), q/k RMSNorms (Qwen3) and sinks [heads] (GPT-OSS).
   The layer's options (layer_pattern.LayerOptions) give its RoPE and its attention options;
   the cache object (models/caches.py) decides where keys and values come from: the same
   call trains, measures KV quantization, prefills and decodes.
@@ -40,6 +40,8 @@ class Attention(nnx.Module):
       self.k_bias = nnx.Param(jnp.zeros((kv, d), param_dtype), out_sharding=("kv_heads", "head_dim"))
       self.v_bias = nnx.Param(jnp.zeros((kv, d), param_dtype), out_sharding=("kv_heads", "head_dim"))
     self.use_bias = cfg.attention_bias
+    self.o_bias = (nnx.Param(jnp.zeros((e,), param_dtype), out_sharding=("embed",), weight_decay=False)
+                   if cfg.attention_out_bias else None)
     if cfg.qk_norm:
       norm = dict(eps=cfg.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype,
                   names=("head_dim",), unit_offset=cfg.norm_unit_offset)
@@ -69,6 +71,8 @@ class Attention(nnx.Module):
     out, cache = cache.update_and_attend(q, k, v, context, options.attention, sinks=sinks)
     out = checkpoint_name(out, "attention_out")
     o = dense(out, self.o, contract=2, dtype=dt, adapter=lora.adapter(self.lora, "o"))
+    if self.o_bias is not None:
+      o = o + self.o_bias[...].astype(dt)
     return checkpoint_name(o, "out_proj"), cache
 
   def embed_positions(self, q, k, positions, rope):

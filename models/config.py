@@ -176,6 +176,7 @@ class ModelConfig(Frozen):
   tie_embeddings: bool = False
   qk_norm: bool = False
   attention_bias: bool = False  # q/k/v projection biases (Qwen2 / Qwen2.5)
+  attention_out_bias: bool = False  # an o projection bias (GPT-OSS, with attention_bias)
   # A learned logit per query head that joins every row's softmax with a zero value (GPT-OSS).
   attention_sinks: bool = False
   param_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -12,7 +12,7 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 # HF model types whose `layer_types` mixes sliding and full layers.
-_LAYER_TYPES = ("qwen2", "qwen3")
+_LAYER_TYPES = ("qwen2", "qwen3", "gpt_oss")
 
 # (our path inside a layer, HF name after `model.layers.{i}.`, layout); absent entries are
 # skipped. The attention and norm entries are shared with the MoE families (moe_hf.py).

@@ -6,6 +6,9 @@ compute (sorting, grouped matmuls, the all-to-all of expert parallelism) happens
 `jaxpar.pallas_kernels.moe.routed_experts`.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -14,7 +17,7 @@ from jaxpar.models.dense import dense
 from jaxpar.models.init import fan_in
 from jaxpar.models.mlp import MLP
 from jaxpar.models.registry import register_block
-from jaxpar.pallas_kernels.moe import routed_experts
+from jaxpar.pallas_kernels.moe import routed_experts, silu_glu
 
 
 class RouterBias(nnx.Variable):
@@ -26,7 +29,9 @@ class MoE(nnx.Module):
   """[B, L, embed] -> ([B, L, embed], aux).
 
   Parameters: router [embed, experts]; gate, up [experts, embed, mlp]; down
-  [experts, mlp, embed]; `shared` (an MLP) when moe.shared_mlp_dim > 0; with model.lora, the
+  [experts, mlp, embed]; with moe.router_bias, router_bias [experts]; with moe.expert_bias,
+  gate_bias, up_bias [experts, mlp] and down_bias [experts, embed] (GPT-OSS);
+  `shared` (an MLP) when moe.shared_mlp_dim > 0; with model.lora, the
   shared MLP's adapters and (lora.experts) one adapter per expert in `lora`. Model state: `bias`
   [experts] when moe.bias_update_rate > 0.
   aux losses: moe_balance, moe_router_z (already weighted); metrics: moe/load (fraction of
@@ -48,16 +53,33 @@ class MoE(nnx.Module):
                        rngs=rngs, adapters=cfg.lora) if m.shared_mlp_dim else None)
     self.lora = lora.expert_adapters(cfg.lora, rngs, gate=self.gate, up=self.up, down=self.down)
     self.bias = RouterBias(jnp.zeros((e,), jnp.float32)) if m.bias_update_rate > 0 else None
+    # Biases are offsets, not weights: not decayed (as norm scales and sinks).
+    bias = lambda shape, names: nnx.Param(jnp.zeros(shape, param_dtype), out_sharding=names,  # noqa: E731
+                                          weight_decay=False)
+    self.router_bias = bias((e,), ("experts",)) if m.router_bias else None
+    if m.expert_bias:
+      self.gate_bias, self.up_bias = bias((e, f), ("experts", "mlp")), bias((e, f), ("experts", "mlp"))
+      self.down_bias = bias((e, d), ("experts", "embed"))
+    self.expert_bias = m.expert_bias
+    self.glu = (functools.partial(clamped_swiglu, limit=m.swiglu_limit, alpha=m.swiglu_alpha)
+                if m.activation == "clamped_swiglu" else silu_glu)
     self.dtype = compute_dtype
 
   def __call__(self, x):
     m, dt = self.moe, self.dtype
     # Routing in float32: near-ties between experts must not flip with the compute dtype.
     logits = dense(x.astype(jnp.float32), self.router[...].astype(jnp.float32))
+    if self.router_bias is not None:
+      logits = logits + self.router_bias[...].astype(jnp.float32)
     ids, weights, scores = router.route(logits, None if self.bias is None else self.bias[...], m)
     gate, up, down = (lora.adapted(getattr(self, n)[...], self.lora, n).astype(dt) for n in ("gate", "up", "down"))
-    y, kept = routed_experts(x, ids, weights, gate, up, down, capacity_factor=m.capacity_factor,
-                             ep_buffer_factor=m.ep_buffer_factor, implementation=m.implementation)
+    biases = (self.gate_bias[...].astype(dt), self.up_bias[...].astype(dt)) if self.expert_bias else None
+    y, kept = routed_experts(x, ids, weights, gate, up, down, biases=biases, glu=self.glu,
+                             capacity_factor=m.capacity_factor, ep_buffer_factor=m.ep_buffer_factor,
+                             implementation=m.implementation)
+    if self.expert_bias:  # each kept expert's down bias, weighted as its output
+      used = (weights * kept).astype(dt)
+      y = y + jnp.einsum("blk,blkd->bld", used, self.down_bias[...].astype(dt)[ids])
     if self.shared is not None:
       y = y + self.shared(x)[0]
     load = router.load_fractions(ids, m.num_experts)
@@ -71,6 +93,13 @@ class MoE(nnx.Module):
     metrics = {"moe/load": load, "moe/imbalance": jnp.max(load) * m.num_experts,
                "moe/dropped": 1.0 - jnp.mean(kept.astype(jnp.float32))}
     return y, {"losses": losses, "metrics": metrics}
+
+
+def clamped_swiglu(gate, up, *, limit: float, alpha: float):
+  """GPT-OSS's expert activation: (up + 1) x gate x sigmoid(alpha x gate), with the gate
+  clamped above at `limit` and up to [-limit, limit]."""
+  gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+  return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
 register_block("feed_forward", "moe", MoE)

@@ -34,6 +34,15 @@ class MoEConfig(Frozen):
   # multiple of a balanced share (tokens x k / mesh.expert). None: big enough for anything.
   ep_buffer_factor: float | None = Field(None, gt=0)
   implementation: Literal["auto", "blocked", "ragged", "reference"] = "auto"
+  # GPT-OSS: a learned bias on the router logits (it steers the choice and the weights), a
+  # bias on every expert's gate, up and down projections, and its clamped SwiGLU: gate
+  # clamped above at swiglu_limit, up to +-swiglu_limit, then (up + 1) * gate * sigmoid(
+  # swiglu_alpha * gate).
+  router_bias: bool = False
+  expert_bias: bool = False
+  activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+  swiglu_limit: float = Field(7.0, gt=0)
+  swiglu_alpha: float = Field(1.702, gt=0)
 
   @model_validator(mode="after")
   def _top_k(self):

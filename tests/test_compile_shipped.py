@@ -29,7 +29,7 @@ COMPILED = ["llama3.1-8b-v6e-256", "llama2-70b-v5p-512", "qwen2.5-7b",  # v6e, v
 # libtpu lowers these gradient reduce-scatters as all-reduces of the whole gradient.
 SLICE_WIDE_FSDP = ("llama3.1-8b-v6e-256", "llama2-70b-v5p-512")
 LOWERED = ["llama3.1-70b-v6e-256", "llama3-8b", "llama3-70b", "llama2-70b", "llama2-7b",
-           "mistral-7b", "qwen3-30b-a3b", "deepseek-v3-style-16b"]
+           "mistral-7b", "qwen3-30b-a3b", "deepseek-v3-style-16b", "gpt-oss-20b"]
 
 
 def _one_layer(name):

@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 
 from jaxpar.config import MeshConfig
-from jaxpar.data import ByteTokenizer
-from jaxpar.inference import Engine, SamplingParams
 from jaxpar.runtime import Runtime
 from jaxpar.train.step import make_gradients
 from tests.helpers import synthetic_batch, small_config
@@ -54,14 +52,9 @@ def test_imports_with_logits_parity_and_exports_exactly(family):
 
 
 def test_generates_like_transformers_past_the_window(family):
+  from tests.test_hf import assert_generates_like_transformers
   _, model, _, directory = family
-  prompt = np.random.default_rng(2).integers(0, 320, 10).tolist()
-  with torch.no_grad():
-    hf = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)
-  engine = Engine.from_checkpoint(directory / "jaxpar", mesh={"data": 1, "fsdp": 1}, devices=jax.devices()[:1],
-                                  tokenizer=ByteTokenizer(), slots=1, page_size=PAGE, prefill_chunks=(8,))
-  ours = engine.generate([prompt], SamplingParams(max_tokens=40, stop_token_ids=()))[0].tokens
-  assert ours == hf[0, len(prompt):].tolist()  # 40 tokens, 32 of them past the window of 8
+  assert_generates_like_transformers(model, directory, max_tokens=40, page_size=PAGE)  # 32 past the window of 8
 
 
 def test_train_step_on_8_devices_equals_one_device():

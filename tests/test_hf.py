@@ -74,6 +74,27 @@ def assert_round_trip(model, config, directory, skip=()):
   return reloaded
 
 
+def import_random_hf(hf_config, directory):
+  """A random-weight HF model saved in directory/hf, imported into directory/jaxpar: (model, config)."""
+  model = _random_hf_model(hf_config, directory / "hf")
+  return model, hf_to_jaxpar(directory / "hf", directory / "jaxpar")
+
+
+def assert_generates_like_transformers(model, directory, max_tokens=40, page_size=4):
+  """The import in directory/jaxpar, through the engine's paged cache (one device, one slot,
+  prefill chunks of 8), generates greedily what model.generate does for `max_tokens`
+  tokens after a 10-token prompt."""
+  from jaxpar.data import ByteTokenizer
+  from jaxpar.inference import Engine, SamplingParams
+  prompt = np.random.default_rng(2).integers(0, model.config.vocab_size, 10).tolist()
+  with torch.no_grad():
+    hf = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+  engine = Engine.from_checkpoint(directory / "jaxpar", mesh={"data": 1, "fsdp": 1}, devices=jax.devices()[:1],
+                                  tokenizer=ByteTokenizer(), slots=1, page_size=page_size, prefill_chunks=(8,))
+  ours = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, stop_token_ids=()))[0].tokens
+  assert ours == hf[0, len(prompt):].tolist()
+
+
 def _our_logits(checkpoint, config, tokens):
   graphdef, abstract, _ = abstract_model(config.model)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -4,6 +4,8 @@ parallelism on 8 simulated devices (dropless loses and duplicates nothing even w
 token picks the experts of one device; capacity and buffer drops are exactly the expected
 assignments), the router, and auxiliary-loss-free balancing."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +15,9 @@ from flax import nnx
 from jaxpar.config import MeshConfig
 from jaxpar.mesh import build_mesh, resolve_rules
 from jaxpar.models import MoEConfig, router
+from jaxpar.models.moe import clamped_swiglu
 from jaxpar.pallas_kernels.moe import (grouped_ffn, grouped_ffn_reference, rank_within, routed_experts,
-                                       routed_experts_reference, take_rows)
+                                       routed_experts_reference, silu_glu, take_rows)
 
 B, L, D, F, E, K = 8, 16, 32, 48, 8, 2
 RNG = np.random.default_rng(0)
@@ -35,23 +38,28 @@ MESHES = {"ep2_fsdp4": {"expert": 2, "fsdp": 4}, "ep8": {"expert": 8, "fsdp": 1}
           "ep2_fsdp2_tp2": {"expert": 2, "fsdp": 2, "tensor": 2}}
 
 
+@pytest.mark.parametrize("gpt_oss", [False, True])  # per-expert gate/up biases and the clamped SwiGLU
 @pytest.mark.parametrize("implementation", ["blocked", "ragged"])
-def test_grouped_ffn_matches_reference_forward_and_backward(implementation):
+def test_grouped_ffn_matches_reference_forward_and_backward(implementation, gpt_oss):
   rows = jnp.asarray(RNG.normal(size=(100, D)), jnp.float32)
   # Uneven groups in any order, two experts unused, and rows of no expert (group E).
   groups = jnp.asarray(RNG.choice([0, 2, 3, 4, 6, 7, E], size=100, p=[.3, .1, .02, .2, .13, .1, .15]), jnp.int32)
+  biases = tuple(jnp.asarray(RNG.normal(size=(E, F)), jnp.float32) for _ in range(2)) if gpt_oss else ()
+  # A limit of 0.5 clamps many of these projections (|x @ w| ~ 1), so both sides of the clamp are tested.
+  glu = functools.partial(clamped_swiglu, limit=0.5, alpha=1.702) if gpt_oss else silu_glu
 
   @jax.jit
-  def run(rows, gate, up, down):
+  def run(rows, gate, up, down, *biases):
     def both(fn):
-      return jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(a[0], groups, *a[1:]))),
-                                argnums=(0, 1, 2, 3))(rows, gate, up, down)
-    got = both(lambda *a: grouped_ffn(*a, implementation=implementation, block=8))
-    return got, both(grouped_ffn_reference), grouped_ffn(rows, groups, gate, up, down,
-                                                         implementation=implementation)
-  (got, got_grads), (want, want_grads), out = run(rows, GATE, UP, DOWN)
-  np.testing.assert_allclose(got, want, rtol=1e-5)
+      return jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(a[0], groups, *a[1:4], biases=a[4:] or None, glu=glu))),
+                                argnums=tuple(range(4 + len(biases))))(rows, gate, up, down, *biases)
+    got = both(lambda *a, **k: grouped_ffn(*a, **k, implementation=implementation, block=8))
+    return got, both(grouped_ffn_reference), grouped_ffn(rows, groups, gate, up, down, biases=biases or None,
+                                                         glu=glu, implementation=implementation)
+  (got, got_grads), (want, want_grads), out = run(rows, GATE, UP, DOWN, *biases)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)  # a sum of 3,200 terms, some cancelling
   for g, w in zip(got_grads, want_grads):
+    assert np.abs(w).max() > 0
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
   assert not np.any(np.asarray(out)[np.asarray(groups) == E])  # rows of no expert stay zero
 

@@ -1,7 +1,9 @@
 """Expert parallelism on 8 simulated devices equals one device: a DeepSeek-style MoE model
 (a dense first layer, a shared expert, sigmoid routing with the auxiliary-loss-free bias,
-both router losses) gives the same loss, gradients, auxiliary losses and updated router
-bias with expert=2, 4, 8 and expert=2 x fsdp=2 x tensor=2 as with expert=1, in f32, and
+both router losses) with GPT-OSS's pieces too (q/k/v/o biases, sinks, a learned router
+bias, biased experts with the clamped SwiGLU) gives the same loss, gradients, auxiliary
+losses and updated router bias with expert=2, 4, 8 and expert=2 x fsdp=2 x tensor=2 as
+with expert=1, in f32, and
 the compiled step exchanges tokens with all-to-all exactly when experts are split."""
 
 import jax
@@ -14,9 +16,11 @@ from jaxpar.train.trainer import Trainer
 from tests.helpers import SMALL_MODEL, synthetic_batch
 
 MOE_MODEL = {**SMALL_MODEL, "family": "deepseek", "num_layers": 2, "first_dense_layers": 1,
+             "attention_bias": True, "attention_out_bias": True, "attention_sinks": True,
              "moe": {"num_experts": 8, "experts_per_token": 2, "expert_mlp_dim": 32, "shared_mlp_dim": 32,
                      "router": "sigmoid", "routed_scale": 2.0, "bias_update_rate": 0.01,
-                     "balance_loss": 0.01, "router_z_loss": 0.001}}
+                     "balance_loss": 0.01, "router_z_loss": 0.001, "router_bias": True, "expert_bias": True,
+                     "activation": "clamped_swiglu", "swiglu_limit": 0.5}}
 MESHES = {
   "fsdp8": {"fsdp": 8},
   "ep2_fsdp4": {"expert": 2, "fsdp": 4},
@@ -60,6 +64,10 @@ def test_expert_parallel_step_equals_one_device(sharded, reference):
   assert set(sums) == set(want_sums) >= {"loss/moe_balance", "loss/moe_router_z", "metric/moe/load"}
   for key, want in want_sums.items():
     np.testing.assert_allclose(sums[key], want, rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
+  layer = want_grads["layers"]
+  for got_by in (layer["attn"]["o_bias"], layer["attn"]["sinks"],
+                 *(layer["mlp"][n] for n in ("router_bias", "gate_bias", "up_bias", "down_bias"))):
+    assert np.abs(got_by).max() > 0  # GPT-OSS's parameters take part
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * np.abs(w).max(),
                                err_msg=f"{name}: {jax.tree_util.keystr(path)}")

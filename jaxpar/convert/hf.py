@@ -1,9 +1,9 @@
 """Hugging Face <-> jaxpar, for every registered family with an HF mapping (the `llama`
 family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, see models/llama_hf.py; `mixtral` and
 `qwen3_moe`, see models/moe_hf.py; `deepseek`, see models/deepseek_hf.py; `gemma2` and
-`gemma3`, see models/gemma_hf.py). HF stores layers (and experts) one tensor each; ours are
-stacked on leading `layers` (and `experts`) axes, per layer group (`first_dense_layers`:
-`dense_layers`, then `layers`).
+`gemma3`, see models/gemma_hf.py; `gpt_oss`, see models/gpt_oss_hf.py). HF stores layers
+(and experts) one tensor each; ours are stacked on leading `layers` (and `experts`) axes,
+per layer group (`first_dense_layers`: `dense_layers`, then `layers`).
 
 Import reads `config.json` and the `*.safetensors` files (sharded or not) tensor by tensor;
 each device reads only the slice of each tensor that its shard holds, so a model never has
@@ -71,11 +71,19 @@ def _span(index: slice, size: int) -> tuple[int, int]:
   return start, stop
 
 
+# Two of our parameters that HF stores as one, their last axes interleaved (GPT-OSS's
+# gate_up_proj: gate in the even columns, up in the odd ones).
+_INTERLEAVED = ("even_columns", "odd_columns")
+
+
 def _read_shard(layout: str, tensor, shape: tuple, index: tuple) -> np.ndarray:
   """Our-layout shard `index` of an HF tensor, reading only the HF slice it needs. A heads
   layout's head dim is our parameter's own (multi-head latent attention's differ)."""
   if layout == "same":
     return tensor[index]
+  if layout in _INTERLEAVED:  # ours [..., F] <- every other column of HF [..., 2F]
+    start, stop = _span(index[-1], shape[-1])
+    return tensor[index[:-1] + (slice(2 * start + _INTERLEAVED.index(layout), 2 * stop, 2),)]
   if layout == "transpose":
     return tensor[index[1], index[0]].T
   heads = _span(index[1] if layout == "heads_in" else index[0], shape[1 if layout == "heads_in" else 0])
@@ -272,9 +280,11 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
     write_byte_tokenizer(out)  # what AutoTokenizer needs to read the byte-level model
   (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
   shards, current, size = [], {}, 0
+  parts = {}
   for path, name, layout, index in _entries(params, cfg):
-    leaf = _get(params, path)[index]  # one layer (of one expert) at a time on the host
-    tensor = _to_hf(layout, np.asarray(jax.device_get(leaf)).astype(DTYPES[dtype]))
+    parts.setdefault(name, []).append((path, layout, index))
+  for name, tensor_parts in parts.items():
+    tensor = _hf_tensor(params, tensor_parts, DTYPES[dtype])
     if current and size + tensor.nbytes > max_shard_bytes:
       shards.append(current)
       current, size = {}, 0
@@ -283,6 +293,17 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
   shards.append(current)
   _write_shards(out, shards)
   return out
+
+
+def _hf_tensor(params, parts, dtype) -> np.ndarray:
+  """One HF tensor from its parts, (our path, layout, index) each, one layer (of one expert)
+  at a time on the host: one part, or the two that HF interleaves."""
+  arrays = {layout: _to_hf(layout, np.asarray(jax.device_get(_get(params, path)[index])).astype(dtype))
+            for path, layout, index in parts}
+  if len(arrays) == 1:
+    return next(iter(arrays.values()))
+  even, odd = (arrays[layout] for layout in _INTERLEAVED)
+  return np.stack([even, odd], axis=-1).reshape(*even.shape[:-1], -1)
 
 
 def _write_shards(out: Path, shards: list[dict]):

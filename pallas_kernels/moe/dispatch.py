@@ -24,11 +24,13 @@ import jax.numpy as jnp
 
 from jaxpar.mesh import logical_shard_map, mesh_axes
 from jaxpar.pallas_kernels.moe.grouped import block_rows, grouped_ffn
+from jaxpar.pallas_kernels.moe.reference import silu_glu
 from jaxpar.pallas_kernels.moe.rows import inverse, rank_within, take_rows
 
 _TOKENS = ("batch", "length", None)
 _IN = ("experts", "embed", "mlp")  # gate, up [E, D, F]
 _OUT = ("experts", "mlp", "embed")  # down [E, F, D]
+_BIAS = ("experts", "mlp")  # gate and up biases [E, F]
 
 
 def _send_plan(ids, num_local: int, ep_size: int, capacity_factor, ep_buffer_factor):
@@ -51,8 +53,8 @@ def _send_plan(ids, num_local: int, ep_size: int, capacity_factor, ep_buffer_fac
   return kept, jnp.where(kept, dest * buffer + slot, ep_size * buffer), buffer
 
 
-def _per_device(x, expert_ids, weights, gate, up, down, *, axes, ep_size, capacity_factor,
-                ep_buffer_factor, implementation):
+def _per_device(x, expert_ids, weights, gate, up, down, *biases, axes, ep_size, capacity_factor,
+                ep_buffer_factor, implementation, glu):
   ep, tp, fsdp, replicated = axes["ep"], axes["tp"], axes["fsdp"], axes["replicated"]
   shared = axes["shared"]
   if fsdp:
@@ -65,6 +67,9 @@ def _per_device(x, expert_ids, weights, gate, up, down, *, axes, ep_size, capaci
   # deadlocks).
   if replicated:
     gate, up, down = (jax.lax.pcast(w, replicated, to="varying") for w in (gate, up, down))
+  # Biases are whole over FSDP too (no gather whose transpose would sum their gradients).
+  if biases and replicated + fsdp:
+    biases = tuple(jax.lax.pcast(b, replicated + fsdp, to="varying") for b in biases)
   if tp:
     x = jax.lax.pcast(x, tp, to="varying")
   b, length, dim = x.shape
@@ -86,8 +91,8 @@ def _per_device(x, expert_ids, weights, gate, up, down, *, axes, ep_size, capaci
   if ep:
     rows, row_expert = exchange(rows), exchange(row_expert)
   # One device's assignments, balanced, is what its experts receive on average.
-  out = grouped_ffn(rows, row_expert, gate, up, down, implementation=implementation,
-                    block=block_rows(assignments, num_local))
+  out = grouped_ffn(rows, row_expert, gate, up, down, biases=biases or None, glu=glu,
+                    implementation=implementation, block=block_rows(assignments, num_local))
   if ep:
     out = exchange(out)
   mine = take_rows(out, index, owner).reshape(k, tokens, dim)
@@ -102,12 +107,14 @@ def _per_device(x, expert_ids, weights, gate, up, down, *, axes, ep_size, capaci
   return y.reshape(b, length, dim), kept
 
 
-def routed_experts(x, expert_ids, weights, gate, up, down, *, capacity_factor=None,
+def routed_experts(x, expert_ids, weights, gate, up, down, *, biases=None, glu=silu_glu, capacity_factor=None,
                    ep_buffer_factor=None, implementation="auto"):
   """x [B, L, D]; expert_ids int [B, L, k]; weights [B, L, k]; gate, up [E, D, F];
   down [E, F, D] -> (y [B, L, D], kept bool [B, L, k]).
 
-  y = sum over kept assignments j of weights[..., j] * expert_{expert_ids[..., j]}(x).
+  y = sum over kept assignments j of weights[..., j] * expert_{expert_ids[..., j]}(x), an
+  expert being down(glu(x @ gate + gate_bias, x @ up + up_bias)).
+  biases: None or (gate_bias, up_bias) [E, F]; glu: the gated activation (SwiGLU's default).
   capacity_factor: None (dropless) or each expert takes at most ceil(factor x T x k / E) of
     a device's T tokens' assignments: first choices first, each choice in token order.
   ep_buffer_factor: with expert parallelism n and no capacity, rows each device reserves
@@ -124,6 +131,7 @@ def routed_experts(x, expert_ids, weights, gate, up, down, *, capacity_factor=No
   mesh = jax.sharding.get_abstract_mesh()
   fn = functools.partial(_per_device, axes=axes, ep_size=math.prod(mesh.shape[a] for a in ep),
                          capacity_factor=capacity_factor, ep_buffer_factor=ep_buffer_factor,
-                         implementation=implementation)
-  return logical_shard_map(fn, (_TOKENS, _TOKENS, _TOKENS, _IN, _IN, _OUT),
-                           [_TOKENS, _TOKENS])(x, expert_ids, weights, gate, up, down)
+                         implementation=implementation, glu=glu)
+  biases = tuple(biases or ())
+  return logical_shard_map(fn, (_TOKENS, _TOKENS, _TOKENS, _IN, _IN, _OUT) + (_BIAS,) * len(biases),
+                           [_TOKENS, _TOKENS])(x, expert_ids, weights, gate, up, down, *biases)

@@ -1,4 +1,5 @@
-"""Grouped SwiGLU: each row through the expert its group names.
+"""Grouped SwiGLU: each row through the expert its group names. Every path takes optional
+per-expert gate/up biases and the gated activation `glu(gate, up)` (default silu(gate) * up).
 
 implementation:
   blocked    (auto) rows are laid out by group, each group padded to whole blocks of
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.errors import ConfigError
-from jaxpar.pallas_kernels.moe.reference import grouped_ffn_reference
+from jaxpar.pallas_kernels.moe.reference import grouped_ffn_reference, silu_glu
 from jaxpar.pallas_kernels.moe.rows import inverse, rank_within, take_rows
 from jaxpar.pallas_kernels.tiling import round_up
 
@@ -34,7 +35,12 @@ def block_rows(expected_rows: int, num_groups: int) -> int:
   return int(min(512, max(128, 1 << (share.bit_length() - 1))))
 
 
-def _blocked_ffn(rows, groups, gate, up, down, block):
+def _biased(y, biases, which, groups):
+  """y plus the `which` (0: gate, 1: up) bias of each row's group (`groups` a scalar or [R])."""
+  return y if biases is None else y + biases[which][groups]
+
+
+def _blocked_ffn(rows, groups, gate, up, down, biases, glu, block):
   num_rows, dim = rows.shape
   num_groups = gate.shape[0]
   num_blocks = -(-num_rows // block) + num_groups  # room for every group's last partial block
@@ -50,8 +56,8 @@ def _blocked_ffn(rows, groups, gate, up, down, block):
   block_group = jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right")
 
   def expert(x, e):
-    hidden = (jax.nn.silu(checkpoint_name(x @ gate[e], "moe_gate"))
-              * checkpoint_name(x @ up[e], "moe_up"))
+    hidden = glu(checkpoint_name(_biased(x @ gate[e], biases, 0, e), "moe_gate"),
+                 checkpoint_name(_biased(x @ up[e], biases, 1, e), "moe_up"))
     return hidden @ down[e]
 
   # For the backward pass keep each block's two hidden activations (as a dense MLP does)
@@ -61,7 +67,7 @@ def _blocked_ffn(rows, groups, gate, up, down, block):
   def one_block(args):
     x, g = args
     return jax.lax.cond(g < num_groups, lambda: expert(x, jnp.minimum(g, num_groups - 1)),
-                        lambda: _zeros_varying_like(x, gate, up, down))
+                        lambda: _zeros_varying_like(x, gate, up, down, *(biases or ())))
 
   out = jax.lax.map(one_block, (blocks.reshape(num_blocks, block, dim), block_group))
   return take_rows(out.reshape(-1, dim), slot, holder)
@@ -76,23 +82,29 @@ def _zeros_varying_like(x, *weights):
   return jax.lax.pcast(zeros, tuple(sorted(missing)), to="varying") if missing else zeros
 
 
-def _ragged_ffn(rows, groups, gate, up, down):
+def _ragged_ffn(rows, groups, gate, up, down, biases, glu):
+  num_groups = gate.shape[0]
   order = jnp.argsort(groups, stable=True)
-  sizes = jnp.zeros((gate.shape[0],), jnp.int32).at[groups].add(1, mode="drop")
-  x = rows[order]
-  hidden = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
+  sizes = jnp.zeros((num_groups,), jnp.int32).at[groups].add(1, mode="drop")
+  x, sorted_groups = rows[order], groups[order]
+  # Rows of no expert (sorted last) get no bias: their hidden must stay zero.
+  bias_groups = jnp.minimum(sorted_groups, num_groups - 1)
+  project = lambda w, which: jnp.where(  # noqa: E731
+      (sorted_groups < num_groups)[:, None], _biased(jax.lax.ragged_dot(x, w, sizes), biases, which, bias_groups), 0)
+  hidden = glu(project(gate, 0), project(up, 1))
   return jnp.zeros_like(rows).at[order].set(jax.lax.ragged_dot(hidden, down, sizes))
 
 
-def grouped_ffn(rows, groups, gate, up, down, *, implementation="auto", block=None):
+def grouped_ffn(rows, groups, gate, up, down, *, biases=None, glu=silu_glu, implementation="auto", block=None):
   """rows [R, D]; groups int [R] in [0, G] -> [R, D]: row r through expert groups[r]
-  (gate, up [G, D, F]; down [G, F, D]); rows of group G (no expert) come out as zeros.
+  (gate, up [G, D, F]; down [G, F, D]; biases None or (gate_bias, up_bias) [G, F]; glu the
+  gated activation); rows of group G (no expert) come out as zeros.
   block: rows per block of the blocked path (default from R and G)."""
   if implementation not in IMPLEMENTATIONS:
     raise ConfigError(f"moe.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
   groups = groups.astype(jnp.int32)
   if implementation == "reference":
-    return grouped_ffn_reference(rows, groups, gate, up, down)
+    return grouped_ffn_reference(rows, groups, gate, up, down, biases, glu)
   if implementation == "ragged":
-    return _ragged_ffn(rows, groups, gate, up, down)
-  return _blocked_ffn(rows, groups, gate, up, down, block or block_rows(rows.shape[0], gate.shape[0]))
+    return _ragged_ffn(rows, groups, gate, up, down, biases, glu)
+  return _blocked_ffn(rows, groups, gate, up, down, biases, glu, block or block_rows(rows.shape[0], gate.shape[0]))

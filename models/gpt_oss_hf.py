@@ -1,0 +1,73 @@
+"""Hugging Face names for the `gpt_oss` family: transformers' GptOss layout. Attention is
+Llama's with biases on all four projections and a sink logit per head; the experts of a
+layer are stored together: `gate_up_proj` [experts, embed, 2 x mlp] with the gate in the
+even columns and up in the odd ones (the `even_columns` / `odd_columns` layouts of
+jaxpar/convert/hf.py), `down_proj` [experts, mlp, embed] as ours, each with a bias; the
+router is a biased linear layer."""
+
+from jaxpar.errors import ConfigError
+from jaxpar.models import llama_hf
+from jaxpar.models.registry import HFMapping, get_family
+
+LAYER = llama_hf.ATTENTION + (
+  (("attn", "o_bias"), "self_attn.o_proj.bias", "same"),
+  (("attn", "sinks"), "self_attn.sinks", "same"),
+  (("mlp", "router"), "mlp.router.weight", "transpose"),
+  (("mlp", "router_bias"), "mlp.router.bias", "same"),
+  (("mlp", "gate"), "mlp.experts.gate_up_proj", "even_columns"),
+  (("mlp", "up"), "mlp.experts.gate_up_proj", "odd_columns"),
+  (("mlp", "gate_bias"), "mlp.experts.gate_up_proj_bias", "even_columns"),
+  (("mlp", "up_bias"), "mlp.experts.gate_up_proj_bias", "odd_columns"),
+  (("mlp", "down"), "mlp.experts.down_proj", "same"),
+  (("mlp", "down_bias"), "mlp.experts.down_proj_bias", "same"),
+)
+
+
+def config_from_hf(hf: dict):
+  if hf.get("hidden_act", "silu") != "silu" or not hf.get("attention_bias", True):
+    raise ConfigError(f"gpt_oss with hidden_act={hf.get('hidden_act')!r}, attention_bias="
+                      f"{hf.get('attention_bias')} is not supported: jaxpar's GPT-OSS has silu experts and biases")
+  theta, scaling = llama_hf.rope_from_hf(hf)
+  heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+  types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+  period = next(p for p in range(1, layers + 1) if all(t == types[i % p] for i, t in enumerate(types)))
+  pattern = [{"sliding_window": hf["sliding_window"]} if t == "sliding_attention" else {} for t in types[:period]]
+  moe = dict(num_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
+             expert_mlp_dim=hf["intermediate_size"], balance_loss=hf.get("router_aux_loss_coef", 0.001),
+             swiglu_limit=hf.get("swiglu_limit", 7.0), swiglu_alpha=hf.get("swiglu_alpha", 1.702))
+  return get_family("gpt_oss").config(
+      max_seq_len=hf["max_position_embeddings"], layer_pattern=pattern, vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"], num_layers=layers, num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      mlp_dim=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling, norm_eps=hf["rms_norm_eps"],
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=moe)
+
+
+def config_to_hf(cfg, dtype: str) -> dict:
+  """GptOss's config.json; a one-line ConfigError for what it cannot say."""
+  m = cfg.moe
+  problems = {"model.moe.router": (m.router, "softmax"), "model.moe.normalize_weights": (m.normalize_weights, True),
+              "model.moe.router_bias": (m.router_bias, True), "model.moe.expert_bias": (m.expert_bias, True),
+              "model.moe.activation": (m.activation, "clamped_swiglu"), "model.moe.shared_mlp_dim": (m.shared_mlp_dim, 0),
+              "model.moe.routed_scale": (m.routed_scale, 1.0), "model.moe.num_groups": (m.num_groups, 1),
+              "model.first_dense_layers": (cfg.first_dense_layers, 0), "model.attention_block": (cfg.attention_block, "gqa"),
+              "model.attention_bias": (cfg.attention_bias, True), "model.attention_out_bias": (cfg.attention_out_bias, True),
+              "model.attention_sinks": (cfg.attention_sinks, True), "model.qk_norm": (cfg.qk_norm, False)}
+  for key, (value, needed) in problems.items():
+    if value != needed:
+      raise ConfigError(f"{key}={value!r} has no Hugging Face gpt_oss equivalent (it needs {needed!r})")
+  windows = llama_hf.windows_to_hf(cfg, "gpt_oss")
+  scaling = cfg.rope_scaling and llama_hf.rope_scaling_to_hf(cfg.rope_scaling)
+  return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": cfg.vocab_size,
+          "hidden_size": cfg.embed_dim, "intermediate_size": m.expert_mlp_dim, "num_hidden_layers": cfg.num_layers,
+          "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+          "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+          "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},
+          "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": True,
+          "num_local_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
+          "router_aux_loss_coef": m.balance_loss, "swiglu_limit": m.swiglu_limit, "swiglu_alpha": m.swiglu_alpha,
+          "sliding_window": windows.get("sliding_window"),
+          "layer_types": windows.get("layer_types", ["full_attention"] * cfg.num_layers), "torch_dtype": dtype}
+
+
+GPT_OSS = HFMapping(model_types=("gpt_oss",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+                    top=llama_hf.TOP, layer=LAYER)
