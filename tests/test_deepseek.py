@@ -36,6 +36,11 @@ def deepseek(tmp_path_factory):
   from tests.test_hf import _random_hf_model
   directory = tmp_path_factory.mktemp("deepseek")
   model = _random_hf_model(transformers.DeepseekV3Config(**HF_SHAPES), directory / "hf")
+  torch.manual_seed(1)
+  with torch.no_grad():  # a random balancing bias (HF starts it at zero), large enough to re-route
+    for layer in model.model.layers[HF_SHAPES["first_k_dense_replace"]:]:
+      layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(HF_SHAPES["n_routed_experts"]))
+  model.save_pretrained(directory / "hf")
   return model, hf_to_jaxpar(directory / "hf", directory / "jaxpar"), directory
 
 
@@ -46,7 +51,20 @@ def test_deepseek_v3_imports_with_logits_parity_and_exports(deepseek):
   assert (m.family, m.attention_block, m.first_dense_layers, m.mla.kv_lora_rank, m.mla.q_lora_rank) == \
       ("deepseek", "mla", 1, 40, 24)
   assert (m.moe.num_groups, m.moe.groups_per_token, m.moe.shared_mlp_dim, m.moe.router) == (4, 2, 24, "sigmoid")
-  assert_round_trip(model, config, directory, skip=("e_score_correction_bias",))  # not converted yet
+  assert m.moe.bias_update_rate > 0  # so the model keeps a router bias
+  assert_round_trip(model, config, directory)  # the bias too, bit for bit
+  # The bias matters: without it transformers routes differently and its logits move.
+  tokens = torch.tensor(np.random.default_rng(0).integers(0, m.vocab_size, (2, 40)))
+  biases = [layer.mlp.gate.e_score_correction_bias for layer in model.model.layers[1:]]
+  saved = [b.clone() for b in biases]
+  with torch.no_grad():
+    with_bias = model(tokens).logits
+    for b in biases:
+      b.zero_()
+    without_bias = model(tokens).logits
+    for b, s in zip(biases, saved):
+      b.copy_(s)
+  assert (with_bias - without_bias).abs().max() > 0.1 * with_bias.abs().max()
 
 
 def test_latent_cache_generates_like_transformers(deepseek):

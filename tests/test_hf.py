@@ -75,12 +75,12 @@ def assert_round_trip(model, config, directory, skip=()):
 
 
 def _our_logits(checkpoint, config, tokens):
-  graphdef, abstract, _ = abstract_model(config.model)
+  graphdef, *abstract = abstract_model(config.model)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
-                        nnx.to_pure_dict(abstract))
-  params = Checkpointer(checkpoint, read_only=True).restore_params(target)
-  return np.asarray(nnx.merge(graphdef, params)(jnp.asarray(tokens))[0])
+  params, model_state = (Checkpointer(checkpoint, read_only=True).restore_item(item, jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), nnx.to_pure_dict(tree)))
+      for item, tree in zip(("params", "model_state"), abstract))
+  return np.asarray(nnx.merge(graphdef, params, model_state)(jnp.asarray(tokens))[0])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
