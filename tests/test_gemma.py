@@ -60,6 +60,8 @@ def test_generates_like_transformers_past_the_window(family):
     hf = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)
   engine = Engine.from_checkpoint(directory / "jaxpar", mesh={"data": 1, "fsdp": 1}, devices=jax.devices()[:1],
                                   tokenizer=ByteTokenizer(), slots=1, page_size=PAGE, prefill_chunks=(8,))
+  # The local layers keep rings of their window's pages (models/kv_cache_windowed.py).
+  assert set(engine.cache["layers"]) == {"full", "windowed"} and engine.cache_bytes["rings"] > 0
   ours = engine.generate([prompt], SamplingParams(max_tokens=40, stop_token_ids=()))[0].tokens
   assert ours == hf[0, len(prompt):].tolist()  # 40 tokens, 32 of them past the window of 8
 

@@ -195,7 +195,8 @@ def _import_param(source, names: np.ndarray, layout, sharding, shape, dtype):
 def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: str = "float32",
                  tokenizer=None) -> Config:
   """Convert an HF checkpoint directory into a weights-only jaxpar checkpoint at `out`
-  (params, and model state such as DeepSeek's router bias; no optimizer state; step 0; `jaxpar train --restore OUT` fine-tunes it). Returns the jaxpar config.
+  (params and model state, such as DeepSeek's router bias; step 0; `jaxpar train --restore
+  OUT` fine-tunes it). Returns the jaxpar config.
   `tokenizer`: where the tokenizer is when `hf_dir` has none (a tokenizer.json, or a
   directory holding one), or "byte" for a model trained on jaxpar's byte tokens."""
   hf_dir = Path(hf_dir)
