@@ -8,8 +8,9 @@ cache costs window / seq_len of a global layer's per token. The table gives, per
 the bytes one token adds to every layer's cache, the cache a `seq_len`-token sequence
 needs when sliding layers keep only their window, that over seq_len (the effective bytes
 per token), and both against Llama 3 8B. "Engine holds" is what jaxpar's paged engine
-keeps today: it frees pages before the window only when every layer slides, so a model
-that mixes local and global layers holds every layer's pages for the whole sequence.
+keeps for one such sequence (pages of 16), counted by the cache code itself: the global
+layers' pages for the whole sequence, and per local layer a ring of its window's pages
+(models/kv_cache_windowed.py: a window plus one write of up to a window, rounded to pages).
 
 DeepSeek-V3 part: its multi-head latent attention's latent cache against Llama 3 8B's GQA
 cache and against the GQA cache DeepSeek-V3's own attention would need (128 heads of
@@ -28,9 +29,12 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import numpy as np  # noqa: E402
 
 from jaxpar.config import load_config, shipped_configs  # noqa: E402
-from jaxpar.models import kv_cache, kv_cache_latent, kv_reach, layer_options  # noqa: E402
+import jax  # noqa: E402
+
+from jaxpar.models import caches, kv_cache, kv_cache_latent, layer_options  # noqa: E402
 
 LOCAL_GLOBAL = ("gemma2-9b", "gemma3-12b", "gpt-oss-20b")
+ENGINE_PAGE = 16  # the engine's default page size
 
 
 def local_global_kv_cache_bytes(seq_len: int = 32768, dtype: str = "bfloat16") -> list[dict]:
@@ -41,10 +45,11 @@ def local_global_kv_cache_bytes(seq_len: int = 32768, dtype: str = "bfloat16") -
     per_layer = 2 * m.num_kv_heads * m.head_dim * np.dtype(dtype).itemsize  # keys and values
     windows = [layer_options(m, i).attention.sliding_window for i in range(m.num_layers)]
     kept = [seq_len if w is None else min(w, seq_len) for w in windows]
-    held = seq_len * m.num_layers if kv_reach(m) is None else sum(kept)
+    pages = -(-seq_len // ENGINE_PAGE)
+    cache = jax.eval_shape(lambda: caches.init(m, m.num_layers, pages, ENGINE_PAGE, dtype, windows=windows))
     rows.append(dict(model=name, local=sum(w is not None for w in windows),
                      glob=sum(w is None for w in windows), per_token=per_layer * m.num_layers,
-                     windowed=per_layer * sum(kept), held=per_layer * held))
+                     windowed=per_layer * sum(kept), held=caches.cache_bytes({"layers": cache})))
   return rows
 
 
@@ -57,8 +62,10 @@ def print_local_global_kv_cache(seq_len: int = 32768):
   print(header + "\n" + "-" * len(header))
   for r in rows:
     effective = r["windowed"] / seq_len
+    held = r["held"]
     print(f"{r['model']:<12} {r['local']:>5}/{r['glob']:<6} {r['per_token']:>10,} {r['windowed'] / 2**20:>11,.0f} MiB "
-          f"{effective:>10,.0f} {effective / base:>12.2f} {r['held'] / 2**20:>9,.0f} MiB")
+          f"{effective:>10,.0f} {effective / base:>12.2f} {sum(held.values()) / 2**20:>9,.0f} MiB "
+          f"({held['pool'] / 2**20:,.0f} global + {held['rings'] / 2**20:,.0f} local)")
 
 
 def deepseek_kv_cache_bytes(dtype: str = "bfloat16") -> list[tuple[str, str, int, int]]:

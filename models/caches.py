@@ -114,6 +114,6 @@ def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quan
 def cache_bytes(cache: dict) -> dict:
   """Device bytes of a model's cache (`init` per group): {"pool": pool pages, every layer's
   or the global layers', "rings": the local layers' window rings}."""
-  nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731 (or shapes)
   rings = sum(nbytes(pages.get("windowed", {})) for pages in cache.values())
   return {"pool": nbytes(cache) - rings, "rings": rings}
