@@ -15,7 +15,8 @@ from jaxpar.models.deepseek_config import DeepSeekConfig, MLAConfig
 from jaxpar.models.kv_cache import PagedCache
 from jaxpar.models.kv_cache_latent import LatentPagedCache
 from jaxpar.models.kv_cache_quantized import QuantizedPagedCache
-from jaxpar.models.layer_pattern import AttentionOptions, LayerOptions, Rope, kv_reach, layer_options, local_window
+from jaxpar.models.layer_pattern import (AttentionOptions, LayerOptions, Rope, kv_reach, layer_options,
+                                         local_window)
 from jaxpar.models.dense import QuantizedKernel
 from jaxpar.models.kv_quant import KVQuantization
 from jaxpar.models.mlp import MLP

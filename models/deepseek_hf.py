@@ -4,8 +4,9 @@ node-limited sigmoid routing). Experts are stored one tensor per expert, as the 
 checkpoints and transformers' saved models have them. The router's `e_score_correction_bias`
 (the auxiliary-loss-free balancing bias) is our MoE's `bias`, model state rather than a
 parameter; training an import moves it at DeepSeek-V3's rate (model.moe.bias_update_rate).
-The multi-token-prediction layer (HF's layer `num_hidden_layers`, which transformers skips) is not converted: an import has
-model.mtp_depth 0, an export has no MTP layer (num_nextn_predict_layers 0)."""
+The multi-token-prediction layer (HF's layer `num_hidden_layers`, which transformers
+skips) is not converted: an import has model.mtp_depth 0, an export has no MTP layer
+(num_nextn_predict_layers 0)."""
 
 from jaxpar.errors import ConfigError
 from jaxpar.models import llama_hf

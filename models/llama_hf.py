@@ -61,7 +61,8 @@ def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
                    "beta_slow": params.get("beta_slow") or 1.0, "truncate": params.get("truncate", True),
                    "original_max_position": params.get("original_max_position_embeddings",
                                                        hf.get("max_position_embeddings")),
-                   "attention_factor": attention_factor, "mscale_all_dim": mscale_all_dim}
+                   "attention_factor": attention_factor,
+                   **({"mscale_all_dim": mscale_all_dim} if mscale_all_dim else {})}
   if kind != "llama3":
     raise ConfigError(f"rope type {kind!r} is not supported: jaxpar implements default, linear, llama3 and "
                       "yarn RoPE")
