@@ -1,6 +1,6 @@
 """Model families at real size: KV-cache bytes per token of the shipped configs.
 
-    python benchmarks/families.py [--v5p]
+    python benchmarks/families.py [--v5p] [--v6e]
 
 Local/global part (Gemma 2, Gemma 3; GPT-OSS when its config ships): a layer with a
 sliding window never reads keys further back than its window, so over a long sequence its
@@ -18,6 +18,10 @@ cache and against the GQA cache DeepSeek-V3's own attention would need (128 head
 with --v5p, one DeepSeek-V3 MoE layer at real width compiled (libtpu, on this host) for a
 v5p-16 slice with expert parallelism, train step and decode step, its compiled cache
 checked against the latent size counted by hand (about 10 CPU-minutes).
+
+With --v6e: the shipped local/global configs' full train steps, every layer, compiled
+(libtpu, on this host) for the TPU slice their files name, with the per-chip HBM the
+compiler's memory analysis gives (GPT-OSS when its config ships).
 """
 
 import os
@@ -113,6 +117,22 @@ def deepseek_v3_layer_on_v5p(slots: int = 8, context: int = 4096, page: int = 12
   assert served["cache_bytes"] == by_hand and decode["pallas_calls"] >= 1
 
 
+def local_global_train_on_their_slices():
+  """Compile each shipped local/global config's whole train step for its own slice."""
+  from jaxpar.aot.compile import compile_for_topology
+  print("Train step at real size, compiled for the slice each config names (per-chip HBM)\n")
+  header = (f"{'config':<12} {'slice':<8} {'layers':>6} {'params':>8} {'HBM/chip':>9} {'of':>6} {'fits':>5} "
+            f"{'compile':>8}")
+  print(header + "\n" + "-" * len(header))
+  for name in (n for n in ("gemma3-12b", "gpt-oss-20b") if n in shipped_configs()):
+    config = load_config(name)
+    report, _ = compile_for_topology(config, config.mesh.topology)
+    hbm = f"{report['memory']['total'] / 2**30:.1f} GiB" if "memory" in report else "OOM"
+    print(f"{name:<12} {config.mesh.topology:<8} {report['num_layers']:>6} {report['params'] / 1e9:>7.2f}B "
+          f"{hbm:>9} {report['hbm_bytes'] / 2**30:>2.0f} GiB {str(report['fits']):>5} "
+          f"{report['compile_s']:>7.0f}s", flush=True)
+
+
 if __name__ == "__main__":
   print_local_global_kv_cache()
   print()
@@ -120,3 +140,6 @@ if __name__ == "__main__":
   if "--v5p" in sys.argv:
     print()
     deepseek_v3_layer_on_v5p()
+  if "--v6e" in sys.argv:
+    print()
+    local_global_train_on_their_slices()
