@@ -1,6 +1,6 @@
 """Model families at real size: KV-cache bytes per token of the shipped configs.
 
-    python benchmarks/families.py [--v5p] [--gpt-oss-slice] [--tiny [CONFIG ...]]
+    python benchmarks/families.py [--v5p] [--v6e] [--tiny [CONFIG ...]]
 
 Local/global part (Gemma 2, Gemma 3, GPT-OSS): a layer with a
 sliding window never reads keys further back than its window, so over a long sequence its
@@ -8,8 +8,9 @@ cache costs window / seq_len of a global layer's per token. The table gives, per
 the bytes one token adds to every layer's cache, the cache a `seq_len`-token sequence
 needs when sliding layers keep only their window, that over seq_len (the effective bytes
 per token), and both against Llama 3 8B. "Engine holds" is what jaxpar's paged engine
-keeps today: it frees pages before the window only when every layer slides, so a model
-that mixes local and global layers holds every layer's pages for the whole sequence.
+keeps for one such sequence (pages of 16), counted by the cache code itself: the global
+layers' pages for the whole sequence, and per local layer a ring of its window's pages
+(models/kv_cache_windowed.py: a window plus one write of up to a window, rounded to pages).
 
 DeepSeek-V3 part: its multi-head latent attention's latent cache against Llama 3 8B's GQA
 cache and against the GQA cache DeepSeek-V3's own attention would need (128 heads of
@@ -23,9 +24,9 @@ tokens/s (the mean of 5 steps after 2 warm-up steps, the config's batch and sequ
 decode tokens/s (random weights, greedy, 8 prompts of 64 tokens, 64 new: batch x 63 over
 the time past the first token, best of 2), against `tiny`, the Llama-style baseline.
 
-GPT-OSS part: with --gpt-oss-slice, gpt-oss-20b's whole train step (24 layers, real widths,
-its config's batch, mesh and remat) compiled for the v6e-64 its config names: per-chip HBM
-against the chip's, or DOES NOT FIT.
+With --v6e: the shipped local/global configs' full train steps, every layer, compiled
+(libtpu, on this host) for the TPU slice their files name, with the per-chip HBM the
+compiler's memory analysis gives (Gemma 3 12B and GPT-OSS 20B).
 """
 
 import os
@@ -37,9 +38,12 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import numpy as np  # noqa: E402
 
 from jaxpar.config import load_config, shipped_configs  # noqa: E402
-from jaxpar.models import kv_cache, kv_cache_latent, kv_reach, layer_options  # noqa: E402
+import jax  # noqa: E402
+
+from jaxpar.models import caches, kv_cache, kv_cache_latent, layer_options  # noqa: E402
 
 LOCAL_GLOBAL = ("gemma2-9b", "gemma3-12b", "gpt-oss-20b")
+ENGINE_PAGE = 16  # the engine's default page size
 
 
 def local_global_kv_cache_bytes(seq_len: int = 32768, dtype: str = "bfloat16") -> list[dict]:
@@ -50,10 +54,11 @@ def local_global_kv_cache_bytes(seq_len: int = 32768, dtype: str = "bfloat16") -
     per_layer = 2 * m.num_kv_heads * m.head_dim * np.dtype(dtype).itemsize  # keys and values
     windows = [layer_options(m, i).attention.sliding_window for i in range(m.num_layers)]
     kept = [seq_len if w is None else min(w, seq_len) for w in windows]
-    held = seq_len * m.num_layers if kv_reach(m) is None else sum(kept)
+    pages = -(-seq_len // ENGINE_PAGE)
+    cache = jax.eval_shape(lambda: caches.init(m, m.num_layers, pages, ENGINE_PAGE, dtype, windows=windows))
     rows.append(dict(model=name, local=sum(w is not None for w in windows),
                      glob=sum(w is None for w in windows), per_token=per_layer * m.num_layers,
-                     windowed=per_layer * sum(kept), held=per_layer * held))
+                     windowed=per_layer * sum(kept), held=caches.cache_bytes({"layers": cache})))
   return rows
 
 
@@ -66,8 +71,10 @@ def print_local_global_kv_cache(seq_len: int = 32768):
   print(header + "\n" + "-" * len(header))
   for r in rows:
     effective = r["windowed"] / seq_len
+    held = r["held"]
     print(f"{r['model']:<12} {r['local']:>5}/{r['glob']:<6} {r['per_token']:>10,} {r['windowed'] / 2**20:>11,.0f} MiB "
-          f"{effective:>10,.0f} {effective / base:>12.2f} {r['held'] / 2**20:>9,.0f} MiB")
+          f"{effective:>10,.0f} {effective / base:>12.2f} {sum(held.values()) / 2**20:>9,.0f} MiB "
+          f"({held['pool'] / 2**20:,.0f} global + {held['rings'] / 2**20:,.0f} local)")
 
 
 def deepseek_kv_cache_bytes(dtype: str = "bfloat16") -> list[tuple[str, str, int, int]]:
@@ -135,23 +142,20 @@ def print_tiny_throughput(names=TINY, steps: int = 5, batch: int = 8, prompt: in
     print(f"{name:<14} {trainer.num_params:>10,} {train:>15,.0f} {batch * (new - 1) / (whole - first):>16,.0f}")
 
 
-def gpt_oss_20b_on_its_slice(name: str = "gpt-oss-20b"):
-  """Compile the shipped config's full train step for its mesh.topology (libtpu, on this host)."""
+def local_global_train_on_their_slices():
+  """Compile each shipped local/global config's whole train step for its own slice."""
   from jaxpar.aot.compile import compile_for_topology
-  config = load_config(name)
-  report, _ = compile_for_topology(config, config.mesh.topology)
-  gib = lambda n: n / 2**30  # noqa: E731
-  print(f"{name} train step on {config.mesh.topology} ({report['devices']} chips, mesh {report['mesh']}, "
-        f"{config.data.global_batch_size} x {config.data.seq_len} tokens, remat {config.model.remat}): "
-        f"compiled in {report['compile_s']:.0f} s")
-  if not report["fits"]:
-    print(f"DOES NOT FIT: {report['oom']}")
-    return report
-  memory, state = report["memory"], report["state_bytes"]
-  print(f"per chip: {gib(memory['total']):.2f} GiB of {gib(report['hbm_bytes']):.0f} GiB HBM (params "
-        f"{gib(state['params']):.2f}, optimizer {gib(state['opt_state']):.2f}, temporaries "
-        f"{gib(memory['temporaries']):.2f}); estimated MFU {report['estimate']['mfu']:.1%}")
-  return report
+  print("Train step at real size, compiled for the slice each config names (per-chip HBM)\n")
+  header = (f"{'config':<12} {'slice':<8} {'layers':>6} {'params':>8} {'HBM/chip':>9} {'of':>6} {'fits':>5} "
+            f"{'compile':>8}")
+  print(header + "\n" + "-" * len(header))
+  for name in (n for n in ("gemma3-12b", "gpt-oss-20b") if n in shipped_configs()):
+    config = load_config(name)
+    report, _ = compile_for_topology(config, config.mesh.topology)
+    hbm = f"{report['memory']['total'] / 2**30:.1f} GiB" if "memory" in report else "OOM"
+    print(f"{name:<12} {config.mesh.topology:<8} {report['num_layers']:>6} {report['params'] / 1e9:>7.2f}B "
+          f"{hbm:>9} {report['hbm_bytes'] / 2**30:>2.0f} GiB {str(report['fits']):>5} "
+          f"{report['compile_s']:>7.0f}s", flush=True)
 
 
 if __name__ == "__main__":
@@ -164,6 +168,6 @@ if __name__ == "__main__":
   if "--tiny" in sys.argv:
     print()
     print_tiny_throughput([a for a in sys.argv[sys.argv.index("--tiny") + 1:] if not a.startswith("--")] or TINY)
-  if "--gpt-oss-slice" in sys.argv:
+  if "--v6e" in sys.argv:
     print()
-    gpt_oss_20b_on_its_slice()
+    local_global_train_on_their_slices()

@@ -15,7 +15,8 @@ from jaxpar.models.deepseek_config import DeepSeekConfig, MLAConfig
 from jaxpar.models.kv_cache import PagedCache
 from jaxpar.models.kv_cache_latent import LatentPagedCache
 from jaxpar.models.kv_cache_quantized import QuantizedPagedCache
-from jaxpar.models.layer_pattern import AttentionOptions, LayerOptions, Rope, kv_reach, layer_options
+from jaxpar.models.layer_pattern import (AttentionOptions, LayerOptions, Rope, kv_reach, layer_options,
+                                         local_window)
 from jaxpar.models.dense import QuantizedKernel
 from jaxpar.models.kv_quant import KVQuantization
 from jaxpar.models.mlp import MLP
@@ -30,4 +31,4 @@ __all__ = ["Attention", "AttentionOptions", "DecoderLayer", "DeepSeekConfig", "H
            "MoEModelConfig", "NoCache", "PagedCache", "QuantizationConfig", "QuantizedKernel",
            "QuantizedPagedCache", "Rope", "RopeScaling", "SimulatedKVQuantization", "Transformer",
            "block_names", "build_model", "check_blocks", "family_names", "get_block", "get_family",
-           "kv_reach", "layer_options", "register_block", "register_family"]
+           "kv_reach", "layer_options", "local_window", "register_block", "register_family"]

@@ -19,16 +19,20 @@ view. The kinds:
   QuantizedPagedCache      generation, int8 / KIVI pages with a float tail (kv_cache_quantized.py)
   LatentPagedCache         generation with multi-head latent attention: the latent, not
                            per-head keys and values (kv_cache_latent.py)
+  LocalGlobalCache         generation when local (sliding) and global layers mix: the local
+                           layers keep only their window, in per-slot rings (kv_cache_windowed.py)
 
 A new kind is a class with `at` and `update_and_attend`; the
 model picks the kind here, once, from what the caller asks for.
 """
 
+import jax
+import jax.numpy as jnp
 from flax import struct
 
 from jaxpar import pallas_kernels
 from jaxpar.errors import ConfigError
-from jaxpar.models import kv_cache, kv_cache_latent, kv_cache_quantized, kv_quant
+from jaxpar.models import kv_cache, kv_cache_latent, kv_cache_quantized, kv_cache_windowed, kv_quant
 
 
 @struct.dataclass
@@ -65,10 +69,19 @@ def for_forward(kv_quantization=None):
   return NoCache() if kv_quantization is None else SimulatedKVQuantization(kv_quantization)
 
 
-def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail_index=None):
+def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail_index=None, windows=None):
   """A group's paged cache (`pages` as `init` made it) at `layer`, for rows whose pages
   `page_table` [B, pages_per_seq] lists; quantized when `kv_quantization` is given
-  (`tail_index` [B]: each row's slot)."""
+  (`tail_index` [B]: each row's slot). `windows`: the group's per-layer sliding windows, for
+  a cache `init` split into global pages and local rings."""
+  if "windowed" in pages:
+    slots = jnp.arange(page_table.shape[0]) if tail_index is None else tail_index
+    ring = kv_cache_windowed.ring_pages(max(w for w in windows if w), kv_cache_windowed.page_size(pages["full"]))
+    part = lambda p, table: for_generation(p, table, layer, kv_quantization=kv_quantization,  # noqa: E731
+                                           tail_index=slots)
+    return kv_cache_windowed.LocalGlobalCache(
+        part(pages["full"], page_table), part(pages["windowed"], kv_cache_windowed.ring_table(
+            slots, page_table.shape[1], ring)), windows)
   if "latent" in pages:
     return kv_cache_latent.LatentPagedCache(pages, page_table, layer)
   if kv_quantization is None:
@@ -77,9 +90,17 @@ def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail
 
 
 def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quantization=None,
-         slots: int = 1) -> dict:
+         slots: int = 1, windows=None) -> dict:
   """Zeroed pages for a group of `num_layers` layers: float, or quantized with a float tail
-  page per slot; with multi-head latent attention, the latent cache."""
+  page per slot; with multi-head latent attention, the latent cache. `windows`: the
+  group's per-layer sliding windows; when local and global layers mix, the local layers get
+  rings of their window's pages per slot instead of pool pages (kv_cache_windowed.py)."""
+  if kv_cache_windowed.is_mixed(windows):
+    full = sum(w is None for w in windows)
+    ring = kv_cache_windowed.ring_pages(max(w for w in windows if w), page_size)
+    part = lambda layers, pages: init(cfg, layers, pages, page_size, dtype,  # noqa: E731
+                                      kv_quantization=kv_quantization, slots=slots)
+    return {"full": part(full, num_pages), "windowed": part(num_layers - full, slots * ring)}
   if cfg.attention_block == "mla":
     if kv_quantization is not None:
       raise ConfigError(f"kv_cache={kv_quantization.mode} with model.attention_block=mla is not supported: "
@@ -88,3 +109,11 @@ def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quan
   if kv_quantization is None:
     return kv_cache.init_pages(cfg, num_layers, num_pages, page_size, dtype)
   return kv_cache_quantized.init(cfg, num_layers, num_pages, page_size, slots, kv_quantization, dtype)
+
+
+def cache_bytes(cache: dict) -> dict:
+  """Device bytes of a model's cache (`init` per group): {"pool": pool pages, every layer's
+  or the global layers', "rings": the local layers' window rings}."""
+  nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731 (or shapes)
+  rings = sum(nbytes(pages.get("windowed", {})) for pages in cache.values())
+  return {"pool": nbytes(cache) - rings, "rings": rings}

@@ -32,6 +32,9 @@ class RopeScaling(Frozen):
   beta_slow: float = 1.0
   truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
   attention_factor: float | None = None
+  # yarn in multi-head latent attention (DeepSeek-V3): the softmax scale is multiplied by
+  # (0.1 mscale_all_dim ln(factor) + 1)^2; 0: not. Other attention blocks ignore it, as transformers does.
+  mscale_all_dim: float = Field(0.0, ge=0)
 
 
 class QuantizationConfig(Frozen):

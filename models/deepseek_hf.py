@@ -1,15 +1,21 @@
 """Hugging Face names for the `deepseek` family: transformers' DeepseekV3 layout
 (multi-head latent attention, dense first layers, then shared + routed experts with
 node-limited sigmoid routing). Experts are stored one tensor per expert, as the DeepSeek
-checkpoints and transformers' saved models have them. The multi-token-prediction layer
-(HF's layer `num_hidden_layers`, which transformers skips) is not converted: an import has
-model.mtp_depth 0, an export has no MTP layer (num_nextn_predict_layers 0)."""
+checkpoints and transformers' saved models have them. The router's `e_score_correction_bias`
+(the auxiliary-loss-free balancing bias) is our MoE's `bias`, model state rather than a
+parameter; training an import moves it at DeepSeek-V3's rate (model.moe.bias_update_rate).
+The multi-token-prediction layer (HF's layer `num_hidden_layers`, which transformers
+skips) is not converted: an import has model.mtp_depth 0, an export has no MTP layer
+(num_nextn_predict_layers 0)."""
 
 from jaxpar.errors import ConfigError
 from jaxpar.models import llama_hf
 from jaxpar.models.deepseek_config import DeepSeekConfig, MLAConfig
 from jaxpar.models.moe_config import MoEConfig
 from jaxpar.models.registry import HFMapping
+
+# DeepSeek-V3's bias update speed (gamma, its paper's section 4.2): HF configs do not carry it.
+BIAS_UPDATE_RATE = 0.001
 
 MLA = (
   (("attn", "q"), "self_attn.q_proj.weight", "heads_in"),
@@ -25,6 +31,7 @@ MLA = (
 )
 EXPERTS = (
   (("mlp", "router"), "mlp.gate.weight", "transpose"),
+  (("mlp", "bias"), "mlp.gate.e_score_correction_bias", "same"),  # model state
   (("mlp", "gate"), "mlp.experts.{expert}.gate_proj.weight", "transpose"),
   (("mlp", "up"), "mlp.experts.{expert}.up_proj.weight", "transpose"),
   (("mlp", "down"), "mlp.experts.{expert}.down_proj.weight", "transpose"),
@@ -52,7 +59,8 @@ def config_from_hf(hf: dict) -> DeepSeekConfig:
                   shared_mlp_dim=hf["moe_intermediate_size"] * hf.get("n_shared_experts", 0),
                   router="sigmoid", normalize_weights=bool(hf.get("norm_topk_prob", True)),
                   routed_scale=hf.get("routed_scaling_factor", 1.0), num_groups=hf.get("n_group") or 1,
-                  groups_per_token=hf.get("topk_group") or 1, balance_loss=0.0, router_z_loss=0.0)
+                  groups_per_token=hf.get("topk_group") or 1, balance_loss=0.0, router_z_loss=0.0,
+                  bias_update_rate=BIAS_UPDATE_RATE)
   return DeepSeekConfig(
       family="deepseek", attention_block="mla", vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
       num_layers=hf["num_hidden_layers"], first_dense_layers=hf.get("first_k_dense_replace") or 0,

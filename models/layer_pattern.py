@@ -76,8 +76,21 @@ def unit_options(cfg: ModelConfig, start: int) -> list[LayerOptions]:
   raise AssertionError("unreachable: the whole period always repeats")
 
 
+def sliding_windows(cfg: ModelConfig, start: int = 0, count: int | None = None) -> tuple:
+  """The sliding window (None: global) of each of `count` layers from layer `start` on."""
+  count = cfg.num_layers - start if count is None else count
+  return tuple(layer_options(cfg, i).attention.sliding_window for i in range(start, start + count))
+
+
 def kv_reach(cfg: ModelConfig) -> int | None:
   """How far back any layer's queries see: the largest sliding window when every layer has
   one (keys further back are never read again, so a cache may drop them), else None."""
-  windows = [layer_options(cfg, i).attention.sliding_window for i in range(cfg.num_layers)]
+  windows = sliding_windows(cfg)
   return None if None in windows else max(windows)
+
+
+def local_window(cfg: ModelConfig) -> int | None:
+  """The largest sliding window when local and global layers mix (the local layers' caches
+  keep only that much: models/kv_cache_windowed.py), else None."""
+  windows = sliding_windows(cfg)
+  return max(w for w in windows if w) if None in windows and any(windows) else None

@@ -3,6 +3,8 @@ window), Qwen2/2.5 (q/k/v biases), Qwen3 (qk-norm). Our RoPE rotates the two hal
 head_dim like HF, so q/k need no permutation. The conversion machinery is
 jaxpar/convert/hf.py."""
 
+import math
+
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.layer_pattern import Rope, layer_options
@@ -51,13 +53,16 @@ def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
   if kind == "linear":
     return theta, {"rope_type": "linear", "factor": params["factor"]}
   if kind == "yarn":
-    if params.get("mscale") or params.get("mscale_all_dim"):
-      raise ConfigError("yarn RoPE with mscale / mscale_all_dim is not supported: give attention_factor")
-    return theta, {"rope_type": "yarn", "factor": params["factor"], "beta_fast": params.get("beta_fast") or 32.0,
+    factor, attention_factor = params["factor"], params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim") or 0.0
+    if attention_factor is None and mscale and mscale_all_dim and factor > 1:  # as transformers infers it
+      attention_factor = (0.1 * mscale * math.log(factor) + 1) / (0.1 * mscale_all_dim * math.log(factor) + 1)
+    return theta, {"rope_type": "yarn", "factor": factor, "beta_fast": params.get("beta_fast") or 32.0,
                    "beta_slow": params.get("beta_slow") or 1.0, "truncate": params.get("truncate", True),
                    "original_max_position": params.get("original_max_position_embeddings",
                                                        hf.get("max_position_embeddings")),
-                   "attention_factor": params.get("attention_factor")}
+                   "attention_factor": attention_factor,
+                   **({"mscale_all_dim": mscale_all_dim} if mscale_all_dim else {})}
   if kind != "llama3":
     raise ConfigError(f"rope type {kind!r} is not supported: jaxpar implements default, linear, llama3 and "
                       "yarn RoPE")
@@ -141,7 +146,8 @@ def rope_scaling_to_hf(s) -> dict:
     return {"rope_type": "linear", "factor": s.factor}
   if s.rope_type == "yarn":
     yarn = {"rope_type": "yarn", "factor": s.factor, "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
-            "truncate": s.truncate, "original_max_position_embeddings": s.original_max_position}
+            "truncate": s.truncate, "original_max_position_embeddings": s.original_max_position,
+            **({"mscale_all_dim": s.mscale_all_dim} if s.mscale_all_dim else {})}
     return yarn if s.attention_factor is None else {**yarn, "attention_factor": s.attention_factor}
   return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
           "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}

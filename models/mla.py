@@ -25,15 +25,15 @@ from jaxpar.models.init import fan_in
 from jaxpar.models.kv_cache_latent import LatentPagedCache
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.registry import register_block
-from jaxpar.models.rope import apply_rope
+from jaxpar.models.rope import apply_rope, softmax_mscale
 
 
-def apply_rope_interleaved(x, positions, inv_freq):
+def apply_rope_interleaved(x, positions, inv_freq, factor: float = 1.0):
   """x: [B, L, H, D] rotated in adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek's layout);
   the result is in the two-halves order [evens, odds], as HF computes it: the dot product
   of two such vectors is what it would be in the interleaved order."""
   halves = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-  return apply_rope(halves, positions, inv_freq)
+  return apply_rope(halves, positions, inv_freq, factor)
 
 
 class MLAttention(nnx.Module):
@@ -81,8 +81,9 @@ class MLAttention(nnx.Module):
     latent = self.kv_norm(latent)
     q_nope, q_rope = jnp.split(q, [m.qk_nope_head_dim], -1)
     q_rope, k_rope = self.embed_positions(q_rope, k_rope[:, :, None, :], context.positions, options.rope)
-    # Scores are over q/k's head dim whatever form they are computed in.
-    options = dataclasses.replace(options.attention, scale=options.attention.scale or m.qk_head_dim ** -0.5)
+    # Scores are over q/k's head dim whatever form they are computed in (times YaRN's mscale).
+    mscale = softmax_mscale(options.rope and options.rope.scaling)
+    options = dataclasses.replace(options.attention, scale=(options.attention.scale or m.qk_head_dim ** -0.5) * mscale)
     w_uk, w_uv = jnp.split(self.kv_b[...].astype(dt), [m.qk_nope_head_dim], -1)
     if isinstance(cache, LatentPagedCache):
       out, cache = self._absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, context, cache, options)
@@ -110,9 +111,9 @@ class MLAttention(nnx.Module):
     """Rotate the rotary parts q [B, L, H, rope], k [B, L, 1, rope] (rope None: a NoPE layer)."""
     if rope is None:
       return q, k
-    inv_freq = rope.frequencies(q.shape[-1])
+    inv_freq, factor = rope.frequencies(q.shape[-1]), rope.attention_factor()  # factor: YaRN's
     rotate = apply_rope_interleaved if self.mla.rope_interleave else apply_rope
-    return rotate(q, positions, inv_freq), rotate(k, positions, inv_freq)
+    return rotate(q, positions, inv_freq, factor), rotate(k, positions, inv_freq, factor)
 
 
 register_block("attention", "mla", MLAttention)

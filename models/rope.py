@@ -50,6 +50,14 @@ def attention_factor(scaling) -> float:
   return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
 
 
+def softmax_mscale(scaling) -> float:
+  """What multi-head latent attention multiplies its softmax scale by under YaRN (DeepSeek-V3's
+  mscale_all_dim; 1.0 otherwise)."""
+  if scaling is None or scaling.rope_type != "yarn" or not scaling.mscale_all_dim or scaling.factor <= 1:
+    return 1.0
+  return (0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0) ** 2
+
+
 def apply_rope(x, positions, inv_freq, factor: float = 1.0):
   """x: [B, L, H, D]; positions: [B, L]. Rotates the two halves of D (the HF layout);
   `factor` scales the result (YaRN's attention factor)."""

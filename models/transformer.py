@@ -18,7 +18,7 @@ from jaxpar.models import caches
 from jaxpar.models.decoder import RESIDUAL, LayerContext
 from jaxpar.models.embedding import embed_lookup
 from jaxpar.models.init import embedding_init, fan_in
-from jaxpar.models.layer_pattern import unit_options
+from jaxpar.models.layer_pattern import sliding_windows, unit_options
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.registry import get_block
 from jaxpar.models.pipeline import run_group
@@ -140,18 +140,23 @@ class Transformer(nnx.Module):
 
   def _decode_hidden(self, tokens, positions, cache, page_table, kv_quantization, tail_index):
     first = jnp.zeros((), jnp.int32)
+    windows = {g.name: sliding_windows(self.cfg, g.start, g.count) for g in layer_groups(self.cfg)}
     views = {name: caches.for_generation(pages, page_table, first, kv_quantization=kv_quantization,
-                                         tail_index=tail_index) for name, pages in cache.items()}
+                                         tail_index=tail_index, windows=windows[name])
+             for name, pages in cache.items()}
     x, _, views = self._run_stack(self._embed(tokens), LayerContext(positions), views)
     return self.final_norm(x), {name: view.pages for name, view in views.items()}
 
   def init_cache(self, num_pages: int, page_size: int, dtype=None, *, kv_quantization=None,
                  slots: int = 1) -> dict:
     """A zeroed paged KV cache for every layer group; with `kv_quantization`, the quantized
-    layout (pages in the pool quantized, one float tail page per slot)."""
+    layout (pages in the pool quantized, one float tail page per slot). A group that mixes
+    local and global layers keeps `num_pages` for its global layers and a ring of the
+    window's pages per slot for its local ones (kv_cache_windowed.py)."""
     dtype = dtype or jnp.dtype(self.cfg.compute_dtype)
     return {g.name: caches.init(self.cfg, g.count, num_pages, page_size, dtype, kv_quantization=kv_quantization,
-                                slots=slots) for g in layer_groups(self.cfg)}
+                                slots=slots, windows=sliding_windows(self.cfg, g.start, g.count))
+            for g in layer_groups(self.cfg)}
 
   def _embed(self, tokens):
     table = self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype))

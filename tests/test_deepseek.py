@@ -27,7 +27,10 @@ HF_SHAPES = dict(vocab_size=320, hidden_size=48, intermediate_size=80, moe_inter
                  n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=1,
                  routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=40, qk_nope_head_dim=16,
                  qk_rope_head_dim=8, v_head_dim=20, max_position_embeddings=128, rms_norm_eps=1e-6,
-                 rope_theta=10000.0, tie_word_embeddings=False)
+                 tie_word_embeddings=False,
+                 # YaRN past 16 positions, with DeepSeek's softmax mscale (mscale != mscale_all_dim here).
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 1.0,
+                                  "mscale_all_dim": 0.5, "original_max_position_embeddings": 16})
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +39,11 @@ def deepseek(tmp_path_factory):
   from tests.test_hf import _random_hf_model
   directory = tmp_path_factory.mktemp("deepseek")
   model = _random_hf_model(transformers.DeepseekV3Config(**HF_SHAPES), directory / "hf")
+  torch.manual_seed(1)
+  with torch.no_grad():  # a random balancing bias (HF starts it at zero), large enough to re-route
+    for layer in model.model.layers[HF_SHAPES["first_k_dense_replace"]:]:
+      layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(HF_SHAPES["n_routed_experts"]))
+  model.save_pretrained(directory / "hf")
   return model, hf_to_jaxpar(directory / "hf", directory / "jaxpar"), directory
 
 
@@ -46,7 +54,21 @@ def test_deepseek_v3_imports_with_logits_parity_and_exports(deepseek):
   assert (m.family, m.attention_block, m.first_dense_layers, m.mla.kv_lora_rank, m.mla.q_lora_rank) == \
       ("deepseek", "mla", 1, 40, 24)
   assert (m.moe.num_groups, m.moe.groups_per_token, m.moe.shared_mlp_dim, m.moe.router) == (4, 2, 24, "sigmoid")
-  assert_round_trip(model, config, directory, skip=("e_score_correction_bias",))  # not converted yet
+  assert m.moe.bias_update_rate > 0  # so the model keeps a router bias
+  assert (m.rope_scaling.rope_type, m.rope_scaling.mscale_all_dim) == ("yarn", 0.5)
+  assert_round_trip(model, config, directory)  # the bias too, bit for bit
+  # The bias matters: without it transformers routes differently and its logits move.
+  tokens = torch.tensor(np.random.default_rng(0).integers(0, m.vocab_size, (2, 40)))
+  biases = [layer.mlp.gate.e_score_correction_bias for layer in model.model.layers[1:]]
+  saved = [b.clone() for b in biases]
+  with torch.no_grad():
+    with_bias = model(tokens).logits
+    for b in biases:
+      b.zero_()
+    without_bias = model(tokens).logits
+    for b, s in zip(biases, saved):
+      b.copy_(s)
+  assert (with_bias - without_bias).abs().max() > 0.1 * with_bias.abs().max()
 
 
 def test_latent_cache_generates_like_transformers(deepseek):
@@ -77,6 +99,26 @@ def test_latent_cache_bytes_per_token():
   assert kv_cache.bytes_per_token(v3, "bfloat16") / latent == pytest.approx(2 * 128 * 128 / 576)
   with pytest.raises(ConfigError, match="kv_cache=int8 with model.attention_block=mla"):
     caches.init(v3, 1, 4, 8, "bfloat16", kv_quantization=KVQuantization("int8", 8, 0))
+
+
+def test_shipped_v3_has_the_published_context_and_parameter_count():
+  """deepseek-v3-671b exports the published config's context and YaRN, and has transformers'
+  parameter count for it (built on the meta device; the MTP layer, which transformers skips,
+  left out)."""
+  from jaxpar.config import load_config
+  from jaxpar.convert.hf import hf_config_from_model
+  from jaxpar.runtime import abstract_model, count_params
+  model = load_config("deepseek-v3-671b").model.model_copy(update={"mtp_depth": 0})
+  hf_config = hf_config_from_model(model, "bfloat16")
+  assert hf_config["max_position_embeddings"] == 163840
+  assert {k: hf_config["rope_scaling"][k] for k in ("rope_type", "factor", "original_max_position_embeddings",
+                                                     "beta_fast", "beta_slow", "mscale_all_dim")} == \
+      {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+       "beta_slow": 1.0, "mscale_all_dim": 1.0}
+  with torch.device("meta"):
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_config))
+  assert count_params(abstract_model(model)[1]) == sum(p.numel() for p in hf_model.parameters())
+  assert hf_model.model.layers[0].self_attn.scaling == pytest.approx(192 ** -0.5 * (0.1 * np.log(40) + 1) ** 2)
 
 
 TRAIN_MODEL = {"family": "deepseek", "attention_block": "mla", "vocab_size": 256, "embed_dim": 64,

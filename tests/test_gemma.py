@@ -54,7 +54,9 @@ def test_imports_with_logits_parity_and_exports_exactly(family):
 def test_generates_like_transformers_past_the_window(family):
   from tests.test_hf import assert_generates_like_transformers
   _, model, _, directory = family
-  assert_generates_like_transformers(model, directory, max_tokens=40, page_size=PAGE)  # 32 past the window of 8
+  engine = assert_generates_like_transformers(model, directory, max_tokens=40, page_size=PAGE)  # 32 past the window of 8
+  # The local layers keep rings of their window's pages (models/kv_cache_windowed.py).
+  assert set(engine.cache["layers"]) == {"full", "windowed"} and engine.cache_bytes["rings"] > 0
 
 
 def test_train_step_on_8_devices_equals_one_device():

@@ -83,7 +83,7 @@ def import_random_hf(hf_config, directory):
 def assert_generates_like_transformers(model, directory, max_tokens=40, page_size=4):
   """The import in directory/jaxpar, through the engine's paged cache (one device, one slot,
   prefill chunks of 8), generates greedily what model.generate does for `max_tokens`
-  tokens after a 10-token prompt."""
+  tokens after a 10-token prompt. Returns the engine."""
   from jaxpar.data import ByteTokenizer
   from jaxpar.inference import Engine, SamplingParams
   prompt = np.random.default_rng(2).integers(0, model.config.vocab_size, 10).tolist()
@@ -93,15 +93,16 @@ def assert_generates_like_transformers(model, directory, max_tokens=40, page_siz
                                   tokenizer=ByteTokenizer(), slots=1, page_size=page_size, prefill_chunks=(8,))
   ours = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, stop_token_ids=()))[0].tokens
   assert ours == hf[0, len(prompt):].tolist()
+  return engine
 
 
 def _our_logits(checkpoint, config, tokens):
-  graphdef, abstract, _ = abstract_model(config.model)
+  graphdef, *abstract = abstract_model(config.model)
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
-                        nnx.to_pure_dict(abstract))
-  params = Checkpointer(checkpoint, read_only=True).restore_params(target)
-  return np.asarray(nnx.merge(graphdef, params)(jnp.asarray(tokens))[0])
+  params, model_state = (Checkpointer(checkpoint, read_only=True).restore_item(item, jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), nnx.to_pure_dict(tree)))
+      for item, tree in zip(("params", "model_state"), abstract))
+  return np.asarray(nnx.merge(graphdef, params, model_state)(jnp.asarray(tokens))[0])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

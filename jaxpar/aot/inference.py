@@ -17,14 +17,17 @@ from jaxpar.aot.phases import silent
 from jaxpar.inference.programs import Programs
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import caches, kv_cache
+from jaxpar.models.layer_pattern import sliding_windows
 from jaxpar.models.transformer import layer_groups
 from jaxpar.runtime import Runtime
 
 
-def abstract_cache(runtime, num_pages: int, page_size: int, dtype) -> dict:
-  """The paged KV cache as sharded ShapeDtypeStructs (nothing allocated)."""
+def abstract_cache(runtime, num_pages: int, page_size: int, dtype, slots: int = 1) -> dict:
+  """The paged KV cache as sharded ShapeDtypeStructs (nothing allocated), laid out as the
+  engine lays it out (local layers' rings where local and global layers mix)."""
   cfg = runtime.model_config
-  shapes = jax.eval_shape(lambda: {g.name: caches.init(cfg, g.count, num_pages, page_size, jnp.dtype(dtype))
+  shapes = jax.eval_shape(lambda: {g.name: caches.init(cfg, g.count, num_pages, page_size, jnp.dtype(dtype),
+                                                       slots=slots, windows=sliding_windows(cfg, g.start, g.count))
                                    for g in layer_groups(cfg)})
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=logical_to_sharding(
       kv_cache.STACKED_NAMES, s.shape, runtime.mesh, runtime.rules)), shapes)
@@ -43,7 +46,7 @@ def compile_inference(config, topology: str, *, slots: int, context: int, page_s
     runtime = Runtime(model, config.mesh, devices, parallel=config.parallel)
   params, model_state = runtime.abstract_targets()
   pages_per_seq = -(-context // page_size)
-  cache = abstract_cache(runtime, slots * pages_per_seq, page_size, param_dtype)
+  cache = abstract_cache(runtime, slots * pages_per_seq, page_size, param_dtype, slots)
   programs = Programs(runtime, params, model_state, cache)
   report = {"topology": topology, "chip": chip.name, "devices": runtime.mesh.size,
             "mesh": {a: s for a, s in runtime.mesh.shape.items() if s > 1}, "hbm_bytes": chip.hbm_bytes,

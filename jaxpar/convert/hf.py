@@ -111,13 +111,16 @@ def _to_hf(layout: str, x: np.ndarray) -> np.ndarray:
 
 def _entries(params: dict, cfg: ModelConfig):
   """(our full path, HF name, layout, index into our array's leading stacked axes) for every
-  HF tensor of the model. The index is () for an unstacked tensor, (layer,) for a layer of
+  HF tensor of the model held in `params` (the parameters, or the model state: DeepSeek's
+  router bias). The index is () for an unstacked tensor, (layer,) for a layer of
   a scanned stack, plus (expert,) for names with an `{expert}` field."""
   mapping = _mapping_for_family(cfg)
   for path, name, layout in mapping.top:
     if lookup(params, path) is not None:
       yield path, name, layout, ()
   for group in layer_groups(cfg):
+    if group.name not in params:
+      continue  # model state: a group without variables (dense layers have no router bias)
     entries = mapping.layer if group.name == "layers" else mapping.dense_layer or mapping.layer
     layer0 = params[group.name] if cfg.scan_layers else params[group.name][0]
     for path, name, layout in entries:
@@ -199,8 +202,9 @@ def _import_param(source, names: np.ndarray, layout, sharding, shape, dtype):
 
 def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: str = "float32",
                  tokenizer=None) -> Config:
-  """Convert an HF checkpoint directory into a params-only jaxpar checkpoint at `out`
-  (step 0; `jaxpar train --restore OUT` fine-tunes it). Returns the jaxpar config.
+  """Convert an HF checkpoint directory into a weights-only jaxpar checkpoint at `out`
+  (params and model state, such as DeepSeek's router bias; step 0; `jaxpar train --restore
+  OUT` fine-tunes it). Returns the jaxpar config.
   `tokenizer`: where the tokenizer is when `hf_dir` has none (a tokenizer.json, or a
   directory holding one), or "byte" for a model trained on jaxpar's byte tokens."""
   hf_dir = Path(hf_dir)
@@ -214,30 +218,40 @@ def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: s
   config = from_dict({"model": model.model_dump(), "mesh": mesh.model_dump(),
                       "data": {"seq_len": min(DataConfig().seq_len, model.max_seq_len)}})
   runtime = Runtime(config.model, config.mesh)
-  shardings, abstract = runtime.param_shardings, runtime.abstract_params
-  names = {}
-  for path, name, layout, index in _entries(abstract, config.model):
-    names.setdefault(path, (layout, {}))[1][index] = name
   source = _SafetensorsDir(hf_dir)
-  params = {}
   try:
-    for path, (layout, by_index) in names.items():
-      missing = [n for n in by_index.values() if n not in source]
-      if missing:
-        raise CheckpointError(f"{hf_dir} has no tensor {missing[0]!r} that a {hf['model_type']} model with "
-                         "this config.json needs: the checkpoint is incomplete or of another architecture")
-      shape = _get(abstract, path).shape
-      hf_names = np.empty(shape[:len(next(iter(by_index)))], object)
-      for index, name in by_index.items():
-        hf_names[index] = name
-      _set(params, path, _import_param(source, hf_names, layout, _get(shardings, path),
-                                       shape, DTYPES[param_dtype]))
+    params = _import_tree(source, runtime.abstract_params, runtime.param_shardings, config.model,
+                          hf, hf_dir, DTYPES[param_dtype])
+    # Model state (a router bias) keeps its own dtype: transformers keeps it in float32 too.
+    model_state = _import_tree(source, runtime.abstract_model_state, runtime.model_state_shardings,
+                               config.model, hf, hf_dir, None)
   finally:
     source.close()
   with Checkpointer(out) as checkpoints:
-    checkpoints.save(0, {"params": params}, config=config, force=True)
+    checkpoints.save(0, {"params": params, "model_state": model_state}, config=config, force=True)
   _bundle_tokenizer(hf_dir, tokenizer, Path(out) / TOKENIZER_DIR)
   return config
+
+
+def _import_tree(source, abstract: dict, shardings: dict, cfg: ModelConfig, hf: dict, hf_dir: Path, dtype):
+  """The arrays of `abstract` (params or model state) that the HF mapping names, read from
+  `source` onto their shardings, in `dtype` (None: the abstract array's own)."""
+  names = {}
+  for path, name, layout, index in _entries(abstract, cfg):
+    names.setdefault(path, (layout, {}))[1][index] = name
+  tree = {}
+  for path, (layout, by_index) in names.items():
+    missing = [n for n in by_index.values() if n not in source]
+    if missing:
+      raise CheckpointError(f"{hf_dir} has no tensor {missing[0]!r} that a {hf['model_type']} model with "
+                            "this config.json needs: the checkpoint is incomplete or of another architecture")
+    target = _get(abstract, path)
+    hf_names = np.empty(target.shape[:len(next(iter(by_index)))], object)
+    for index, name in by_index.items():
+      hf_names[index] = name
+    _set(tree, path, _import_param(source, hf_names, layout, _get(shardings, path), target.shape,
+                                   dtype or target.dtype))
+  return tree
 
 
 def _tokenizer_json(path: Path) -> Path:
@@ -272,7 +286,8 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
     dtype = dtype or cfg.param_dtype
     if dtype not in DTYPES:
       raise ConfigError(f"dtype={dtype!r} is not one of {list(DTYPES)}")
-    params, root = run.load().params, run.directory
+    run.load()
+    params, model_state, root = run.params, run.model_state, run.directory
     byte_level = run.config.data.tokenizer == "byte" and not run.lacks_tokenizer
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
@@ -280,11 +295,13 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
     write_byte_tokenizer(out)  # what AutoTokenizer needs to read the byte-level model
   (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
   shards, current, size = [], {}, 0
+  # Parameters in `dtype`; model state (a router bias) in its own, float32, as transformers keeps it.
   parts = {}
-  for path, name, layout, index in _entries(params, cfg):
-    parts.setdefault(name, []).append((path, layout, index))
-  for name, tensor_parts in parts.items():
-    tensor = _hf_tensor(params, tensor_parts, DTYPES[dtype])
+  for tree, to in ((params, DTYPES[dtype]), (model_state, None)):
+    for path, name, layout, index in _entries(tree, cfg):
+      parts.setdefault(name, (tree, to, []))[2].append((path, layout, index))
+  for name, (tree, to, tensor_parts) in parts.items():
+    tensor = _hf_tensor(tree, tensor_parts, to)
     if current and size + tensor.nbytes > max_shard_bytes:
       shards.append(current)
       current, size = {}, 0
@@ -297,9 +314,9 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
 
 def _hf_tensor(params, parts, dtype) -> np.ndarray:
   """One HF tensor from its parts, (our path, layout, index) each, one layer (of one expert)
-  at a time on the host: one part, or the two that HF interleaves."""
-  arrays = {layout: _to_hf(layout, np.asarray(jax.device_get(_get(params, path)[index])).astype(dtype))
-            for path, layout, index in parts}
+  at a time on the host: one part, or the two that HF interleaves; in `dtype` (None: as stored)."""
+  leaves = {layout: np.asarray(jax.device_get(_get(params, path)[index])) for path, layout, index in parts}
+  arrays = {layout: _to_hf(layout, leaf if dtype is None else leaf.astype(dtype)) for layout, leaf in leaves.items()}
   if len(arrays) == 1:
     return next(iter(arrays.values()))
   even, odd = (arrays[layout] for layout in _INTERLEAVED)

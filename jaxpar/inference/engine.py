@@ -8,8 +8,9 @@ per step, so a long prompt never stalls the running decodes for its whole prefil
 that arrive together are written together: each chunk length is also compiled for as many
 rows as the budget allows. Finished requests free their slot and pages at once. When every
 layer attends through a sliding window, a request also hands back the pages wholly before
-its window as it goes on. When the page pool runs dry, the newest request is preempted: its
-pages are freed and it is recomputed later, with the same tokens, since a row's random key
+its window as it goes on (where only some layers slide, those keep rings of their window's
+pages per slot: models/kv_cache_windowed.py). When the page pool runs dry, the newest
+request is preempted: its pages are freed and it is recomputed later, with the same tokens, since a row's random key
 depends only on its seed and position.
 """
 
@@ -29,7 +30,7 @@ from jaxpar.inference.programs import Programs, program_key
 from jaxpar.inference.requests import Completion, Request, TokenEvent
 from jaxpar.inference.sampling import GREEDY, RequestError, SamplingParams, row_arrays
 from jaxpar.mesh import logical_to_sharding
-from jaxpar.models import kv_cache, kv_reach
+from jaxpar.models import caches, kv_cache, kv_reach, local_window
 from jaxpar.models.kv_quant import KVQuantization
 
 DEFAULT_CHUNKS = (16, 64, 256)
@@ -49,7 +50,8 @@ class Engine:
   ask for prompt log-probabilities (`processing.py`) on first use, or there too with
   `compile_extras` (a server should not pause the running decodes to compile).
   prefix_caching: requests share the cache pages of the prompt blocks they have in common
-  (`prefix_cache.py`); outputs are the same either way.
+  (`prefix_cache.py`); outputs are the same either way (off where local layers' rings cannot be shared).
+  cache_bytes: device bytes of the cache, {"pool": the page pool's, "rings": the local layers'}.
   """
 
   def __init__(self, runtime, params, tokenizer, *, model_state=None, slots: int = 8,
@@ -66,7 +68,8 @@ class Engine:
     # Decode steps take the narrowest of these page tables that holds their longest sequence.
     gathers = runtime.mesh.devices.flat[0].platform not in ("tpu", "gpu")
     self.step_widths = table_widths(self.pages_per_seq, page_size, gathers)
-    self.chunks = sorted({min(c, self.max_seq_len) for c in prefill_chunks})
+    self.local_window = local_window(cfg)  # rings hold a window and a write of at most one window
+    self.chunks = sorted({min(c, self.max_seq_len, self.local_window or c) for c in prefill_chunks})
     # Keys further back than this are never read again (None: some layer sees everything).
     self.reach = kv_reach(cfg)
     # The most pages one sequence holds at once: a prompt chunk and the window before it.
@@ -84,12 +87,13 @@ class Engine:
     self._cache_layout = (num_pages, page_size, cache_dtype or cfg.compute_dtype)
     self.slots: list[Request | None] = [None] * slots
     self.cache = self._empty_cache(*self._cache_layout)
+    self.cache_bytes = caches.cache_bytes(self.cache)
     self.waiting: collections.deque[Request] = collections.deque()
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self.programs = Programs(runtime, params, self.model_state, self.cache, self.kv_quantization)
     self._compile_all(echo or (lambda text: None), compile_extras)
     self.stats = collections.Counter()
-    self.sharing = PrefixSharing(self.pool, self.stats, prefix_caching)
+    self.sharing = PrefixSharing(self.pool, self.stats, prefix_caching and self.local_window is None)
 
   @classmethod
   def from_checkpoint(cls, path, *, mesh=None, devices=None, step: int | None = None, tokenizer=None,

@@ -132,6 +132,10 @@ class SpeculativeDecoder:
       raise UserError(f"k={k}: the draft must propose at least one token")
     if target.runtime.model_config.vocab_size != draft.runtime.model_config.vocab_size:
       raise UserError("the draft and target models must share a vocabulary (and tokenizer)")
+    for engine in (target, draft):
+      if engine.local_window is not None and k + 1 > engine.local_window:
+        raise UserError(f"k={k}: a round writes k + 1 positions, more than the local layers' window "
+                        f"({engine.local_window}) keeps; use k < {engine.local_window}")
     self.target, self.draft, self.k = target, draft, k
     self.batch = len(target.slots)
     target.programs.compile("speculate", self.batch, k + 1, target.pages_per_seq, _TARGET_PROGRAM)
