@@ -2,6 +2,7 @@
 
     jaxpar generate --checkpoint PATH --prompt "..." [--max-tokens N --temperature T ...]
     jaxpar generate --checkpoint PATH --prompts-file prompts.txt --output results.jsonl
+    jaxpar generate --checkpoint PATH --chat --prompt "What is 2 plus 3?"   # prints the answer only
     jaxpar serve --checkpoint PATH [--host 127.0.0.1 --port 8000]
 """
 
@@ -98,28 +99,64 @@ def _read_prompts(path: Path) -> list[dict]:
   return records
 
 
+def chat_turns(ns, tokenizer):
+  """For --chat: (user text -> prompt token ids, rendered with the run's chat template up to
+  where the assistant answers; the stop settings that end the answer at the template's end of
+  turn: its token when it is one, else its text)."""
+  from jaxpar.finetune.sft_batches import chat_renderer
+  from jaxpar.saved_run import SavedRun
+  with SavedRun(ns.checkpoint) as run:
+    data = run.config.data
+  if not data.chat_template and not tokenizer.chat_template:
+    raise ConfigError(f"--chat: {ns.checkpoint} has no chat template (no data.chat_template in its config, none "
+                      "in its tokenizer): drop --chat and write the prompt in the model's format")
+  if data.chat_template not in (None, "chatml") and not Path(data.chat_template).is_file():
+    raise ConfigError(f"--chat: the run's data.chat_template={data.chat_template} is not there any more: "
+                      "run from the directory it trained in, or drop --chat")
+  renderer = chat_renderer(data, tokenizer)
+  system = [{"role": "system", "content": ns.system}] if ns.system else []
+
+  def prompt_ids(text: str) -> list[int]:
+    # Tokenized as SFT tokenized it: the template writes the special tokens, none are added.
+    return tokenizer.encode(renderer.render(system + [{"role": "user", "content": text}], True))
+
+  end = renderer.end_of_turn()
+  end_ids = tokenizer.encode(end) if end else []
+  if len(end_ids) == 1:
+    return prompt_ids, {"stop_token_ids": (tokenizer.eos_id, end_ids[0])}
+  return prompt_ids, {"stop": (*ns.stop, end) if end else tuple(ns.stop)}
+
+
 def cmd_generate(ns):
   if (ns.prompt is None) == (ns.prompts_file is None):
     raise UserError("give --prompt TEXT or --prompts-file FILE (one of them)")
   if ns.prompts_file and not ns.output:
     raise UserError("--prompts-file needs --output FILE.jsonl for the results")
+  if ns.system and not ns.chat:
+    raise UserError("--system needs --chat (the system prompt goes through the chat template)")
   records = _read_prompts(Path(ns.prompts_file)) if ns.prompts_file else None
   sampling = sampling_from(ns)
   engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
+  encode = None
+  if ns.chat:
+    encode, stops = chat_turns(ns, engine.tokenizer)
+    sampling = sampling_from(ns, **stops)
   if records is None:
     out = sys.stdout if distributed.is_primary() else open(os.devnull, "w")
-    out.write(ns.prompt)
-    for event in engine.stream(ns.prompt, sampling):
+    if encode is None:
+      out.write(ns.prompt)
+    for event in engine.stream(ns.prompt if encode is None else encode(ns.prompt), sampling):
       out.write(event.text)
       out.flush()
     out.write("\n")
     return
-  _generate_file(engine, records, sampling, Path(ns.output))
+  _generate_file(engine, records, sampling, Path(ns.output), encode)
 
 
-def _generate_file(engine, records, sampling, output: Path):
+def _generate_file(engine, records, sampling, output: Path, encode=None):
   import dataclasses
-  requests = [engine.submit(r["prompt"], dataclasses.replace(
+  encode = encode or (lambda prompt: prompt)
+  requests = [engine.submit(encode(r["prompt"]), dataclasses.replace(
       sampling, **{k: (tuple(v) if k == "stop" else v) for k, v in r.items() if k != "prompt"}))
               for r in records]
   progress = Progress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -157,6 +194,11 @@ def add_parsers(commands):
   generate.add_argument("--prompts-file", metavar="FILE",
                         help="one prompt per line, or JSONL with \"prompt\" and sampling fields")
   generate.add_argument("--output", metavar="FILE.jsonl", help="results of --prompts-file")
+  generate.add_argument("--chat", action="store_true",
+                        help="each prompt is a user's turn: render it with the run's chat template "
+                        "(data.chat_template, else the tokenizer's) and print only the assistant's "
+                        "answer, which ends at the template's end of turn")
+  generate.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user's turn")
   add_sampling_args(generate)
   # Every process runs the same prompts in lock step (one SPMD program); process 0 writes.
   distributed.add_distributed_args(generate)
