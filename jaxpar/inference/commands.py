@@ -4,6 +4,7 @@
     jaxpar generate --checkpoint PATH --prompts-file prompts.txt --output results.jsonl
     jaxpar generate --checkpoint PATH --chat --prompt "What is 2 plus 3?"   # prints the answer only
     jaxpar serve --checkpoint PATH [--host 127.0.0.1 --port 8000]
+    jaxpar serve --checkpoint BASE --adapter sql=runs/sql-lora --adapter chat=runs/chat-lora
 """
 
 import argparse
@@ -173,13 +174,30 @@ def _generate_file(engine, records, sampling, output: Path, encode=None):
   notes.print(f"wrote {len(requests)} completions to {output}")
 
 
+def adapter_paths(items, base_name: str) -> dict:
+  """`--adapter NAME=PATH` arguments -> {NAME: PATH}, in order."""
+  adapters = {}
+  for item in items:
+    name, _, path = item.partition("=")
+    if not name or not path:
+      raise ConfigError(f"--adapter {item!r}: write NAME=PATH, e.g. --adapter sql=runs/sql-lora")
+    if name in adapters or name == base_name:
+      raise ConfigError(f"--adapter {item!r}: the name {name!r} is taken (by the base model or another "
+                        "adapter): give each adapter its own")
+    adapters[name] = path
+  return adapters
+
+
 def cmd_serve(ns):
   from jaxpar.inference.server import serve
   from jaxpar.saved_run import run_name
-  # Every program compiled before the first request: serving never pauses to compile.
-  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True)
   name = ns.model_name or run_name(ns.checkpoint)
-  notes.print(f"serving {name!r} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
+  adapters = adapter_paths(ns.adapter, name)
+  # Every program compiled before the first request: serving never pauses to compile.
+  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True,
+                        adapters=adapters)
+  served = ", ".join(repr(n) for n in (name, *adapters))
+  notes.print(f"serving {served} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
               f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
   serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s)
 
@@ -212,6 +230,9 @@ def add_parsers(commands):
   serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
   serve.add_argument("--port", type=int, default=8000)
   serve.add_argument("--model-name", help="the model id clients send (default: the run's name, e.g. tiny for runs/tiny)")
+  serve.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                     help="also serve this LoRA adapter checkpoint (trained over the base) as model NAME; "
+                     "repeatable: requests for the base and every adapter share each batch")
   serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
   serve.add_argument("--grace-s", type=float, default=30.0,
                      help="on SIGTERM, seconds running requests get to finish (default 30)")

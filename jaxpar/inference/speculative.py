@@ -132,6 +132,9 @@ class SpeculativeDecoder:
       raise UserError(f"k={k}: the draft must propose at least one token")
     if target.runtime.model_config.vocab_size != draft.runtime.model_config.vocab_size:
       raise UserError("the draft and target models must share a vocabulary (and tokenizer)")
+    if target.adapters or draft.adapters:
+      raise UserError("speculative decoding does not serve stacked adapters: merge the adapter "
+                      "(`jaxpar lora merge`) and use the merged model as the target")
     self.target, self.draft, self.k = target, draft, k
     self.batch = len(target.slots)
     target.programs.compile("speculate", self.batch, k + 1, target.pages_per_seq, _TARGET_PROGRAM)
