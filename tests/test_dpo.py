@@ -11,7 +11,7 @@ import pytest
 from helpers import small_config
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.errors import ConfigError
-from jaxpar.finetune.dpo import make_dpo_objective
+from jaxpar.finetune.dpo import make_dpo_objective, reference_weights
 from jaxpar.finetune.partition import join
 from jaxpar.finetune.preference_batches import pair_rows
 from jaxpar.train.state import REFERENCE
@@ -29,8 +29,8 @@ def _pairs(path, count=32):
   return str(path)
 
 
-def _config(tmp_path, model=None, **train):
-  return small_config(mesh={"fsdp": 1}, model={"lora": LORA} if model is None else model,
+def _config(tmp_path, model=None, run=None, **train):
+  return small_config(mesh={"fsdp": 1}, model={"lora": LORA} if model is None else model, tmp_path=run,
                       data={"source": _pairs(tmp_path / "pairs.jsonl"), "format": "preference", "seq_len": 16,
                             "global_batch_size": 8},
                       train={"objective": "dpo", "steps": 12, "learning_rate": 2e-2, "warmup_steps": 1,
@@ -100,7 +100,7 @@ def test_margin_rises_on_a_tiny_preference_set(tmp_path):
 def test_full_model_dpo_against_a_frozen_copy(tmp_path):
   """Without adapters the reference is a frozen copy of the starting weights (the seeded
   init here): the loss matches a hand computation, the margin rises, only the policy moves."""
-  trainer = Trainer(_config(tmp_path, model={}, learning_rate=3e-3), devices=jax.devices()[:1])
+  trainer = Trainer(_config(tmp_path, model={}, run=tmp_path, learning_rate=3e-3), devices=jax.devices()[:1])
   state = trainer.init_state()
   reference = state.frozen[REFERENCE]
   keys = iter(jax.random.split(jax.random.key(0), 100))
@@ -125,9 +125,12 @@ def test_full_model_dpo_against_a_frozen_copy(tmp_path):
   assert all(np.array_equal(a, b) for a, b in zip(leaves(result.state.frozen[REFERENCE]), leaves(before)))
   assert any(not np.array_equal(a, b) for a, b in zip(leaves(result.state.params), leaves(before)))
   assert result.state.weights() is result.state.params  # the reference is not part of the model
+  # train.dpo_reference names a checkpoint instead (here the trained policy's).
+  read = reference_weights(trainer.runtime, result.summary["checkpoint"])
+  assert all(np.array_equal(a, b) for a, b in zip(leaves(read), leaves(result.state.params)))
 
 
-def test_dpo_needs_pairs(tmp_path):
+def test_dpo_config_errors(tmp_path):
   config = _config(tmp_path)
   with pytest.raises(ConfigError, match="drop train.dpo_reference"):
     Trainer(small_config(model={"lora": LORA}, data=config.data.model_dump(),
