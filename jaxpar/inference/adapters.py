@@ -16,6 +16,7 @@ alpha / rank is folded into its B, and it is zero on projections it does not ada
 import jax
 import numpy as np
 
+from jaxpar.convert.hf import lookup
 from jaxpar.errors import CheckpointError
 from jaxpar.finetune.base import same_network, split_weights
 from jaxpar.finetune.partition import join
@@ -42,20 +43,12 @@ def _trained(run, name: str, path) -> tuple[dict, LoRAConfig]:
     return source.read_adapters(own), lora
 
 
-def _lookup(tree: dict, path: tuple):
-  for key in path:
-    if not isinstance(tree, dict) or key not in tree:
-      return None
-    tree = tree[key]
-  return tree
-
-
 def _stack(abstract, names, path, trained) -> np.ndarray:
   """One stacked adapter leaf [*layers, n + 1, ...] from each adapter's own (or zeros)."""
   stacked = np.zeros(abstract.shape, abstract.dtype)
   at = names.index(None)  # the stack axis: the first unnamed one, after the layer axes
   for slot, (adapters, lora) in enumerate(trained, 1):
-    own = _lookup(adapters, path)
+    own = lookup(adapters, path)
     if own is None:
       continue  # this adapter leaves the projection alone
     own, lead = np.asarray(jax.device_get(own)), (slice(None),) * at + (slot,)
@@ -85,6 +78,6 @@ def stacked_adapters(run, adapters: dict) -> tuple[Runtime, dict]:
 
   def build(tree, path=()):
     return {k: build(v, path + (k,)) if isinstance(v, dict) else
-            jax.device_put(_stack(v, _lookup(names, (*path, k)), (*path, k), trained), _lookup(shardings, (*path, k)))
+            jax.device_put(_stack(v, lookup(names, (*path, k)), (*path, k), trained), lookup(shardings, (*path, k)))
             for k, v in tree.items()}
   return runtime, join(build(abstract), run.params)
