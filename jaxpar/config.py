@@ -156,10 +156,13 @@ class TrainConfig(_Frozen):
   momentum: float | None = Field(None, ge=0, lt=1)  # sgd (default 0.9), muon (default 0.95)
   grad_clip: float | None = 1.0
   z_loss: float = 0.0
-  # lm: next-token cross-entropy; dpo: preference pairs against the base with adapters off
-  # (needs model.lora and data.format=preference; jaxpar/finetune/dpo.py), with this beta.
+  # lm: next-token cross-entropy; dpo: preference pairs (data.format=preference) against a
+  # frozen reference, with this beta: under model.lora the base with the adapters off, else
+  # the weights of checkpoint dpo_reference, where the policy starts too (None: the model's
+  # init from train.seed). jaxpar/finetune/dpo.py.
   objective: Literal["lm", "dpo"] = "lm"
   dpo_beta: float = Field(0.1, gt=0)
+  dpo_reference: str | None = None
   microbatches: int = 1
   # Sequence positions per device in each chunk of the fused output-projection + loss
   # (0: plain logits); under context parallelism a chunk spans the context devices.

@@ -128,13 +128,17 @@ class SavedRun:
     if self.config.model.lora is None:
       saved = self.runtime.restore(self._checkpoints, self.step)
     else:  # an adapter checkpoint: its adapters here, the base weights where model.lora.base says
-      from jaxpar.finetune.base import load_base, split_weights
-      params, model_state = self.runtime.abstract_targets()
-      adapters = self._checkpoints.restore_item("params", split_weights(self.runtime, params)[0], self.step)
-      saved = (join(adapters, load_base(self.runtime)),
-               self._checkpoints.restore_item("model_state", model_state, self.step))
+      from jaxpar.finetune.base import load_base
+      saved = (join(self.read_adapters(self.runtime), load_base(self.runtime)),
+               self._checkpoints.restore_item("model_state", self.runtime.abstract_targets()[1], self.step))
     self.params, self.model_state = relayout(saved, self.layer_order, self.runtime.layer_order())
     return self
+
+  def read_adapters(self, runtime) -> dict:
+    """An adapter checkpoint's adapters alone, placed on `runtime` (one with its model.lora)."""
+    from jaxpar.finetune.base import split_weights
+    targets = split_weights(runtime, runtime.abstract_targets()[0])[0]
+    return self._checkpoints.restore_item("params", targets, self.step)
 
   def read_params(self, targets: dict) -> dict:
     """The saved parameters, placed per `targets` (sharded ShapeDtypeStructs of every one)."""
@@ -152,12 +156,17 @@ class SavedRun:
       raise CheckpointError("this saved run is not loaded yet: call .load(mesh) or use jaxpar.open_run")
     return self.runtime.merge(self.params, self.model_state)
 
-  def engine(self, *, tokenizer=None, **options):
-    """A generation engine (jaxpar.inference.Engine) over the loaded weights."""
+  def engine(self, *, tokenizer=None, adapters: dict | None = None, **options):
+    """A generation engine (jaxpar.inference.Engine) over the loaded weights; `adapters`
+    ({name: adapter checkpoint}) are served beside the base, batched together."""
     from jaxpar.inference import Engine
     self.model  # noqa: B018  (the loaded check)
-    return Engine(self.runtime, self.params, tokenizer or self.tokenizer, model_state=self.model_state,
-                  **options)
+    runtime, params = self.runtime, self.params
+    if adapters:
+      from jaxpar.inference.adapters import stacked_adapters
+      runtime, params = stacked_adapters(self, adapters)
+    return Engine(runtime, params, tokenizer or self.tokenizer, model_state=self.model_state,
+                  adapters=tuple(adapters or ()), **options)
 
   def restore_train_state(self, abstract_state: dict, layer_order=None) -> tuple[dict, dict]:
     """(train state items placed per `abstract_state`'s shardings, in `layer_order` (the

@@ -75,9 +75,15 @@ class LoRAConfig(Frozen):
   targets: tuple[str, ...] = PROJECTIONS  # shell-style patterns over PROJECTIONS, e.g. "[qkvo]"
   experts: bool = False
   base: str | None = None
+  # Serving only (jaxpar/inference/adapters.py): this many adapters stacked on each projection,
+  # each batch row using its own (lora.rows_use_adapters); 0: one adapter, as trained.
+  stacked: int = Field(0, ge=0)
 
   @model_validator(mode="after")
   def _targets(self):
+    if self.stacked and self.experts:
+      raise ValueError("model.lora.stacked: adapters on routed experts fold into the expert weights, "
+                       "so they cannot differ per batch row: merge them (`jaxpar lora merge`) and serve the result")
     if not self.targets:
       raise ValueError(f"model.lora.targets is empty: name projections among {', '.join(PROJECTIONS)}")
     for pattern in self.targets:

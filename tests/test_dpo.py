@@ -11,9 +11,10 @@ import pytest
 from helpers import small_config
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.errors import ConfigError
-from jaxpar.finetune.dpo import make_dpo_objective
+from jaxpar.finetune.dpo import make_dpo_objective, reference_weights
 from jaxpar.finetune.partition import join
 from jaxpar.finetune.preference_batches import pair_rows
+from jaxpar.train.state import REFERENCE
 from jaxpar.train.trainer import Trainer
 
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "down"]}
@@ -28,8 +29,8 @@ def _pairs(path, count=32):
   return str(path)
 
 
-def _config(tmp_path, **train):
-  return small_config(mesh={"fsdp": 1}, model={"lora": LORA},
+def _config(tmp_path, model=None, run=None, **train):
+  return small_config(mesh={"fsdp": 1}, model={"lora": LORA} if model is None else model, tmp_path=run,
                       data={"source": _pairs(tmp_path / "pairs.jsonl"), "format": "preference", "seq_len": 16,
                             "global_batch_size": 8},
                       train={"objective": "dpo", "steps": 12, "learning_rate": 2e-2, "warmup_steps": 1,
@@ -96,9 +97,43 @@ def test_margin_rises_on_a_tiny_preference_set(tmp_path):
   assert history[-1]["loss"] < 0.5 * math.log(2)
 
 
-def test_dpo_needs_adapters_and_pairs(tmp_path):
+def test_full_model_dpo_against_a_frozen_copy(tmp_path):
+  """Without adapters the reference is a frozen copy of the starting weights (the seeded
+  init here): the loss matches a hand computation, the margin rises, only the policy moves."""
+  trainer = Trainer(_config(tmp_path, model={}, run=tmp_path, learning_rate=3e-3), devices=jax.devices()[:1])
+  state = trainer.init_state()
+  reference = state.frozen[REFERENCE]
+  keys = iter(jax.random.split(jax.random.key(0), 100))
+  policy = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(next(keys), x.shape), state.params)
+  batch = pair_rows({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, None, ByteTokenizer(), 16)
+  with trainer.context():
+    total, (sums, _) = jax.jit(make_dpo_objective(trainer.graphdef, 0.5))(policy, state.model_state, batch,
+                                                                           state.frozen)
+    forward = jax.jit(lambda w: trainer.runtime.merge(w, state.model_state)(
+        batch["inputs"], batch["positions"], batch["segment_ids"])[0])
+    logits = [forward(w) for w in (policy, reference)]
+  (pc, pr), (rc, rr) = ([_answer_logprob(x, batch, r) for r in (0, 1)] for x in logits)
+  margin = 0.5 * ((pc - rc) - (pr - rr))
+  assert abs(margin) > 1e-2
+  np.testing.assert_allclose(float(total), math.log1p(math.exp(-margin)), rtol=1e-5)
+  np.testing.assert_allclose(float(sums["metric/reward_margin"]), margin, rtol=1e-5)
+  before = jax.device_get(reference)
+  result = trainer.fit(state=state, show_progress=False)
+  margins = [h["reward_margin"] for h in result.history]
+  assert margins[0] == 0.0 and np.mean(margins[-3:]) > 0.5
+  leaves = lambda tree: jax.tree.leaves(jax.device_get(tree))  # noqa: E731
+  assert all(np.array_equal(a, b) for a, b in zip(leaves(result.state.frozen[REFERENCE]), leaves(before)))
+  assert any(not np.array_equal(a, b) for a, b in zip(leaves(result.state.params), leaves(before)))
+  assert result.state.weights() is result.state.params  # the reference is not part of the model
+  # train.dpo_reference names a checkpoint instead (here the trained policy's).
+  read = reference_weights(trainer.runtime, result.summary["checkpoint"])
+  assert all(np.array_equal(a, b) for a, b in zip(leaves(read), leaves(result.state.params)))
+
+
+def test_dpo_config_errors(tmp_path):
   config = _config(tmp_path)
-  with pytest.raises(ConfigError, match="needs adapters"):
-    Trainer(small_config(model={}, data=config.data.model_dump(), train=config.train.model_dump()))
+  with pytest.raises(ConfigError, match="drop train.dpo_reference"):
+    Trainer(small_config(model={"lora": LORA}, data=config.data.model_dump(),
+                         train={**config.train.model_dump(), "dpo_reference": str(tmp_path)}))
   with pytest.raises(ConfigError, match="data.format=text"):
     Trainer(small_config(model={"lora": LORA}, train={"objective": "dpo"}))

@@ -126,18 +126,91 @@ def test_peft_export_loads_in_peft(base, trained, tmp_path):
   np.testing.assert_allclose(_hf_logits(model), _ours(result.summary["checkpoint"]), rtol=1e-5, atol=1e-5)
 
 
-def test_peft_import_matches_peft(base, tmp_path):
+@pytest.fixture(scope="module")
+def peft_adapter(base, tmp_path_factory):
+  """(a random PEFT LoRA adapter on the HF base in `peft`, its import as a jaxpar adapter
+  checkpoint: (config, step path))."""
   hf_dir, ckpt, _ = base
+  root = tmp_path_factory.mktemp("peft")
   torch.manual_seed(1)
   lora = peft.LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "o_proj", "down_proj"],
                          init_lora_weights=False)  # B random too: the adapter changes the logits
   model = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf_dir), lora).eval()
-  model.save_pretrained(tmp_path / "peft")
-  config, path = import_peft(tmp_path / "peft", ckpt, tmp_path / "ours", devices=jax.devices()[:1])
+  model.save_pretrained(root / "peft")
+  return model, import_peft(root / "peft", ckpt, root / "ours", devices=jax.devices()[:1])
+
+
+def test_peft_import_matches_peft(base, peft_adapter, tmp_path):
+  _, ckpt, _ = base
+  model, (config, path) = peft_adapter
   assert config.model.lora.targets == ("down", "o", "q") and config.model.lora.scale == 3.0
   np.testing.assert_allclose(_ours(path), _hf_logits(model), rtol=1e-5, atol=1e-5)
   assert main(["lora", "import-peft", str(tmp_path), str(ckpt), str(tmp_path / "x")]) == 2  # not a PEFT dir
   assert main(["lora", "merge", str(ckpt), str(tmp_path / "y")]) == 2  # no adapters to merge
+
+
+def _greedy_alone(path, prompts, count) -> list[list[int]]:
+  """Greedy tokens of one checkpoint (a base, or an adapter over its base) by recomputing the
+  whole padded sequence each step: the adapter's own model, no engine."""
+  run = open_run(path, mesh={"fsdp": 1}, devices=jax.devices()[:1])
+  logits_of = jax.jit(lambda params, tokens: run.runtime.merge(params, run.model_state)(tokens)[0][0])
+  out = []
+  for prompt in prompts:
+    tokens = list(prompt)
+    for _ in range(count):
+      padded = np.zeros((1, 32), np.int32)
+      padded[0, :len(tokens)] = tokens
+      tokens.append(int(np.argmax(logits_of(run.params, padded)[len(tokens) - 1])))
+    out.append(tokens[len(prompt):])
+  return out
+
+
+def test_adapters_and_base_decode_together(base, trained, peft_adapter):
+  """One engine serves the base and two adapters of other ranks, alphas and targets: a batch
+  mixing them (the same prompt under each: no cache pages shared across adapters) gives each
+  request the greedy tokens of its adapter alone, and a new mix compiles nothing."""
+  import openai
+
+  from jaxpar.inference import SamplingParams
+  from tests.serving_setup import RunningServer
+  _, ckpt, _ = base
+  paths = {None: ckpt, "tuned": trained[2].summary["checkpoint"], "peft": peft_adapter[1][1]}
+  run = open_run(ckpt, mesh={"fsdp": 1}, devices=jax.devices()[:1])
+  engine = run.engine(adapters={k: v for k, v in paths.items() if k}, slots=4, page_size=8, prefill_chunks=(8,),
+                      prefill_budget=8, max_seq_len=32)
+  asks = [(TOKENS[0, :17], None), (TOKENS[0, :17], "tuned"), (TOKENS[0, :17], "peft"), (TOKENS[1, :20], "peft")]
+  alone = {name: iter(_greedy_alone(path, [p for p, n in asks if n == name], 6)) for name, path in paths.items()}
+  expected = [next(alone[name]) for _, name in asks]
+  assert expected[2] != expected[0]  # the adapters matter
+
+  def served(order):  # each asked request's tokens, in `order`
+    requests = [engine.submit(asks[i][0], SamplingParams(max_tokens=6, stop_token_ids=()), adapter=asks[i][1])
+                for i in order]
+    while engine.has_work:
+      engine.step()
+    return [r.generated for r in requests]
+  assert served([0, 1, 2, 3]) == expected
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, *_, **__: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+  for order in ([3, 2, 0, 1], [2, 2, 0]):
+    assert served(order) == [expected[i] for i in order]
+  assert compiles == []
+  # Over HTTP: /v1/models lists the adapters, `model` picks one.
+  server = RunningServer(engine, "base")
+  try:
+    assert [m.id for m in server.client.models.list().data] == ["base", "tuned", "peft"]
+    answer = server.client.completions.create(
+        model="peft", prompt=asks[3][0].tolist(), max_tokens=6, temperature=0, logprobs=0,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert answer.model == "peft"
+    assert answer.choices[0].logprobs.tokens == [f"token_id:{t}" for t in expected[3]]
+    with pytest.raises(openai.NotFoundError, match="'base', 'tuned', 'peft'"):
+      server.client.completions.create(model="nope", prompt="x", max_tokens=1)
+  finally:
+    server.close()
+  assert main(["serve", "--checkpoint", str(ckpt), "--adapter", "tuned"]) == 2  # not NAME=PATH
+  assert main(["serve", "--checkpoint", str(ckpt), "--adapter", f"plain={ckpt}"]) == 2  # not an adapter
 
 
 def test_fsdp_tensor_equals_one_device(base, trained):

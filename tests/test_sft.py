@@ -2,6 +2,7 @@
 packing that changes no loss, and a tiny run on the bundled chat set that learns."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -57,6 +58,7 @@ def test_only_assistant_tokens_carry_loss(template, turn_end, bos):
   tokens, mask = example_tokens({"messages": CONVERSATION}, renderer, BYTES)
   assert BYTES.decode(tokens) == renderer.render(CONVERSATION, False)  # the pieces are the whole render
   assert _assistant_runs(tokens, mask) == ["Hello!" + turn_end, "4." + turn_end]
+  assert renderer.end_of_turn() == turn_end.strip()  # where `jaxpar generate --chat` stops
   # Everything else (system, user, headers, the bos) is context only.
   context = BYTES.decode(tokens[~mask])
   assert "Be brief." in context and "2+2?" in context and "Hello!" not in context and bos in context
@@ -91,18 +93,39 @@ def test_packing_gives_the_unpacked_loss():
   assert sums[0]["tokens"] == sums[1]["tokens"] == packed["loss_mask"].sum()
 
 
-def test_tiny_chat_run_lowers_assistant_loss(tmp_path):
+@pytest.fixture(scope="module")
+def chat_run(tmp_path_factory):
+  """The tiny model trained on the bundled chat set (ChatML, one device), saved: (run dir, result)."""
+  root = tmp_path_factory.mktemp("sft")
   config = small_config(mesh={"fsdp": 1}, model={"max_seq_len": 384},
                         data={"source": "bundled-chat", "format": "chat", "chat_template": "chatml", "seq_len": 384,
                               "global_batch_size": 4},
-                        train={"steps": 24, "learning_rate": 1e-2, "warmup_steps": 3})
+                        train={"steps": 60, "learning_rate": 1e-2, "warmup_steps": 3}, tmp_path=root)
   trainer = Trainer(config, devices=jax.devices()[:1])
   batches = trainer.batches()
   result = trainer.fit(batches=batches, show_progress=False)
+  return root / "run", result, batches
+
+
+def test_tiny_chat_run_lowers_assistant_loss(chat_run):
+  _, result, batches = chat_run
   losses = [h["loss"] for h in result.history]
   assert np.mean(losses[-5:]) < 0.6 * losses[0]
   assert batches.truncated == 0
   assert 0 < result.history[0]["tokens"] < 4 * 384 / 2  # the loss is over assistant tokens only
+
+
+def test_generate_chat_answers_in_the_learnt_format(chat_run, capsys):
+  """`jaxpar generate --chat` renders the question as a ChatML user turn and prints only the
+  answer, which ends where the model writes ChatML's end of turn."""
+  run, _, _ = chat_run
+  code = main(["generate", "--checkpoint", str(run), "--chat", "--prompt", "What is 3 plus 4?",
+               "--slots", "1", "--max-tokens", "60", "--logprobs"])
+  answer = capsys.readouterr().out
+  assert code == 0, answer
+  # The bundled set answers sums as "A plus B is C.": the model learnt the form, and stopped at
+  # <|im_end|> (60 tokens allowed); neither the prompt nor the turn's markup is printed.
+  assert re.fullmatch(r"\d plus \d is \d+\.\n", answer), answer
 
 
 def test_chat_config_errors_are_one_line(tmp_path, capsys):
@@ -113,3 +136,5 @@ def test_chat_config_errors_are_one_line(tmp_path, capsys):
   code = main(["train", "tiny", f"data.source={data}", "data.format=chat", f"data.chat_template={template}"])
   err = capsys.readouterr().err.strip()
   assert code == 2 and "cannot be told apart" in err and len(err.splitlines()) == 1
+  assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "Hi", "--system", "Be brief."]) == 2
+  assert "--system needs --chat" in capsys.readouterr().err

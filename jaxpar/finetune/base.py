@@ -22,7 +22,7 @@ def split_weights(runtime, tree: dict) -> tuple[dict, dict]:
 _HOW_IT_RUNS = {"lora", "max_seq_len", "remat", "scan_unroll", "attention", "mlp_chunks"}
 
 
-def _same_network(ours, theirs) -> bool:
+def same_network(ours, theirs) -> bool:
   """Whether two model configs describe the same base network (adapters aside): a base
   trained at one length fine-tunes at another."""
   return ours.model_dump(exclude=_HOW_IT_RUNS) == theirs.model_dump(exclude=_HOW_IT_RUNS)
@@ -43,7 +43,7 @@ def load_base(runtime) -> dict:
     ours = runtime.model_config
     if ours.quantization is not None and source.config.model.quantization is None:
       return _quantized(runtime, source, shardings)  # QLoRA over a float checkpoint
-    if not _same_network(ours, source.config.model):
+    if not same_network(ours, source.config.model):
       raise CheckpointError(f"model.lora.base={path} was saved with a different model section: copy its "
                             f"model section ({source.path}/config) into this config and add `lora:` to it")
     _, targets = split_weights(runtime, runtime.abstract_targets()[0])
@@ -55,7 +55,7 @@ def _quantized(runtime, source, shardings) -> dict:
   from jaxpar.convert.quantize import quantize_params
   from jaxpar.runtime import Runtime
   plain = runtime.model_config.model_copy(update={"lora": None, "quantization": None})
-  if not _same_network(plain, source.config.model.model_copy(update={"quantization": None})):
+  if not same_network(plain, source.config.model.model_copy(update={"quantization": None})):
     raise CheckpointError(f"model.lora.base={source.directory} was saved with a different model section: copy "
                           "its model section into this config and add `lora:` and `quantization:` to it")
   floats = Runtime(plain, runtime.mesh_config, runtime.mesh.devices.flat, seed=runtime.seed)

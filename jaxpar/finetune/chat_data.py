@@ -23,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jaxpar.errors import DataError
 
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use characters around a generation block's output
+_PROBE = "\ue002"  # a private-use answer, to find what the template writes after an answer
 _HAS_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
@@ -67,6 +68,13 @@ class ChatRenderer:
   def render(self, messages, add_generation_prompt: bool) -> str:
     """The conversation's text as the template writes it."""
     return self._render(messages, add_generation_prompt).replace(_OPEN, "").replace(_CLOSE, "")
+
+  def end_of_turn(self) -> str:
+    """The text the template writes after an assistant's answer, without surrounding
+    whitespace (ChatML's `<|im_end|>`, Llama 3's `<|eot_id|>`; "" if none): where a chat
+    answer stops."""
+    text = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}], False)
+    return text[text.index(_PROBE) + len(_PROBE):].strip() if _PROBE in text else ""
 
   def _render(self, messages, add_generation_prompt: bool) -> str:
     """The text with {% generation %} blocks between marker characters."""

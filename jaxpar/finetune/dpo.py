@@ -1,4 +1,4 @@
-"""Direct Preference Optimization (DPO, Rafailov et al. 2023) over adapters.
+"""Direct Preference Optimization (DPO, Rafailov et al. 2023), over adapters or the whole model.
 
 For a prompt x with a chosen answer y_w and a rejected one y_l, and log-probabilities summed
 over each answer's tokens under the policy (pi) and a frozen reference (ref):
@@ -6,10 +6,15 @@ over each answer's tokens under the policy (pi) and a frozen reference (ref):
   margin = beta * ((log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x)))
   loss   = -log sigmoid(margin)
 
-The reference is the base model with the adapters off (model.lora: all adapter weights
-zero, so no second copy of the base is held), run in the same step under stop_gradient:
-one more forward pass per step instead of a pass over the data before training, so the
-data order, the mesh and resumption stay as for any run. Metrics per pair: `loss`,
+The reference runs in the same step under stop_gradient. Under model.lora it is the base
+model with the adapters off (all adapter weights zero, so no second copy of the base is
+held). Without adapters it is a frozen copy of the weights training started from
+(train.dpo_reference, else the seeded init), held in TrainState.frozen[REFERENCE] and, like
+a LoRA base, read again from its source on resume rather than saved. Computing it in the step
+costs one more forward pass per step (and, without adapters, a second copy of the weights,
+sharded as they are); precomputing every pair's reference log-probabilities once would
+instead need a pass over the data before training and per-example values that the data
+order, resumption and every mesh must carry along. The step keeps those as for any run. Metrics per pair: `loss`,
 `reward_margin` (the margin above), `reward_accuracy` (the share of pairs with margin > 0),
 `chosen_reward` and `rejected_reward` (beta * the policy-minus-reference log-ratio of each).
 
@@ -26,7 +31,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.errors import CheckpointError
 from jaxpar.finetune.partition import join
+from jaxpar.train.state import REFERENCE
 
 
 def answer_logprobs(model, batch):
@@ -49,14 +56,33 @@ def dpo_loss(policy, reference, beta: float):
   return -jax.nn.log_sigmoid(margin), margin, chosen, rejected
 
 
+def reference_weights(runtime, path) -> dict:
+  """Full-model DPO's reference: checkpoint `path`'s weights, or (None) the model's init from
+  its seed, placed on the runtime's shardings."""
+  if path is None:
+    with runtime.context():
+      return jax.jit(lambda: runtime.create()[0], out_shardings=runtime.param_shardings)()
+  from jaxpar.finetune.base import same_network
+  from jaxpar.saved_run import SavedRun
+  with SavedRun(path) as source:
+    if source.config.model.lora is not None or not same_network(runtime.model_config, source.config.model):
+      raise CheckpointError(f"train.dpo_reference={path} holds another model (or adapters): give a checkpoint "
+                            "of this config's model section (merge adapters first: `jaxpar lora merge`)")
+    return source.read_params(runtime.abstract_targets()[0])
+
+
 def make_dpo_objective(graphdef, beta: float):
-  """(adapters, model_state, batch, frozen base) -> (summed loss, (sums, model_state)), as
-  step.make_objective's contract: the step divides the sums by "tokens", here the pairs."""
+  """(trained weights, model_state, batch, frozen) -> (summed loss, (sums, model_state)), as
+  step.make_objective's contract: the step divides the sums by "tokens", here the pairs.
+  frozen: the base under adapters, or {REFERENCE: the reference model} without them."""
   def objective(params, model_state, batch, frozen=None):
-    model = nnx.merge(graphdef, join(params, frozen), model_state)
+    frozen = frozen or {}
+    reference_model = frozen.get(REFERENCE)
+    model = nnx.merge(graphdef, params if reference_model is not None else join(params, frozen), model_state)
     policy = answer_logprobs(model, batch)
-    adapters_off = nnx.merge(graphdef, join(jax.tree.map(jnp.zeros_like, params), frozen), model_state)
-    reference = jax.lax.stop_gradient(answer_logprobs(adapters_off, batch))
+    if reference_model is None:  # adapters: the base with them off
+      reference_model = join(jax.tree.map(jnp.zeros_like, params), frozen)
+    reference = jax.lax.stop_gradient(answer_logprobs(nnx.merge(graphdef, reference_model, model_state), batch))
     loss, margin, chosen, rejected = dpo_loss(policy, reference, beta)
     total = jnp.sum(loss)
     sums = {"ce_sum": total, "z_sum": jnp.zeros(()), "tokens": jnp.asarray(loss.shape[0], jnp.float32),

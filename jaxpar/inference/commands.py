@@ -2,7 +2,9 @@
 
     jaxpar generate --checkpoint PATH --prompt "..." [--max-tokens N --temperature T ...]
     jaxpar generate --checkpoint PATH --prompts-file prompts.txt --output results.jsonl
+    jaxpar generate --checkpoint PATH --chat --prompt "What is 2 plus 3?"   # prints the answer only
     jaxpar serve --checkpoint PATH [--host 127.0.0.1 --port 8000]
+    jaxpar serve --checkpoint BASE --adapter sql=runs/sql-lora --adapter chat=runs/chat-lora
 """
 
 import argparse
@@ -98,28 +100,64 @@ def _read_prompts(path: Path) -> list[dict]:
   return records
 
 
+def chat_turns(ns, tokenizer):
+  """For --chat: (user text -> prompt token ids, rendered with the run's chat template up to
+  where the assistant answers; the stop settings that end the answer at the template's end of
+  turn: its token when it is one, else its text)."""
+  from jaxpar.finetune.sft_batches import chat_renderer
+  from jaxpar.saved_run import SavedRun
+  with SavedRun(ns.checkpoint) as run:
+    data = run.config.data
+  if not data.chat_template and not tokenizer.chat_template:
+    raise ConfigError(f"--chat: {ns.checkpoint} has no chat template (no data.chat_template in its config, none "
+                      "in its tokenizer): drop --chat and write the prompt in the model's format")
+  if data.chat_template not in (None, "chatml") and not Path(data.chat_template).is_file():
+    raise ConfigError(f"--chat: the run's data.chat_template={data.chat_template} is not there any more: "
+                      "run from the directory it trained in, or drop --chat")
+  renderer = chat_renderer(data, tokenizer)
+  system = [{"role": "system", "content": ns.system}] if ns.system else []
+
+  def prompt_ids(text: str) -> list[int]:
+    # Tokenized as SFT tokenized it: the template writes the special tokens, none are added.
+    return tokenizer.encode(renderer.render(system + [{"role": "user", "content": text}], True))
+
+  end = renderer.end_of_turn()
+  end_ids = tokenizer.encode(end) if end else []
+  if len(end_ids) == 1:
+    return prompt_ids, {"stop_token_ids": (tokenizer.eos_id, end_ids[0])}
+  return prompt_ids, {"stop": (*ns.stop, end) if end else tuple(ns.stop)}
+
+
 def cmd_generate(ns):
   if (ns.prompt is None) == (ns.prompts_file is None):
     raise UserError("give --prompt TEXT or --prompts-file FILE (one of them)")
   if ns.prompts_file and not ns.output:
     raise UserError("--prompts-file needs --output FILE.jsonl for the results")
+  if ns.system and not ns.chat:
+    raise UserError("--system needs --chat (the system prompt goes through the chat template)")
   records = _read_prompts(Path(ns.prompts_file)) if ns.prompts_file else None
   sampling = sampling_from(ns)
   engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
+  encode = None
+  if ns.chat:
+    encode, stops = chat_turns(ns, engine.tokenizer)
+    sampling = sampling_from(ns, **stops)
   if records is None:
     out = sys.stdout if distributed.is_primary() else open(os.devnull, "w")
-    out.write(ns.prompt)
-    for event in engine.stream(ns.prompt, sampling):
+    if encode is None:
+      out.write(ns.prompt)
+    for event in engine.stream(ns.prompt if encode is None else encode(ns.prompt), sampling):
       out.write(event.text)
       out.flush()
     out.write("\n")
     return
-  _generate_file(engine, records, sampling, Path(ns.output))
+  _generate_file(engine, records, sampling, Path(ns.output), encode)
 
 
-def _generate_file(engine, records, sampling, output: Path):
+def _generate_file(engine, records, sampling, output: Path, encode=None):
   import dataclasses
-  requests = [engine.submit(r["prompt"], dataclasses.replace(
+  encode = encode or (lambda prompt: prompt)
+  requests = [engine.submit(encode(r["prompt"]), dataclasses.replace(
       sampling, **{k: (tuple(v) if k == "stop" else v) for k, v in r.items() if k != "prompt"}))
               for r in records]
   progress = Progress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
@@ -136,13 +174,30 @@ def _generate_file(engine, records, sampling, output: Path):
   notes.print(f"wrote {len(requests)} completions to {output}")
 
 
+def adapter_paths(items, base_name: str) -> dict:
+  """`--adapter NAME=PATH` arguments -> {NAME: PATH}, in order."""
+  adapters = {}
+  for item in items:
+    name, _, path = item.partition("=")
+    if not name or not path:
+      raise ConfigError(f"--adapter {item!r}: write NAME=PATH, e.g. --adapter sql=runs/sql-lora")
+    if name in adapters or name == base_name:
+      raise ConfigError(f"--adapter {item!r}: the name {name!r} is taken (by the base model or another "
+                        "adapter): give each adapter its own")
+    adapters[name] = path
+  return adapters
+
+
 def cmd_serve(ns):
   from jaxpar.inference.server import serve
   from jaxpar.saved_run import run_name
-  # Every program compiled before the first request: serving never pauses to compile.
-  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True)
   name = ns.model_name or run_name(ns.checkpoint)
-  notes.print(f"serving {name!r} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
+  adapters = adapter_paths(ns.adapter, name)
+  # Every program compiled before the first request: serving never pauses to compile.
+  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True,
+                        adapters=adapters)
+  served = ", ".join(repr(n) for n in (name, *adapters))
+  notes.print(f"serving {served} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
               f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
   serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s)
 
@@ -157,6 +212,11 @@ def add_parsers(commands):
   generate.add_argument("--prompts-file", metavar="FILE",
                         help="one prompt per line, or JSONL with \"prompt\" and sampling fields")
   generate.add_argument("--output", metavar="FILE.jsonl", help="results of --prompts-file")
+  generate.add_argument("--chat", action="store_true",
+                        help="each prompt is a user's turn: render it with the run's chat template "
+                        "(data.chat_template, else the tokenizer's) and print only the assistant's "
+                        "answer, which ends at the template's end of turn")
+  generate.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user's turn")
   add_sampling_args(generate)
   # Every process runs the same prompts in lock step (one SPMD program); process 0 writes.
   distributed.add_distributed_args(generate)
@@ -170,6 +230,9 @@ def add_parsers(commands):
   serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
   serve.add_argument("--port", type=int, default=8000)
   serve.add_argument("--model-name", help="the model id clients send (default: the run's name, e.g. tiny for runs/tiny)")
+  serve.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                     help="also serve this LoRA adapter checkpoint (trained over the base) as model NAME; "
+                     "repeatable: requests for the base and every adapter share each batch")
   serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
   serve.add_argument("--grace-s", type=float, default=30.0,
                      help="on SIGTERM, seconds running requests get to finish (default 30)")

@@ -52,14 +52,17 @@ class Engine:
   prefix_caching: requests share the cache pages of the prompt blocks they have in common
   (`prefix_cache.py`); outputs are the same either way (off where local layers' rings cannot be shared).
   cache_bytes: device bytes of the cache, {"pool": the page pool's, "rings": the local layers'}.
+  adapters: the names of the LoRA adapters stacked in `params` (model.lora.stacked, slots 1..n;
+  `adapters.py` builds them); a request names one (`submit(..., adapter=NAME)`) or gets the base.
   """
 
   def __init__(self, runtime, params, tokenizer, *, model_state=None, slots: int = 8,
                max_seq_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
                prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
                kv_cache: str | None = None, echo=None, compile_extras: bool = False,
-               prefix_caching: bool = True):
+               prefix_caching: bool = True, adapters: tuple[str, ...] = ()):
     cfg = runtime.model_config
+    self.adapters = tuple(adapters)  # one name per stacked adapter (adapters.py builds both)
     runtime.plan.check_generation()
     self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
     self.model_state = model_state if model_state is not None else {}
@@ -141,6 +144,9 @@ class Engine:
     """Run a program, compiling `processing`'s on first use."""
     if (key := program_key(kind, rows)) not in self.programs.compiled:
       self._compile(*key)
+    if self.adapters:  # each row's adapter, after its slot (rows[3]): the request's in that slot
+      picked = [0 if self.slots[s] is None else self.slots[s].adapter for s in rows[3]]
+      rows = (*rows[:4], np.asarray(picked, np.int32), *rows[4:])
     return self.programs.run(kind, self.params, self.model_state, self.cache, *rows)
 
   # -- requests ----------------------------------------------------------------------
@@ -152,8 +158,13 @@ class Engine:
       return self.tokenizer.encode_prompt(prompt, add_special_tokens)
     return [int(t) for t in prompt]
 
-  def make_request(self, prompt, sampling: SamplingParams = GREEDY, on_event=None) -> Request:
-    """A checked Request for a prompt (text or token ids), not yet queued."""
+  def make_request(self, prompt, sampling: SamplingParams = GREEDY, on_event=None,
+                   adapter: str | None = None) -> Request:
+    """A checked Request for a prompt (text or token ids), not yet queued; `adapter`: the name
+    of a stacked adapter to generate with (None: the base)."""
+    if adapter is not None and adapter not in self.adapters:
+      raise RequestError("model", f"no adapter {adapter!r} is served: choose one of {list(self.adapters)} "
+                         "or none for the base model")
     ids = self.encode(prompt)
     if not ids:
       raise RequestError("prompt", "the prompt is empty: give at least one token")
@@ -169,12 +180,14 @@ class Engine:
     for field, tokens in (("stop_token_ids", stops), ("logit_bias", [t for t, _ in sampling.logit_bias])):
       if any(not 0 <= t < vocab for t in tokens):
         raise RequestError(field, f"{field}: token ids must be in [0, {vocab})")
-    return Request(ids, sampling, tuple(stops), on_event)
+    request = Request(ids, sampling, tuple(stops), on_event)
+    request.adapter = 0 if adapter is None else self.adapters.index(adapter) + 1
+    return request
 
-  def submit(self, prompt, sampling: SamplingParams = GREEDY, on_event=None) -> Request:
+  def submit(self, prompt, sampling: SamplingParams = GREEDY, on_event=None, adapter: str | None = None) -> Request:
     """Queue a prompt (text or token ids); thread-safe. on_event(TokenEvent) is called from
     the thread that runs `step`."""
-    request = self.make_request(prompt, sampling, on_event)
+    request = self.make_request(prompt, sampling, on_event, adapter)
     self.enqueue(request)
     return request
 

@@ -37,7 +37,8 @@ class Call:
       for ids in self.prompts:
         for j in range(self.body.n):
           sampling = self._sampling(ids, (seed + j) % 2 ** 32, constraint)
-          self.requests.append(self.engine.make_request(ids, sampling, self._listener(len(self.requests))))
+          self.requests.append(self.engine.make_request(ids, sampling, self._listener(len(self.requests)),
+                                                        self.server.adapter(self.body)))
     except RequestError as e:
       raise api.APIError(400, str(e), param=e.field) from None
     if self.engine.pending + len(self.requests) > self.server.max_queue:
@@ -87,6 +88,11 @@ class Call:
         min_tokens=body.min_tokens, logit_bias=tuple((body.logit_bias or {}).items()),
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, constraint=constraint)
+
+  @property
+  def _model(self) -> str:
+    """The model name answers carry: the adapter asked for, else the base's."""
+    return self.server.adapter(self.body) or self.server.model_name
 
   def cancel(self):
     for request in self.requests:
@@ -140,7 +146,7 @@ class Call:
         text = self.engine.tokenizer.decode(request.prompt) + text
       block = self._logprobs(request, 0, len(request.generated), self.echo) if self.logprobs else None
       choices.append(api.choice(index, text, request.finish_reason, block, chat=self.chat))
-    body = api.envelope(self.id, self.server.model_name, choices, chat=self.chat, usage_counts=self._usage())
+    body = api.envelope(self.id, self._model, choices, chat=self.chat, usage_counts=self._usage())
     return JSONResponse(body, headers=self.headers)
 
   def stream(self):
@@ -153,7 +159,7 @@ class Call:
     started = set()
 
     def sse(choices, usage=None) -> str:
-      chunk = api.envelope(self.id, self.server.model_name, choices, chat=self.chat, chunk=True,
+      chunk = api.envelope(self.id, self._model, choices, chat=self.chat, chunk=True,
                            usage_counts=usage if usage is not None else (self._usage() if every else None))
       return f"data: {json.dumps(chunk)}\n\n"
     try:

@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.inference.sampling import sample
 from jaxpar.mesh import logical_to_sharding
+from jaxpar.models import lora
 from jaxpar.runtime import abstract_model
 
 SETTINGS = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "seed": jnp.uint32}
@@ -77,11 +78,22 @@ def program_key(kind: str, rows) -> tuple:
   return (kind, *rows[0].shape, rows[2].shape[1])
 
 
+def _rows_pick_adapters(body):
+  """`body` taking each row's stacked adapter (int32 [batch]) after its slot (model.lora.stacked)."""
+  def picking(params, model_state, cache, tokens, positions, page_table, rows, adapters, *extra):
+    with lora.rows_use_adapters(adapters):
+      return body(params, model_state, cache, tokens, positions, page_table, rows, *extra)
+  return picking
+
+
 class Programs:
-  """Compiled executables for one runtime, parameter layout and cache layout."""
+  """Compiled executables for one runtime, parameter layout and cache layout. With stacked
+  adapters (model.lora.stacked), every program takes each row's adapter after its slot."""
 
   def __init__(self, runtime, params, model_state, cache, kv_quantization=None):
     self.runtime, self.kv_quantization = runtime, kv_quantization
+    lora_config = runtime.model_config.lora
+    self.stacked = lora_config is not None and lora_config.stacked > 0
     self.graphdef = _rolled_graphdef(runtime)
     self._state = (jax.tree.map(_struct, params), jax.tree.map(_struct, model_state),
                    jax.tree.map(_struct, cache))
@@ -108,12 +120,14 @@ class Programs:
             row_major((batch, length), jnp.int32),
             row_major((batch, pages_per_seq), jnp.int32),
             row_major((batch,), jnp.int32)]  # each row's slot
+    args += [row_major((batch,), jnp.int32)] if self.stacked else []  # each row's adapter
     program = program or KINDS[kind]
     args += jax.tree.map(lambda x: row_major(x.shape, x.dtype),
                          program.extra(batch, length, self.runtime.model_config.vocab_size))
     per_row = tuple(rows if o == "rows" else None for o in program.outputs)
     out = (*per_row, self._cache_shardings) if per_row else self._cache_shardings
     fn = functools.partial(program.body, self.graphdef, self.kv_quantization)
+    fn = _rows_pick_adapters(fn) if self.stacked else fn
     with self.runtime.context():
       jitted = jax.jit(fn, out_shardings=out, donate_argnums=(2,))
       executable = jitted.lower(*self._state, *args).compile()

@@ -98,6 +98,7 @@ class Request:
     self.cancelled = False
     self.arrival = time.monotonic()
     self.row = 0  # its row when a speculative decoder runs it outside the engine's slots
+    self.adapter = 0  # its stacked LoRA adapter (0: the base; Engine.adapters)
 
   @property
   def context(self) -> list[int]:

@@ -84,10 +84,19 @@ class Server:
     self.worker: EngineWorker | None = None
     self.draining = False
 
+  @property
+  def model_names(self) -> list[str]:
+    """The base's name, then each served LoRA adapter's (a request picks one by `model`)."""
+    return [self.model_name, *self.engine.adapters]
+
+  def adapter(self, body) -> str | None:
+    """The adapter a checked request asks for (None: the base)."""
+    return body.model if body.model in self.engine.adapters else None
+
   def check(self, body):
-    if body.model is not None and body.model != self.model_name:
-      raise api.APIError(404, f"the model '{body.model}' does not exist: this server serves '{self.model_name}'",
-                         param="model", code="model_not_found")
+    if body.model is not None and body.model not in self.model_names:
+      raise api.APIError(404, f"the model '{body.model}' does not exist: this server serves "
+                         f"{', '.join(repr(n) for n in self.model_names)}", param="model", code="model_not_found")
     if self.draining:
       raise api.APIError(503, "the server is shutting down", kind="server_error")
 
@@ -123,8 +132,11 @@ def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 
 
   @app.get("/v1/models")
   async def models():
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                        "owned_by": "jaxpar", "max_model_len": engine.max_seq_len}]}
+    # Adapters name their base as `parent`, as vLLM lists its LoRA modules.
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": int(time.time()), "owned_by": "jaxpar",
+         "max_model_len": engine.max_seq_len, **({"parent": model_name} if name != model_name else {})}
+        for name in server.model_names]}
 
   @app.post("/v1/completions")
   async def completions(request: Request):

@@ -136,6 +136,9 @@ class SpeculativeDecoder:
       if engine.local_window is not None and k + 1 > engine.local_window:
         raise UserError(f"k={k}: a round writes k + 1 positions, more than the local layers' window "
                         f"({engine.local_window}) keeps; use k < {engine.local_window}")
+    if target.adapters or draft.adapters:
+      raise UserError("speculative decoding does not serve stacked adapters: merge the adapter "
+                      "(`jaxpar lora merge`) and use the merged model as the target")
     self.target, self.draft, self.k = target, draft, k
     self.batch = len(target.slots)
     target.programs.compile("speculate", self.batch, k + 1, target.pages_per_seq, _TARGET_PROGRAM)

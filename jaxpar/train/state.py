@@ -6,14 +6,18 @@ from flax import struct
 
 from jaxpar.finetune.partition import join
 
+# TrainState.frozen's key for full-model DPO's reference weights (jaxpar/finetune/dpo.py).
+REFERENCE = "dpo_reference"
+
 
 @struct.dataclass
 class TrainState:
   """step: int32 scalar; params: what the optimizer updates (nnx.Param leaves);
   opt_state: the optimizer's state; model_state: every other model variable (router
   biases, statistics), changed only by the model's own forward pass, never decayed;
-  frozen: the weights that do not train (with adapters, model.lora: the base model; else
-  empty), read by every step but neither updated nor saved in checkpoints."""
+  frozen: the weights that do not train (with adapters, model.lora: the base model; for DPO
+  without adapters: {REFERENCE: the reference model}; else empty), read by every step but
+  neither updated nor saved in checkpoints."""
   step: Any
   params: Any
   opt_state: Any
@@ -22,7 +26,8 @@ class TrainState:
 
   def weights(self) -> dict:
     """Every model parameter (the trained and the frozen): what the model is merged with."""
-    return join(self.params, self.frozen) if self.frozen else self.params
+    base = {k: v for k, v in self.frozen.items() if k != REFERENCE}  # a reference is another model
+    return join(self.params, base) if base else self.params
 
   def items(self) -> dict:
     """As a dict of the four fields (what the checkpointer saves and restores)."""

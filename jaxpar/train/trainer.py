@@ -25,7 +25,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.finetune.base import load_base, split_weights
 from jaxpar.runtime import Runtime, with_shardings
 from jaxpar.saved_run import SavedRun, relayout, saved_layer_order
-from jaxpar.train.state import TrainState
+from jaxpar.train.state import REFERENCE, TrainState
 from jaxpar.train.step import make_train_step
 from jaxpar.cluster.xla_flags import compiler_options
 
@@ -87,9 +87,9 @@ class Trainer:
                         "or neither")
     if cfg.train.objective == "lm":
       return None
-    if self.runtime.adapter_mask is None:
-      raise ConfigError("train.objective=dpo needs adapters (model.lora): the reference model is the base with "
-                        "the adapters off, so no second copy of the weights is held")
+    if self.runtime.adapter_mask is not None and cfg.train.dpo_reference is not None:
+      raise ConfigError(f"train.dpo_reference={cfg.train.dpo_reference} with model.lora: the reference is the base "
+                        "with the adapters off; drop train.dpo_reference, or model.lora for full-model DPO")
     from jaxpar.finetune.dpo import make_dpo_objective
     return make_dpo_objective(self.graphdef, cfg.train.dpo_beta)
 
@@ -103,8 +103,22 @@ class Trainer:
     abstract_opt = jax.eval_shape(self.optimizer.init, self._trainable(self.runtime.abstract_params))
     return state_bytes_per_param(abstract_opt, self.num_params)
 
+  @property
+  def _full_dpo(self) -> bool:
+    """DPO without adapters: TrainState.frozen holds the reference model."""
+    return self.config.train.objective == "dpo" and self.runtime.adapter_mask is None
+
+  def _frozen(self) -> dict:
+    """TrainState.frozen, from where it lives (it is never saved): the base under adapters,
+    full-model DPO's reference, else nothing."""
+    if self._full_dpo:
+      from jaxpar.finetune.dpo import reference_weights
+      return {REFERENCE: reference_weights(self.runtime, self.config.train.dpo_reference)}
+    return load_base(self.runtime) if self.runtime.adapter_mask is not None else {}
+
   def _state_shardings(self) -> TrainState:
     params, frozen = split_weights(self.runtime, self.runtime.param_shardings)
+    frozen = {REFERENCE: params} if self._full_dpo else frozen
     abstract = self._trainable(self.runtime.abstract_params)
     opt = opt_state_shardings(jax.eval_shape(self.optimizer.init, abstract), abstract, params, self.mesh)
     return TrainState(step=NamedSharding(self.mesh, PartitionSpec()), params=params, opt_state=opt,
@@ -113,6 +127,7 @@ class Trainer:
   def _create_state(self, with_frozen=True) -> TrainState:
     params, model_state = self.runtime.create()
     params, frozen = split_weights(self.runtime, params)
+    frozen = {REFERENCE: params} if self._full_dpo else frozen
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params),
                       model_state=model_state, frozen=frozen if with_frozen else {})
 
@@ -123,14 +138,18 @@ class Trainer:
     return with_shardings(shapes, self.state_shardings)
 
   def init_state(self) -> TrainState:
-    """A fresh state; under model.lora, fresh adapters over the base model.lora.base names."""
-    if self.runtime.adapter_mask is None:
+    """A fresh state; under model.lora, fresh adapters over the base model.lora.base names;
+    for full-model DPO, the reference's weights and a copy of them that trains."""
+    if self.runtime.adapter_mask is None and not self._full_dpo:
       with self.context():
         return jax.jit(self._create_state, out_shardings=self.state_shardings)()
     with self.context():
       state = jax.jit(lambda: self._create_state(with_frozen=False),
                       out_shardings=self.state_shardings.replace(frozen={}))()
-    return state.replace(frozen=load_base(self.runtime))
+    state = state.replace(frozen=self._frozen())
+    if self._full_dpo:  # the policy starts as the reference (its own buffers: the step donates them)
+      state = state.replace(params=jax.tree.map(jnp.copy, state.frozen[REFERENCE]))
+    return state
 
   def tokenizer(self):
     return load_tokenizer(self.config.data.tokenizer)
@@ -224,6 +243,9 @@ class Trainer:
         if self.runtime.adapter_mask is not None and source.config.model.lora is None:
           raise ConfigError(f"--restore {restore}: that checkpoint has no adapters; to train adapters "
                             f"over it, set model.lora.base={restore} instead")
+        if self._full_dpo and source.config.train.objective != "dpo":
+          raise ConfigError(f"--restore {restore} with full-model DPO: the policy starts from its reference; "
+                            f"set train.dpo_reference={restore} instead")
         items, data_state = source.restore_train_state(self.abstract_state().items(), self.runtime.layer_order())
         where = source.path
     elif checkpointer is not None and checkpointer.latest_step() is not None:
@@ -235,8 +257,8 @@ class Trainer:
     else:
       return self.init_state()
     state = TrainState(**items)
-    if self.runtime.adapter_mask is not None:  # an adapter checkpoint: the base comes from its own place
-      state = state.replace(frozen=load_base(self.runtime))
+    if self.runtime.adapter_mask is not None or self._full_dpo:  # the base or reference: from its own place
+      state = state.replace(frozen=self._frozen())
     if state.opt_state is None:  # a params-only checkpoint (an imported model): fine-tune it
       with self.context():
         opt_state = jax.jit(self.optimizer.init,
