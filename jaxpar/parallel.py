@@ -225,13 +225,6 @@ class ParallelPlan:
     if not self.pipelined:
       return
     S, R, M = self.stages, self.repeats, self.microbatches
-    # Their shard_maps (context attention, MoE dispatch) nested in the stages' do not lower yet.
-    if self.splits_sequence:
-      raise ConfigError(f"mesh.context={self.size('context')} with mesh.stage={S}: context parallelism inside "
-                        "pipeline stages is not supported yet; use mesh.context=1 (fsdp or tensor instead)")
-    if model.mlp == "moe":
-      raise ConfigError(f"model.mlp='moe' with mesh.stage={S}: mixture-of-experts layers inside pipeline "
-                        "stages are not supported yet; use mesh.stage=1 (expert or fsdp instead)")
     if R > 1 and M < S:
       raise ConfigError(f"parallel.pipeline.microbatches={M} is below mesh.stage={S}: a circular schedule "
                         f"needs at least one microbatch per stage in flight; use {S} or more")
