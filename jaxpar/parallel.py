@@ -186,12 +186,15 @@ class ParallelPlan:
 
   def layout_axes(self, model, seq_len: int) -> tuple[str, ...]:
     """The mesh axes a planner may give devices to for this model: data, fsdp and tensor
-    always; context when attention has a split form; expert for mixture-of-experts layers."""
-    axes = ["data", "fsdp", "context", "tensor"]
+    always; stage when the layers are stacked (a pipeline runs them); context when attention
+    has a split form; expert for mixture-of-experts layers."""
+    axes = ["data", "stage", "fsdp", "context", "tensor"]
+    if not model.scan_layers or model.num_layers - model.first_dense_layers < 2:
+      axes.remove("stage")
     if model.attention == "reference" or seq_len < 2:
       axes.remove("context")
     if getattr(model, "moe", None) is not None and model.mlp == "moe":
-      axes.insert(2, "expert")
+      axes.insert(axes.index("fsdp") + 1, "expert")
     return tuple(axes)
 
   # -- checks --------------------------------------------------------------------------
