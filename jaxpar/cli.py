@@ -165,7 +165,7 @@ def _cmd_plan(ns):
   path, overrides = _split_args(ns.args)
   run_plan(load_config(path, overrides), topology=ns.topology, top=ns.top, measure=ns.measure,
            output=ns.output, echo=lambda text: console.print(text, markup=False, highlight=False),
-           phase=Phases(console))
+           phase=Phases(console), num_slices=ns.num_slices)
 
 
 def _cmd_launch_local(ns) -> int:
@@ -276,11 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
 
   plan = commands.add_parser(
       "plan", help="rank mesh / remat / microbatch choices, compile-verified",
-      description="Enumerate data x fsdp x tensor meshes, remat policies and microbatch "
-      "counts for CONFIG; prune with an analytic model; compile the best K; write the winner "
+      description="Enumerate data x stage x fsdp x context x expert x tensor meshes (with pipeline "
+      "microbatches, repeats and schedule), remat policies and microbatch counts for CONFIG; prune with an analytic model; compile the best K; write the winner "
       "as a config you can pass to `jaxpar train`.")
   plan.add_argument("args", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
   plan.add_argument("--topology", help="TPU slice (e.g. v5p-128); default: this host's devices")
+  plan.add_argument("--num-slices", type=int, default=1, help="slices of --topology joined over DCN "
+                    "(each layout then names the axis spanning them: stage, data or fsdp)")
   plan.add_argument("--top", type=int, default=3, help="candidates to compile (default 3)")
   plan.add_argument("--measure", action="store_true",
                     help="also run the compiled candidates here (local devices only) and report "

@@ -186,12 +186,15 @@ class ParallelPlan:
 
   def layout_axes(self, model, seq_len: int) -> tuple[str, ...]:
     """The mesh axes a planner may give devices to for this model: data, fsdp and tensor
-    always; context when attention has a split form; expert for mixture-of-experts layers."""
-    axes = ["data", "fsdp", "context", "tensor"]
+    always; stage when the layers are stacked (a pipeline runs them); context when attention
+    has a split form; expert for mixture-of-experts layers."""
+    axes = ["data", "stage", "fsdp", "context", "tensor"]
+    if not model.scan_layers or model.num_layers - model.first_dense_layers < 2:
+      axes.remove("stage")
     if model.attention == "reference" or seq_len < 2:
       axes.remove("context")
     if getattr(model, "moe", None) is not None and model.mlp == "moe":
-      axes.insert(2, "expert")
+      axes.insert(axes.index("fsdp") + 1, "expert")
     return tuple(axes)
 
   # -- checks --------------------------------------------------------------------------
@@ -225,13 +228,6 @@ class ParallelPlan:
     if not self.pipelined:
       return
     S, R, M = self.stages, self.repeats, self.microbatches
-    # Their shard_maps (context attention, MoE dispatch) nested in the stages' do not lower yet.
-    if self.splits_sequence:
-      raise ConfigError(f"mesh.context={self.size('context')} with mesh.stage={S}: context parallelism inside "
-                        "pipeline stages is not supported yet; use mesh.context=1 (fsdp or tensor instead)")
-    if model.mlp == "moe":
-      raise ConfigError(f"model.mlp='moe' with mesh.stage={S}: mixture-of-experts layers inside pipeline "
-                        "stages are not supported yet; use mesh.stage=1 (expert or fsdp instead)")
     if R > 1 and M < S:
       raise ConfigError(f"parallel.pipeline.microbatches={M} is below mesh.stage={S}: a circular schedule "
                         f"needs at least one microbatch per stage in flight; use {S} or more")

@@ -144,6 +144,20 @@ def test_multi_slice_reports_dcn_collectives():
   assert ("all-gather", False) in kinds  # FSDP inside each slice
 
 
+@pytest.mark.tpu
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
+def test_stage_over_dcn_sends_only_hand_offs_and_the_stage_split_weights_across_slices():
+  report = _compile_tiny(4, "v5e-4", 2, stage=2, dcn_axis="stage")
+  assert report["dcn_axis"] == "stage" and report["mesh"] == {"stage": 2, "fsdp": 4}
+  dcn, minimum = report["dcn"], report["dcn"]["minimum"]
+  # 2 x (M=2 + S-1 = 3 iterations) hand-offs of one row x 128 positions x 128 f32 per device.
+  assert minimum["stage hand-offs"] == 2 * 3 * 128 * 128 * 4
+  # One layer's weights (~850 KiB) gathered across slices would be more than all the slack:
+  # what crosses is the hand-offs, the outputs' all-reduce and the embedding's FSDP share.
+  assert minimum["total"] <= dcn["wire_bytes"] <= 1.25 * minimum["total"]
+  assert "across slices (DCN, 'stage' spanning them)" in format_report({**report, "compile_s": 0})
+
+
 def test_hlo_parser_on_a_handwritten_module():
   text = """HloModule m
 

@@ -66,7 +66,7 @@ def test_what_the_axes_do():
 
 def test_the_planner_enumerates_the_axes_the_plan_allows():
   moe = load_config("tiny-moe", ["data.global_batch_size=8", "data.seq_len=32", "model.moe.num_experts=4"])
-  assert planner.layout_axes(moe) == ("data", "fsdp", "expert", "context", "tensor")
+  assert planner.layout_axes(moe) == ("data", "stage", "fsdp", "expert", "context", "tensor")
   found = planner.layouts(moe, 8)
   # 4 experts: expert 8 would split one; the plan's check drops those layouts.
   assert {l.expert for l in found} == {1, 2, 4} and all(l.devices == 8 for l in found)

@@ -3,6 +3,7 @@ splits the state the way the mesh does and prunes what cannot fit, and a compile
 on 8 simulated devices writes a winner that loads as a config. (Timings: benchmarks only.)"""
 
 import contextlib
+import dataclasses
 import os
 import sys
 
@@ -10,9 +11,11 @@ import jax
 import pytest
 
 from jaxpar.aot import cost_model, plan
+from jaxpar.aot.chips import CHIPS
 from jaxpar.aot.cost_model import Hardware, Layout
+from jaxpar.aot.plan import chip_hardware
 from jaxpar.cli import main
-from jaxpar.config import load_config
+from jaxpar.config import load_config, replace
 from jaxpar.runtime import abstract_model, count_params
 from tests.helpers import small_config
 
@@ -102,3 +105,30 @@ def test_xla_lines_nobody_can_act_on_are_dropped_and_the_rest_kept(capfd):
 def test_measuring_a_topology_plan_is_a_one_line_error(capsys):
   assert main(["plan", "tiny", "--topology", "v5e-4", "--measure"]) == 2
   assert "drop --topology" in capsys.readouterr().err
+
+
+def test_layouts_include_pipelines_that_become_the_configs_they_name():
+  config = small_config(model={"num_layers": 4}, data={"global_batch_size": 16})
+  found = plan.layouts(config, 8)
+  piped = {(l.stage, l.pipeline_microbatches, l.repeats) for l in found if l.stage > 1}
+  # GPipe with one and two microbatches per stage, circular with 2 repeats where 4 layers allow.
+  assert {(2, 2, 1), (2, 4, 1), (2, 2, 2), (4, 4, 1), (4, 8, 1)} <= piped
+  assert not any(l.stage == 8 or (l.stage == 4 and l.repeats > 1) for l in found)  # 4 layers
+  for layout in (l for l in found if l.stage > 1 and l.microbatches == 1 and l.remat == "full"):
+    p = replace(config, **layout.overrides()).plan()
+    assert (p.stages, p.microbatches, p.repeats) == (layout.stage, layout.pipeline_microbatches, layout.repeats)
+    assert p.config.pipeline.schedule == ("circular" if layout.repeats > 1 else "gpipe")
+
+
+def test_across_slices_the_planner_puts_stage_or_data_on_dcn_not_fsdp():
+  config = load_config("llama2-70b", ["data.global_batch_size=256"])
+  p = count_params(abstract_model(config.model)[1])
+  v5p = chip_hardware(CHIPS["v5p"])
+  ranked = plan.rank(config, 64, v5p, p, num_slices=2)
+  assert ranked[0].layout.dcn_axis in ("stage", "data") and ranked[0].layout.num_slices == 2
+  assert {c.layout.dcn_axis for c in ranked} == {"stage", "data", "fsdp"}  # all were candidates
+  # The best pipeline, and the same mesh with fsdp spanning the slices instead: then every
+  # weight gather and gradient reduce-scatter crosses DCN, not just the hand-offs.
+  staged = min((c for c in ranked if c.layout.dcn_axis == "stage"), key=lambda c: c.predicted_s)
+  over_fsdp = dataclasses.replace(staged.layout, dcn_axis="fsdp")
+  assert cost_model.step_seconds(config, over_fsdp, p, v5p) > 1.1 * staged.predicted_s

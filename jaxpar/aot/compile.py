@@ -108,6 +108,10 @@ def build_report(trainer, compiled, oom, chip, topology, num_slices) -> dict:
     "traffic": {"wire_bytes": measured, "wire_bytes_as_written": as_written,
                 "minimum": minimum,
                 "ratio": measured / minimum["total"] if minimum["total"] else None},
+    # Across slices: what the collectives whose groups span slices send, beside what the
+    # layout must send there (traffic.minimum_dcn_bytes).
+    "dcn": {"wire_bytes": sum(r["wire_bytes"] for r in rows if r["dcn"]),
+            "minimum": traffic.minimum_dcn_bytes(cfg, mesh, trainer.rules)} if num_slices > 1 else None,
     "compiled_flops_per_step": est.flops * mesh.size,
     "estimate": {"step_s": est.step_s, "overlapped_s": est.overlapped_s, "ops_s": est.ops_s,
                  "ici_s": est.ici_s, "dcn_s": est.dcn_s, "hbm_traffic_bytes": est.bytes,

@@ -1,14 +1,16 @@
 """The planner's analytic model: per-device memory and step time of a candidate layout,
 from the config alone (no tracing), to prune before anything is compiled.
 
-Per device, with P params, L layers, t = tensor, f = fsdp x expert x context (the devices
-FSDP presets split parameters over), d = data, x = context, e = expert, m = microbatches,
-T = tokens per device per microbatch, c = compute-dtype bytes, p = param-dtype bytes:
+Per device, with P params, L layers, t = tensor, f = fsdp x expert x context x stage (the
+devices FSDP presets split parameters over; a pipeline splits the layers over `stage` and the
+rest as FSDP), d = data, x = context, e = expert, m = microbatches, T = tokens per device per
+microbatch, c = compute-dtype bytes, p = param-dtype bytes; with a pipeline of S stages, R
+repeats and M pipeline microbatches, I = M R + S - 1 iterations, b = (S - 1) / I its bubble:
 
   state      = P x p x 3 / (f t)              params + Adam m, v (split over fsdp x tensor)
   grads      = P x p / (f t)                  accumulated gradients
   gathered   = 2 x P/L x c / t (if f > 1)     one layer's weights all-gathered, double-buffered
-  saved      = L x T x c x k_remat            residuals kept for the backward pass:
+  saved      = L/S x T x c x k_remat          residuals kept for the backward pass:
                full: E; save_dots: (H+2K)D/t + 2F/t + 2E; none: twice save_dots;
                per-name policies: the names saved in HBM (offloaded ones live on the host)
   working    = T x c x (4E + 3F/t + 2(H+2K)D/t) + 2 T x V/t x c   one layer; logits and their
@@ -18,8 +20,9 @@ T = tokens per device per microbatch, c = compute-dtype bytes, p = param-dtype b
   15.4 compiled; llama2-70b on v5p-512 33.4 vs 39.9. Rough (+-40%): it only prunes; the
   compile of the survivors decides.
 
-  compute    = model FLOPs x remat factor / (devices x peak); the factor is 4/3 when the
-               forward runs again in the backward pass (full, per-name policies), else 1
+  compute    = model FLOPs x remat factor / (devices x peak) / (1 - b); the factor is 4/3
+               when the forward runs again in the backward pass (full, per-name policies),
+               else 1; the bubble's share of the iterations idles
   comm bytes = FSDP: 3 m x P c/t x (f-1)/f (gather fwd + bwd, reduce-scatter grads)
              + DP:   2 x P p/(f t) x (d-1)/d (all-reduce of grads)
              + TP:   (4 or 6 with full remat) x L x m x 2 T E c x (t-1)/t (activation all-reduces)
@@ -27,7 +30,12 @@ T = tokens per device per microbatch, c = compute-dtype bytes, p = param-dtype b
                      their gradients reduce-scattered backward)
              + EP:   4 x L_moe x m x T k E c x (e-1)/e (tokens to and from their experts'
                      devices, forward and backward; k experts per token)
-  TPU step   = compute + comm / ICI bandwidth + 2 state / HBM bandwidth
+             + PP:   2 x m x I x T/M E c (stage hand-offs, forward and backward); a stage's
+                     FSDP gathers repeat every iteration (I/M per microbatch, of P/S)
+  DCN bytes  = across slices, the part of the above on the axis that spans them: stage
+               (the hand-offs), data (the gradient all-reduce) or fsdp (every gather and
+               reduce-scatter, k - 1 shards each)
+  TPU step   = compute + comm / ICI bandwidth + DCN bytes / DCN bandwidth + 2 state / HBM bandwidth
   CPU step   = compute / host peak + devices x (comm + 2 state) / copy bandwidth: simulated
                devices share the host's cores and memory, so nothing overlaps.
 """
@@ -66,6 +74,7 @@ class Hardware:
   hbm_bandwidth: float
   link_bandwidth: float
   shared_host: bool  # CPU: devices share the cores; nothing overlaps
+  dcn_bandwidth: float | None = None  # per device across slices (multi-slice TPU)
 
 
 @dataclass(frozen=True)
@@ -77,10 +86,24 @@ class Layout:
   microbatches: int
   context: int = 1
   expert: int = 1
+  stage: int = 1
+  pipeline_microbatches: int = 1  # M, per train microbatch (1 without a pipeline)
+  repeats: int = 1  # R: circular when > 1
+  num_slices: int = 1
+  dcn_axis: str = "data"  # the axis spanning the slices (with num_slices > 1)
 
   @property
   def devices(self) -> int:
-    return self.data * self.fsdp * self.context * self.expert * self.tensor
+    return self.data * self.stage * self.fsdp * self.context * self.expert * self.tensor
+
+  @property
+  def iterations(self) -> int:
+    """Pipeline iterations per train microbatch (M R + S - 1; 1 without a pipeline)."""
+    return self.pipeline_microbatches * self.repeats + self.stage - 1 if self.stage > 1 else 1
+
+  @property
+  def bubble(self) -> float:
+    return (self.stage - 1) / self.iterations
 
   @property
   def batch_shards(self) -> int:
@@ -88,19 +111,30 @@ class Layout:
 
   @property
   def state_shards(self) -> int:
-    """Devices the FSDP presets split each parameter's `embed` over."""
-    return self.fsdp * self.expert * self.context
+    """Devices the FSDP presets split each parameter's `embed` over (a pipeline's layers
+    over `stage`, the rest as FSDP over it)."""
+    return self.fsdp * self.expert * self.context * self.stage
 
   def overrides(self) -> dict:
     """The config sections this layout sets (the rules stay the config's)."""
-    return {"mesh": {"data": self.data, "fsdp": self.fsdp, "context": self.context, "expert": self.expert,
-                     "tensor": self.tensor, "num_slices": 1},
+    schedule = "circular" if self.repeats > 1 else "gpipe"
+    pipeline = ({"schedule": schedule, "repeats": self.repeats, "microbatches": self.pipeline_microbatches}
+                if self.stage > 1 else {"schedule": "gpipe", "repeats": 1, "microbatches": None})
+    return {"mesh": {"data": self.data, "stage": self.stage, "fsdp": self.fsdp, "context": self.context,
+                     "expert": self.expert, "tensor": self.tensor, "num_slices": self.num_slices,
+                     "dcn_axis": self.dcn_axis},
+            "parallel": {"pipeline": pipeline},
             "model": {"remat": self.remat}, "train": {"microbatches": self.microbatches}}
 
   def __str__(self):
     extra = "".join(f" {a}={getattr(self, a)}" for a in ("context", "expert") if getattr(self, a) > 1)
-    return (f"data={self.data} fsdp={self.fsdp}{extra} tensor={self.tensor} remat={self.remat} "
-            f"microbatches={self.microbatches}")
+    stage = ""
+    if self.stage > 1:
+      stage = f"stage={self.stage} (M={self.pipeline_microbatches}" + \
+          (f" R={self.repeats}" if self.repeats > 1 else "") + ") "
+    slices = f" {self.dcn_axis} over {self.num_slices} slices" if self.num_slices > 1 else ""
+    return (f"data={self.data} {stage}fsdp={self.fsdp}{extra} tensor={self.tensor} remat={self.remat} "
+            f"microbatches={self.microbatches}{slices}")
 
 
 def tokens_per_device(config, layout: Layout) -> int:
@@ -118,7 +152,7 @@ def memory_bytes(config, layout: Layout, num_params: int) -> float:
   state = num_params * p * 3 / (f * t)
   grads = num_params * p / (f * t)
   gathered = 2 * num_params / m.num_layers * c / t if f > 1 else 0.0
-  saved = m.num_layers * tokens * c * saved_per_token(m, layout.remat, t)
+  saved = m.num_layers / layout.stage * tokens * c * saved_per_token(m, layout.remat, t)
   working = (tokens * c * (4 * m.embed_dim + 3 * m.mlp_dim / t + 2 * qkv)
              + 2 * tokens * m.vocab_size / t * c)
   return state + grads + gathered + saved + working
@@ -131,10 +165,15 @@ def step_seconds(config, layout: Layout, num_params: int, hw: Hardware) -> float
   devices = layout.devices
   p, c = _BYTES[m.param_dtype], _BYTES[m.compute_dtype]
   flops = train_flops_per_token(m, d.seq_len) * d.global_batch_size * d.seq_len
-  flops *= remat_factor(layout.remat)
+  flops *= remat_factor(layout.remat) / (1 - layout.bubble)
   tokens = tokens_per_device(config, layout)
-  comm = 3 * mb * num_params * c / t * (f - 1) / f
-  comm += 2 * num_params * p / (f * t) * (dp - 1) / dp
+  S, M, fsdp = layout.stage, layout.pipeline_microbatches, f // layout.stage
+  # A stage gathers its P/S weights every iteration; unpipelined, every microbatch.
+  gathers = mb * layout.iterations / M if S > 1 else mb
+  fsdp_comm = 3 * gathers * num_params / S * c / t * (fsdp - 1) / fsdp
+  data_comm = 2 * num_params * p / (f * t) * (dp - 1) / dp
+  hand_offs = 2 * mb * layout.iterations * tokens / M * m.embed_dim * c if S > 1 else 0.0
+  comm = fsdp_comm + data_comm + hand_offs
   comm += (6 if layout.remat == "full" else 4) * m.num_layers * mb * 2 * tokens * m.embed_dim * c \
       * (t - 1) / t
   comm += 2 * m.num_layers * mb * 2 * tokens * m.num_kv_heads * m.head_dim * c / t * (x - 1)
@@ -145,5 +184,10 @@ def step_seconds(config, layout: Layout, num_params: int, hw: Hardware) -> float
   state = num_params * p * 3 / (f * t)
   if hw.shared_host:
     return flops / hw.peak_flops + devices * (comm + 2 * state) / hw.link_bandwidth
-  return (flops / (devices * hw.peak_flops) + comm / hw.link_bandwidth
-          + 2 * state / hw.hbm_bandwidth)
+  dcn = 0.0
+  if layout.num_slices > 1:
+    k = layout.num_slices
+    dcn = {"stage": hand_offs, "data": data_comm * (k - 1) / (dp - 1) if dp > 1 else 0.0,
+           "fsdp": fsdp_comm * (k - 1) / (fsdp - 1) if fsdp > 1 else 0.0}[layout.dcn_axis]
+  return (flops / (devices * hw.peak_flops) + (comm - dcn) / hw.link_bandwidth
+          + dcn / (hw.dcn_bandwidth or hw.link_bandwidth) + 2 * state / hw.hbm_bandwidth)

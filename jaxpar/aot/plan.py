@@ -1,12 +1,16 @@
 """`jaxpar plan`: enumerate meshes over the axes the parallel plan says this model can use
-(data, fsdp, tensor; context where attention splits; expert for MoE layers), remat policies
+(data, fsdp, tensor; stage, with its pipeline microbatches, repeats and schedule, where the
+layers are stacked; context where attention splits; expert for MoE layers), remat policies
 and microbatch counts; prune with the analytic model (cost_model.py), compile the best K,
 rank what compiled. A candidate is kept only if the plan's own checks accept it.
 
 On a TPU topology the ranking uses the compiled program (HBM fit + roofline.py); on this
 host's devices (simulated CPU devices) it can also run the candidates and rank by measured
 step time, reporting how well the prediction ordered them (Spearman rank correlation).
-Single slice only: multi-slice layouts are checked with `jaxpar compile --num-slices`.
+With several slices (`--num-slices`) each layout also names the axis that spans them
+(stage, data or fsdp, whichever divides); the analytic model charges what crosses the slow
+network at DCN bandwidth, so stage (hand-offs only) or data (one gradient all-reduce) over
+DCN ranks ahead of FSDP over DCN, and the compiled candidates are multi-slice programs.
 """
 
 import itertools
@@ -27,13 +31,14 @@ from jaxpar.aot.xla_log import drop_xla_lines
 from jaxpar.config import replace, to_yaml
 from jaxpar.errors import ConfigError, UserError
 from jaxpar.mesh import AXES, resolve_axis_sizes, resolve_rules
-from jaxpar.parallel import ParallelPlan
+from jaxpar.parallel import ParallelPlan, PipelineConfig
 from jaxpar.runtime import abstract_model, count_params
 from jaxpar.train.flops import measure_matmul_flops
 from jaxpar.train.trainer import Trainer
 
 REMATS = ("none", "save_dots", "full")
 MICROBATCHES = (1, 2, 4, 8)
+DCN_AXES = ("stage", "data", "fsdp")
 FIT_MARGIN = 0.9  # the analytic memory is rough: keep candidates within 90% of HBM
 
 
@@ -52,36 +57,56 @@ def layout_axes(config) -> tuple[str, ...]:
   model that the config's rules use."""
   plan = config.plan()
   used = {axis for _, axes in plan.rules(resolve_rules(config.mesh.rules)) for axis in axes}
+  used.add("stage")  # the pipeline's, whatever the rules say
   return tuple(a for a in plan.layout_axes(config.model, config.data.seq_len) if a in used)
 
 
-def layouts(config, num_devices: int) -> list[Layout]:
-  """Every split of num_devices over `layout_axes` (x remat x microbatches) that the parallel
-  plan's checks accept; tensor sizes that do not divide the kv heads are left out (they
-  would replicate the keys and values)."""
+def pipelines(stages: int) -> list[PipelineConfig]:
+  """The pipeline choices tried for `stages`: GPipe with one and two microbatches per stage,
+  and circular with two repeats (half the bubble of the first, more hand-offs)."""
+  if stages == 1:
+    return [PipelineConfig()]
+  return [PipelineConfig(microbatches=stages), PipelineConfig(microbatches=2 * stages),
+          PipelineConfig(schedule="circular", repeats=2, microbatches=stages)]
+
+
+def layouts(config, num_devices: int, num_slices: int = 1) -> list[Layout]:
+  """Every split of num_devices over `layout_axes` (x pipeline choices x remat x microbatches,
+  x the axis spanning the slices when there are several) that the parallel plan's checks
+  accept; tensor sizes that do not divide the kv heads are left out (they would replicate
+  the keys and values)."""
   m = config.model
   axes = layout_axes(config)
-  rules = config.plan().rules(resolve_rules(config.mesh.rules))
   found = []
   for split in _factorizations(num_devices, len(axes)):
     sizes = {**dict.fromkeys(AXES, 1), **dict(zip(axes, split))}
     if m.num_kv_heads % sizes["tensor"]:
       continue
-    for remat, micro in itertools.product(REMATS, MICROBATCHES):
-      train = config.train.model_copy(update={"microbatches": micro})
-      try:
-        ParallelPlan(sizes, config.parallel).check_training(m, config.data, train, rules)
-      except ConfigError:
-        continue
-      found.append(Layout(sizes["data"], sizes["fsdp"], sizes["tensor"], remat, micro,
-                          context=sizes["context"], expert=sizes["expert"]))
+    dcn_axes = [a for a in DCN_AXES if sizes[a] % num_slices == 0] if num_slices > 1 else ["data"]
+    for pipeline in pipelines(sizes["stage"]):
+      parallel = config.parallel.model_copy(update={"pipeline": pipeline})
+      plan = ParallelPlan(sizes, parallel)
+      rules = plan.rules(resolve_rules(config.mesh.rules))
+      for remat, micro in itertools.product(REMATS, MICROBATCHES):
+        train = config.train.model_copy(update={"microbatches": micro})
+        try:
+          plan.check_training(m, config.data, train, rules)
+        except ConfigError:
+          continue
+        found += [Layout(sizes["data"], sizes["fsdp"], sizes["tensor"], remat, micro, context=sizes["context"],
+                         expert=sizes["expert"], stage=sizes["stage"], pipeline_microbatches=plan.microbatches,
+                         repeats=plan.repeats, num_slices=num_slices, dcn_axis=dcn)
+                  for dcn in dcn_axes]
   return found
 
 
-def default_layout(config, num_devices: int) -> Layout:
+def default_layout(config, num_devices: int, num_slices: int = 1) -> Layout:
   sizes = resolve_axis_sizes(config.mesh.axis_sizes(), num_devices)
+  plan = ParallelPlan(sizes, config.parallel)
   return Layout(sizes["data"], sizes["fsdp"], sizes["tensor"], config.model.remat,
-                config.train.microbatches, context=sizes["context"], expert=sizes["expert"])
+                config.train.microbatches, context=sizes["context"], expert=sizes["expert"],
+                stage=sizes["stage"], pipeline_microbatches=plan.microbatches, repeats=plan.repeats,
+                num_slices=num_slices, dcn_axis=config.mesh.dcn_axis if num_slices > 1 else "data")
 
 
 def host_hardware(config) -> Hardware:
@@ -97,15 +122,15 @@ def host_hardware(config) -> Hardware:
 
 def chip_hardware(chip) -> Hardware:
   return Hardware(chip.name, chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth,
-                  chip.ici_bandwidth, shared_host=False)
+                  chip.ici_bandwidth, shared_host=False, dcn_bandwidth=chip.dcn_bandwidth)
 
 
-def rank(config, num_devices: int, hw: Hardware, num_params: int) -> list[Candidate]:
+def rank(config, num_devices: int, hw: Hardware, num_params: int, num_slices: int = 1) -> list[Candidate]:
   """All layouts that the analytic model says fit, fastest predicted first; the config's
   own layout is always kept (marked default) so the winner can be compared with it."""
-  default = default_layout(config, num_devices)
+  default = default_layout(config, num_devices, num_slices)
   candidates = []
-  for layout in layouts(config, num_devices):
+  for layout in layouts(config, num_devices, num_slices):
     memory = cost_model.memory_bytes(config, layout, num_params)
     if hw.hbm_bytes is not None and memory > FIT_MARGIN * hw.hbm_bytes and layout != default:
       continue
@@ -143,22 +168,25 @@ def spearman(a, b) -> float:
 
 
 def plan(config, topology: str | None = None, top: int = 3, measure: bool = False, echo=print,
-         phase=silent):
+         phase=silent, num_slices: int = 1):
   """(candidates that compiled and fit, best first; all compiled candidates; the winner as a
   config; Spearman rho of predicted vs measured step times, or None without `measure`).
   `phase` (phases.py) shows which candidate is compiling."""
   if measure and topology:
     raise UserError("--measure runs candidates on this host: drop --topology to plan for it")
+  if num_slices > 1 and not topology:
+    raise UserError(f"--num-slices {num_slices} plans for TPU slices joined over DCN: add --topology")
   if topology:
-    chip, devices = topology_devices(topology)
+    chip, devices = topology_devices(topology, num_slices)
     hw = chip_hardware(chip)
   else:
     chip, devices = None, jax.devices()
     hw = host_hardware(config)
   num_params = count_params(abstract_model(config.model)[1])
-  ranked = rank(config, len(devices), hw, num_params)
-  echo(f"{len(layouts(config, len(devices)))} layouts, {len(ranked)} kept by the analytic model "
-       f"on {len(devices)} {hw.name} devices; compiling the best {top}"
+  ranked = rank(config, len(devices), hw, num_params, num_slices)
+  slices = f" in {num_slices} slices" if num_slices > 1 else ""
+  echo(f"{len(layouts(config, len(devices), num_slices))} layouts, {len(ranked)} kept by the analytic model "
+       f"on {len(devices)} {hw.name} devices{slices}; compiling the best {top}"
        f"{f' and {top} spread over the rest' if measure else ''} (and the config's own)")
   chosen = ranked[:top]
   if measure:  # also sample the rest of the ranking: near-ties alone say little about order
@@ -188,7 +216,7 @@ def _compile_one(config, candidate, devices, chip, topology, measure):
     return
   compiled, oom = compile_step(trainer)
   if chip is not None:
-    report = build_report(trainer, compiled, oom, chip, topology, 1)
+    report = build_report(trainer, compiled, oom, chip, topology, candidate.layout.num_slices)
     candidate.compiled = {"fits": report["fits"],
                           "bytes": report.get("memory", {}).get("total"),
                           "estimate_s": report.get("estimate", {}).get("step_s"),
@@ -202,13 +230,13 @@ def _compile_one(config, candidate, devices, chip, topology, measure):
 
 
 def format_table(candidates) -> str:
-  lines = [f"{'#':>2} {'layout':<58} {'pred s':>9} {'pred GiB':>9} {'comp GiB':>9} "
+  lines = [f"{'#':>2} {'layout':<86} {'pred s':>9} {'pred GiB':>9} {'comp GiB':>9} "
            f"{'est s':>8} {'est MFU':>8} {'meas s':>8}  collectives"]
   for i, c in enumerate(candidates, 1):
     k = c.compiled
     colls = ", ".join(f"{r['kind']}x{r['count']}" for r in k.get("collectives", [])[:3])
     fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
-    lines.append(f"{i:>2} {str(c.layout) + (' (config)' if c.is_default else ''):<58} "
+    lines.append(f"{i:>2} {str(c.layout) + (' (config)' if c.is_default else ''):<86} "
                  f"{c.predicted_s:>9.3g} {c.predicted_bytes / 2 ** 30:>9.3f} "
                  f"{fmt(k.get('bytes') and k['bytes'] / 2 ** 30, '9.3f'):>9} "
                  f"{fmt(k.get('estimate_s'), '8.3g'):>8} "
@@ -217,8 +245,9 @@ def format_table(candidates) -> str:
   return "\n".join(lines)
 
 
-def run_plan(config, topology=None, top=3, measure=False, output="plan.yaml", echo=print, phase=silent):
-  ok, chosen, winner, rho = plan(config, topology, top, measure, echo, phase)
+def run_plan(config, topology=None, top=3, measure=False, output="plan.yaml", echo=print, phase=silent,
+             num_slices=1):
+  ok, chosen, winner, rho = plan(config, topology, top, measure, echo, phase, num_slices)
   echo(format_table(ok))
   failed = [c for c in chosen if not c.compiled.get("fits")]
   for c in failed:

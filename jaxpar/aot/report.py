@@ -55,6 +55,15 @@ def traffic_line(t: dict) -> str:
   return line + (f" ({ratio:.2f}x)" if ratio >= 1 else " (at or below it: the estimate is conservative here)")
 
 
+def dcn_line(dcn: dict, axis: str) -> str:
+  """DCN bytes measured against the layout's minimum across slices, part by part."""
+  minimum = dcn["minimum"]
+  parts = ", ".join(f"{name} {gib(v)}" for name, v in minimum.items() if name != "total")
+  ratio = f" ({dcn['wire_bytes'] / minimum['total']:.2f}x)" if minimum["total"] else ""
+  return (f"across slices (DCN, '{axis}' spanning them) per device per step: {gib(dcn['wire_bytes'])}; "
+          f"this layout's minimum {gib(minimum['total'])}{ratio} = {parts}")
+
+
 def format_report(r: dict) -> str:
   mesh = " x ".join(f"{a}={s}" for a, s in r["mesh"].items()) or "single device"
   slices = f", {r['num_slices']} slices over DCN axis '{r['dcn_axis']}'" if r["dcn_axis"] else ""
@@ -87,6 +96,7 @@ def format_report(r: dict) -> str:
             f"all overlap) -> estimated MFU {100 * e['mfu']:.1f}% (a roofline estimate from the compiled "
             f"program, not a measurement){compiler}",
             traffic_line(t),
+            *([dcn_line(r["dcn"], r["dcn_axis"])] if r.get("dcn") else []),
             "collectives per step (loop trips counted), per device:",
             f"  {'kind':<20} {'link':<4} {'count':>6} {'bytes':>12} {'on wire':>12}"]
   for c in r["collectives"]:

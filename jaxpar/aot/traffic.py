@@ -21,6 +21,20 @@ S bytes over n devices sends S (n-1)/n, an all-reduce twice that), for m microba
 
 Shapes come from the abstract model and the config's rules (mesh/sharding.py), so every
 parameter is counted in the layout it really has.
+
+Across slices (`minimum_dcn_bytes`) only what must cross the data-center network counts,
+with hierarchical collectives (reduce inside the slice first, gather across slices first),
+for the axis that spans the slices (mesh.dcn_axis over mesh.num_slices = k):
+
+  data   the weight-gradient shard each device holds after the in-slice reduction,
+         all-reduced across the k slices once per step.
+  fsdp   each FSDP gather and gradient reduce-scatter moves (k - 1) x the device's shard.
+  stage  the hand-offs: every pipeline iteration (T = M x R + S - 1, the bubble's too: in one
+         SPMD program every stage sends every iteration) sends one microbatch's activations
+         on, and its gradient back in the backward pass; the last stage's outputs reach every
+         stage by an all-reduce over `stage` (and its transpose); the weights outside the
+         stages, split over `stage` as FSDP, are gathered and their gradients reduce-scattered
+         across the slices.
 """
 
 import math
@@ -47,11 +61,7 @@ def minimum_wire_bytes(config, mesh, rules) -> dict[str, float]:
   tokens = d.global_batch_size // micro // batch_split * d.seq_len  # per device per microbatch
   parts = {"weight all-gather": 0.0, "gradient reduce-scatter": 0.0, "gradient all-reduce": 0.0,
            "data all-reduce": 0.0, "tensor activations": 0.0}
-  for path, variable in _parameters(m):
-    names = tuple(variable.get_metadata().get("out_sharding") or (None,) * len(variable.shape))
-    spec = logical_to_spec(names, variable.shape, mesh, rules)
-    axes = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
-    local = math.prod(variable.shape) / math.prod(mesh.shape[a] for a in axes)
+  for path, names, axes, local in _placed_parameters(config, mesh, rules):
     if "fsdp" in axes and fsdp > 1:
       gathered = local * fsdp * compute
       table = path[-1] == "embed"
@@ -73,6 +83,49 @@ def minimum_wire_bytes(config, mesh, rules) -> dict[str, float]:
                                            + 2 * 2 * _ring(tokens * 4.0, tensor))
   parts["total"] = sum(parts.values())
   return parts
+
+
+def minimum_dcn_bytes(config, mesh, rules) -> dict[str, float]:
+  """{part: bytes per device per step across slices} and "total", for `config` on `mesh` with
+  mesh.dcn_axis spanning mesh.num_slices slices (see the module docstring); {} on one slice."""
+  slices, axis = config.mesh.num_slices, config.mesh.dcn_axis
+  if slices < 2:
+    return {}
+  m, d, micro = config.model, config.data, config.train.microbatches
+  compute, param_bytes = _BYTES[m.compute_dtype], _BYTES[m.param_dtype]
+  parts = {}
+  if axis == "stage":
+    plan = config.plan()
+    stages, pieces = plan.stages, plan.microbatches
+    iterations = pieces * plan.repeats + stages - 1
+    batch_split = math.prod(mesh.shape[a] for a in dict(rules)["batch"] if a in mesh.shape)
+    positions = d.seq_len // mesh.shape["context"]
+    step_rows = d.global_batch_size // micro // batch_split  # per device per accumulation step
+    activations = step_rows // pieces * positions * m.embed_dim * compute
+    parts["stage hand-offs"] = micro * 2 * iterations * activations
+    parts["stage outputs"] = micro * 2 * 2 * _ring(step_rows * positions * m.embed_dim * compute, stages)
+  weights = 0.0
+  for path, names, axes, local in _placed_parameters(config, mesh, rules):
+    if axis == "data":
+      weights += 2 * _ring(local * param_bytes / (mesh.shape["data"] // slices), slices)
+    elif axis in axes and not (axis == "stage" and path[0] == "layers"):
+      table = path[-1] == "embed"
+      layer_gathers = 1 if m.remat == "none" else 2
+      gathers = layer_gathers * micro if names[0] == "layers" else 2 if table and m.tie_embeddings else 1
+      weights += (gathers + micro) * local * compute * (slices - 1)
+  parts["gradient all-reduce" if axis == "data" else
+        "weights outside the stages" if axis == "stage" else "fsdp gathers and reduce-scatters"] = weights
+  parts["total"] = sum(parts.values())
+  return parts
+
+
+def _placed_parameters(config, mesh, rules):
+  """(path, logical names, mesh axes it is split over, elements per device) per parameter."""
+  for path, variable in _parameters(config.model):
+    names = tuple(variable.get_metadata().get("out_sharding") or (None,) * len(variable.shape))
+    spec = logical_to_spec(names, variable.shape, mesh, rules)
+    axes = [a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)]
+    yield path, names, axes, math.prod(variable.shape) / math.prod(mesh.shape[a] for a in axes)
 
 
 def _parameters(model_cfg):
