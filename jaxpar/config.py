@@ -321,6 +321,12 @@ def from_dict(tree: dict, *, check_paths: bool = True) -> Config:
     raise ConfigError(_describe(e)) from None
 
 
+def load_config_args(args: list[str]) -> Config:
+  """A command line's `[CONFIG] [key=value ...]`: the config named first (if any) with the overrides."""
+  path = args[0] if args and "=" not in args[0] else None
+  return load_config(path, args[1 if path else 0:])
+
+
 def load_config(path: str | None = None, overrides=()) -> Config:
   """Load a YAML experiment (default: the shipped `tiny`), apply `key=value` overrides."""
   file = resolve_config_path(path)

@@ -27,7 +27,7 @@ from jaxpar.inference import processing
 from jaxpar.inference.pages import PagePool, page_table_rows, table_widths
 from jaxpar.inference.prefix_cache import PrefixSharing
 from jaxpar.inference.programs import Programs, program_key
-from jaxpar.inference.requests import Completion, Request, TokenEvent
+from jaxpar.inference.requests import Completion, Request, TokenEvent, check_tokens
 from jaxpar.inference.sampling import GREEDY, RequestError, SamplingParams, row_arrays
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import caches, kv_cache, kv_reach, local_window
@@ -165,21 +165,11 @@ class Engine:
     if adapter is not None and adapter not in self.adapters:
       raise RequestError("model", f"no adapter {adapter!r} is served: choose one of {list(self.adapters)} "
                          "or none for the base model")
-    ids = self.encode(prompt)
-    if not ids:
-      raise RequestError("prompt", "the prompt is empty: give at least one token")
-    if len(ids) >= self.max_seq_len:
-      raise RequestError("prompt", f"the prompt has {len(ids)} tokens but the context holds "
-                         f"{self.max_seq_len}: shorten the prompt or raise max_seq_len")
-    vocab = self.runtime.model_config.vocab_size
-    if max(ids) >= vocab or min(ids) < 0:
-      raise RequestError("prompt", f"prompt token ids must be in [0, {vocab}): got {min(ids)}..{max(ids)}")
     stops = sampling.stop_token_ids
     if stops is None:
       stops = () if self.tokenizer is None else (self.tokenizer.eos_id,)
-    for field, tokens in (("stop_token_ids", stops), ("logit_bias", [t for t, _ in sampling.logit_bias])):
-      if any(not 0 <= t < vocab for t in tokens):
-        raise RequestError(field, f"{field}: token ids must be in [0, {vocab})")
+    ids = self.encode(prompt)
+    check_tokens(ids, sampling, stops, self.runtime.model_config.vocab_size, self.max_seq_len)
     request = Request(ids, sampling, tuple(stops), on_event)
     request.adapter = 0 if adapter is None else self.adapters.index(adapter) + 1
     return request

@@ -4,7 +4,7 @@ import dataclasses
 import itertools
 import time
 
-from jaxpar.inference.sampling import SamplingParams
+from jaxpar.inference.sampling import RequestError, SamplingParams
 
 _ids = itertools.count()
 
@@ -36,6 +36,21 @@ class TokenEvent:
   logprob: float | None
   finish_reason: str | None = None
   top_logprobs: list[tuple[int, float]] | None = None
+
+
+def check_tokens(prompt: list[int], sampling: SamplingParams, stops, vocab: int, max_seq_len: int):
+  """A RequestError naming the field when a prompt, its stop tokens or its logit bias cannot
+  be generated from: empty, too long for the context, or ids outside the vocabulary."""
+  if not prompt:
+    raise RequestError("prompt", "the prompt is empty: give at least one token")
+  if len(prompt) >= max_seq_len:
+    raise RequestError("prompt", f"the prompt has {len(prompt)} tokens but the context holds "
+                       f"{max_seq_len}: shorten the prompt or raise max_seq_len")
+  if max(prompt) >= vocab or min(prompt) < 0:
+    raise RequestError("prompt", f"prompt token ids must be in [0, {vocab}): got {min(prompt)}..{max(prompt)}")
+  for field, tokens in (("stop_token_ids", stops), ("logit_bias", [t for t, _ in sampling.logit_bias])):
+    if any(not 0 <= t < vocab for t in tokens):
+      raise RequestError(field, f"{field}: token ids must be in [0, {vocab})")
 
 
 class IncrementalText:

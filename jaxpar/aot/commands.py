@@ -1,0 +1,94 @@
+"""`jaxpar compile` and `jaxpar plan`: compile for a TPU slice on this host (no TPU needed)
+and rank parallel layouts by compiling them (jaxpar/aot/)."""
+
+from rich.console import Console
+
+from jaxpar.cluster import distributed
+from jaxpar.errors import UserError
+
+console = Console(soft_wrap=True)
+
+
+def _compile_on_this_host():
+  """`compile` and `plan --topology` compile for a TPU slice on the CPU backend: never open
+  this host's own TPU (or GPU), which a training job may hold."""
+  import jax
+
+  from jaxpar.host import prepare_topology_compile
+  jax.config.update("jax_platforms", jax.config.jax_platforms or "cpu")
+  prepare_topology_compile()
+
+
+def _cmd_compile(ns):
+  _compile_on_this_host()
+  from jaxpar.aot.compile import compile_for_topology, save
+  from jaxpar.aot.phases import Phases
+  from jaxpar.aot.report import format_report
+  from jaxpar.config import load_config_args
+  config = load_config_args(ns.args)
+  topology = ns.topology or config.mesh.topology
+  if topology is None:
+    raise UserError("no TPU topology: pass --topology (e.g. v6e-256) or set mesh.topology")
+  if ns.inference:
+    from jaxpar.aot.inference import compile_inference, format_inference_report
+    report = compile_inference(config, topology, slots=ns.slots, context=ns.context, page_size=ns.page_size,
+                               chunk=ns.prefill_chunk, num_slices=ns.num_slices or 1, phase=Phases(console))
+    console.print(format_inference_report(report), markup=False, highlight=False)
+    return
+  report, compiled = compile_for_topology(config, topology, ns.num_slices, phase=Phases(console))
+  console.print(format_report(report), markup=False, highlight=False)
+  if ns.save:
+    console.print(f"saved to {save(ns.save, report, compiled)}")
+
+
+def _cmd_plan(ns):
+  if ns.topology:
+    _compile_on_this_host()
+  from jaxpar.aot.phases import Phases
+  from jaxpar.aot.plan import run_plan
+  from jaxpar.config import load_config_args
+  run_plan(load_config_args(ns.args), topology=ns.topology, top=ns.top, measure=ns.measure,
+           output=ns.output, echo=lambda text: console.print(text, markup=False, highlight=False),
+           phase=Phases(console), num_slices=ns.num_slices)
+
+
+def add_parsers(commands):
+  compile_ = commands.add_parser(
+      "compile", help="compile the train step for a TPU topology (no TPU needed)",
+      description="Compile CONFIG's train step for a TPU slice on this host (libtpu, "
+      "JAX_PLATFORMS=cpu): per-device memory against HBM, FITS / DOES NOT FIT, estimated step "
+      "time and MFU, collectives. With --inference: the decode step and a prefill chunk with a KV cache.")
+  compile_.add_argument("args", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
+  compile_.add_argument("--topology", help="TPU slice, e.g. v6e-256 or v5p:4x4x4 "
+                        "(default: the config's mesh.topology)")
+  compile_.add_argument("--num-slices", type=int,
+                        help="slices joined over DCN, the mesh's dcn_axis spanning them "
+                        "(default: mesh.num_slices)")
+  compile_.add_argument("--save", metavar="DIR", help="write report.json, the serialized "
+                        "executable train_step.exe and its HLO here")
+  distributed.add_distributed_args(compile_)
+  inference = compile_.add_argument_group("generation programs (--inference)")
+  inference.add_argument("--inference", action="store_true",
+                         help="compile the decode step and a prefill chunk instead of the train step, "
+                         "with bf16 weights and a paged KV cache")
+  inference.add_argument("--slots", type=int, default=32, help="sequences decoded together (default 32)")
+  inference.add_argument("--context", type=int, default=8192, help="tokens cached per sequence (default 8192)")
+  inference.add_argument("--page-size", type=int, default=128, help="KV cache page size (default 128)")
+  inference.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk length (default 512)")
+  compile_.set_defaults(func=_cmd_compile)
+
+  plan = commands.add_parser(
+      "plan", help="rank mesh / remat / microbatch choices, compile-verified",
+      description="Enumerate data x stage x fsdp x context x expert x tensor meshes (with pipeline "
+      "microbatches, repeats and schedule), remat policies and microbatch counts for CONFIG; prune with an analytic model; compile the best K; write the winner "
+      "as a config you can pass to `jaxpar train`.")
+  plan.add_argument("args", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
+  plan.add_argument("--topology", help="TPU slice (e.g. v5p-128); default: this host's devices")
+  plan.add_argument("--num-slices", type=int, default=1, help="slices of --topology joined over DCN "
+                    "(each layout then names the axis spanning them: stage, data or fsdp)")
+  plan.add_argument("--top", type=int, default=3, help="candidates to compile (default 3)")
+  plan.add_argument("--measure", action="store_true",
+                    help="also run the compiled candidates here (local devices only) and report "
+                    "the rank correlation of predicted and measured step times")
+  plan.add_argument("--output", default="plan.yaml", help="where to write the winning config")
+  plan.set_defaults(func=_cmd_plan)
