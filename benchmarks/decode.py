@@ -74,12 +74,12 @@ def roomy_engine(model_cfg, batch, prompt, new, repeats, max_seq_len=2048):
   roomy = model_cfg.model_copy(update={"max_seq_len": max_seq_len})  # rope: the same weights
   engine = engine_for(roomy, batch, prompt, max_seq_len - prompt - 8)
   run = lambda n: engine.generate(prompts, SamplingParams(max_tokens=n, stop_token_ids=()))  # noqa: E731
-  rates = {}
-  for label, widths in (("narrower tables", engine.step_widths), ("full table", engine.step_widths[-1:])):
+  rates, compiled = {}, engine.step_widths
+  for label, widths in (("narrower tables", compiled), ("full table", compiled[-1:])):
     engine.step_widths = widths
     first, all_ = best(lambda: run(1), repeats), best(lambda: run(new), repeats)
     rates[label] = batch * (new - 1) / (all_ - first)
-  return engine.step_widths, rates
+  return compiled, rates
 
 
 def continuous_batching(model_cfg, requests=48, slots=8, seed=0):
