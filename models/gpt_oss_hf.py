@@ -5,6 +5,8 @@ even columns and up in the odd ones (the `even_columns` / `odd_columns` layouts 
 jaxpar/convert/hf.py), `down_proj` [experts, mlp, embed] as ours, each with a bias; the
 router is a biased linear layer."""
 
+import functools
+
 from jaxpar.errors import ConfigError
 from jaxpar.models import llama_hf
 from jaxpar.models.registry import HFMapping, get_family
@@ -36,25 +38,27 @@ def config_from_hf(hf: dict):
              expert_mlp_dim=hf["intermediate_size"], balance_loss=hf.get("router_aux_loss_coef", 0.001),
              swiglu_limit=hf.get("swiglu_limit", 7.0), swiglu_alpha=hf.get("swiglu_alpha", 1.702))
   return get_family("gpt_oss").config(
-      max_seq_len=hf["max_position_embeddings"], layer_pattern=pattern, vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"], num_layers=layers, num_heads=heads,
+      max_seq_len=hf["max_position_embeddings"], layer_pattern=pattern, vocab_size=hf["vocab_size"],
+      embed_dim=hf["hidden_size"], num_layers=layers, num_heads=heads,
       num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
       mlp_dim=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling, norm_eps=hf["rms_norm_eps"],
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), moe=moe)
 
 
+# What GptOss always has: the model section's values it needs.
+_EXPORTABLE = {"moe.router": "softmax", "moe.normalize_weights": True, "moe.router_bias": True,
+               "moe.expert_bias": True, "moe.activation": "clamped_swiglu", "moe.shared_mlp_dim": 0,
+               "moe.routed_scale": 1.0, "moe.num_groups": 1, "first_dense_layers": 0, "attention_block": "gqa",
+               "attention_bias": True, "attention_out_bias": True, "attention_sinks": True, "qk_norm": False}
+
+
 def config_to_hf(cfg, dtype: str) -> dict:
   """GptOss's config.json; a one-line ConfigError for what it cannot say."""
   m = cfg.moe
-  problems = {"model.moe.router": (m.router, "softmax"), "model.moe.normalize_weights": (m.normalize_weights, True),
-              "model.moe.router_bias": (m.router_bias, True), "model.moe.expert_bias": (m.expert_bias, True),
-              "model.moe.activation": (m.activation, "clamped_swiglu"), "model.moe.shared_mlp_dim": (m.shared_mlp_dim, 0),
-              "model.moe.routed_scale": (m.routed_scale, 1.0), "model.moe.num_groups": (m.num_groups, 1),
-              "model.first_dense_layers": (cfg.first_dense_layers, 0), "model.attention_block": (cfg.attention_block, "gqa"),
-              "model.attention_bias": (cfg.attention_bias, True), "model.attention_out_bias": (cfg.attention_out_bias, True),
-              "model.attention_sinks": (cfg.attention_sinks, True), "model.qk_norm": (cfg.qk_norm, False)}
-  for key, (value, needed) in problems.items():
+  for key, needed in _EXPORTABLE.items():
+    value = functools.reduce(getattr, key.split("."), cfg)
     if value != needed:
-      raise ConfigError(f"{key}={value!r} has no Hugging Face gpt_oss equivalent (it needs {needed!r})")
+      raise ConfigError(f"model.{key}={value!r} has no Hugging Face gpt_oss equivalent (it needs {needed!r})")
   windows = llama_hf.windows_to_hf(cfg, "gpt_oss")
   scaling = cfg.rope_scaling and llama_hf.rope_scaling_to_hf(cfg.rope_scaling)
   return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": cfg.vocab_size,

@@ -66,3 +66,18 @@ def test_gpt_oss_20b_has_the_real_models_parameters_and_counts_active_experts():
   every_expert = model.model_copy(update={"moe": model.moe.model_copy(update={"experts_per_token": 32})})
   idle = 6 * model.num_layers * 28 * 3 * model.embed_dim * model.moe.expert_mlp_dim
   assert flops(every_expert, 4096) - flops(model, 4096) == idle
+
+
+def test_what_gpt_oss_cannot_say_is_a_one_line_error():
+  from jaxpar.config import from_dict
+  from jaxpar.convert.hf import hf_config_from_model, model_config_from_hf
+  from jaxpar.errors import ConfigError
+  model = from_dict({"model": {"family": "gpt_oss", "moe": {"num_experts": 4, "expert_bias": False}}}).model
+  assert model.moe.router_bias and model.moe.activation == "clamped_swiglu"  # the family's defaults stay
+  with pytest.raises(ConfigError, match=r"model.moe.expert_bias=False has no Hugging Face gpt_oss equivalent"):
+    hf_config_from_model(model, "float32")
+  two_windows = {"family": "gpt_oss", "layer_pattern": [{"sliding_window": 8}, {"sliding_window": 16}]}
+  with pytest.raises(ConfigError, match="takes one sliding_window"):
+    hf_config_from_model(from_dict({"model": two_windows}).model, "float32")
+  with pytest.raises(ConfigError, match="hidden_act='gelu'"):
+    model_config_from_hf({**transformers.GptOssConfig(**HF_SHAPES).to_dict(), "hidden_act": "gelu"})
