@@ -225,7 +225,8 @@ class Engine:
     those wholly before the window of its next query (at position `request.cached`)."""
     if self.reach is not None:
       self.pool.release_before(request.pages, request.cached - self.reach + 1)
-    return self.pool.grow(request.pages, tokens)
+    expected = min(len(request.prompt) + request.sampling.max_tokens, self.max_seq_len)
+    return self.pool.grow(request.pages, tokens, extent=self.pool.pages_for(expected))
 
   def _reserve(self, request: Request, tokens: int):
     """Pages for `tokens` positions of `request`, preempting the newest other requests."""

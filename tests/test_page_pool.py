@@ -1,0 +1,59 @@
+"""The page pool keeps each sequence's pages consecutive where it can (CPU decode gathers
+them faster), without that ever costing capacity."""
+
+from jaxpar.inference.pages import RELEASED, PagePool
+
+
+def test_sequences_growing_in_lockstep_keep_consecutive_pages():
+  pool = PagePool(num_pages=40, page_size=4)
+  rows = [[] for _ in range(4)]
+  for row in rows:  # prompts of 2 pages each, expecting 10 pages in all
+    assert pool.grow(row, 8, extent=10)
+  for tokens in range(9, 41):  # then one token at a time, all rows in turn
+    for row in rows:
+      assert pool.grow(row, tokens, extent=10)
+  for row in rows:
+    assert row == list(range(row[0], row[0] + 10)), row
+  assert sorted(p for row in rows for p in row) == list(range(40))
+
+
+def test_without_an_extent_pages_interleave():
+  """What the claims prevent: rows that take pages in turn get every fourth page."""
+  pool = PagePool(num_pages=16, page_size=4)
+  rows = [[] for _ in range(4)]
+  for tokens in range(1, 17, 4):
+    for row in rows:
+      pool.grow(row, tokens)
+  assert rows[0] == [0, 4, 8, 12]
+
+
+def test_claimed_pages_are_still_handed_out_when_nothing_else_is_free():
+  pool = PagePool(num_pages=8, page_size=1)
+  first, second = [], []
+  assert pool.grow(first, 1, extent=8)  # claims pages 1..7
+  assert pool.free == 7
+  assert pool.grow(second, 7, extent=7)  # no unclaimed run: takes claimed pages
+  assert pool.free == 0 and not pool.grow(first, 2)
+  pool.release(second)
+  assert pool.free == 7 and pool.grow(first, 8) and first == list(range(8))
+
+
+def test_release_drops_the_claim():
+  pool = PagePool(num_pages=12, page_size=1)
+  a, b = [], []
+  pool.grow(a, 2, extent=6)  # pages 0-1, claims 2-5
+  pool.release(a)
+  pool.grow(b, 1, extent=12)  # the whole pool is one open run again
+  assert b == [0]
+  pool.grow(b, 12, extent=12)
+  assert b == list(range(12))
+
+
+def test_a_sequence_past_its_window_keeps_growing_in_place():
+  pool = PagePool(num_pages=10, page_size=2)
+  row = []
+  pool.grow(row, 6, extent=10)
+  pool.release_before(row, 4)  # pages of positions 0-3 handed back
+  assert row[:2] == [RELEASED, RELEASED]
+  pool.grow(row, 10, extent=10)
+  assert row[2:] == [2, 3, 4]
