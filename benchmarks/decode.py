@@ -1,12 +1,14 @@
 """Decode speed on CPU: jaxpar's engine against Hugging Face `transformers` generate.
 
-    python benchmarks/decode.py [--batches 1 8 32] [--prompt 64] [--new 64] [--repeats 3]
+    python benchmarks/decode.py [--batches 1 8 32] [--prompt 64] [--new 64] [--repeats 3] [--burst 4]
 
 Both run the bench-20m shape (embed 256, 4 layers, 4 heads x 64, MLP 1024, vocab 32000,
 float32) with random weights, greedy, prompts of 64 random tokens, 64 new tokens, on the
 same host in the same run. Both are timed the same way: a call that generates 1 token
 (time to first token) and one that generates all 64; decode tokens/s = batch x 63 /
-(the difference). Best of `--repeats` after a warm-up. Then: the same requests on an engine
+(the difference). Best of `--repeats` after a warm-up. jaxpar runs twice: one decode step
+per call, and `--burst` steps per call (`Engine(decode_burst=K)`: the same tokens, streamed
+K at a time; the first token still comes from a single step). Then: the same requests on an engine
 sized for 2048 positions, with and without narrower page tables; continuous batching under a
 stream of mixed-length requests, and speculative decoding with a small draft model (both
 trained here for a few minutes on the bundled corpus, so that they agree as real ones do).
@@ -39,15 +41,16 @@ def best(fn, repeats):
   return min(times)
 
 
-def engine_for(model_cfg, slots, prompt, new, seed=0):
+def engine_for(model_cfg, slots, prompt, new, seed=0, decode_burst=1):
   runtime = Runtime(model_cfg, MeshConfig(fsdp=1), jax.devices()[:1], seed=seed)
   params, model_state = runtime.init()
   return Engine(runtime, params, ByteTokenizer(), model_state=model_state, slots=slots,
-                max_seq_len=prompt + new + 8, page_size=16, prefill_chunks=(prompt,))
+                max_seq_len=prompt + new + 8, page_size=16, prefill_chunks=(prompt,),
+                decode_burst=decode_burst)
 
 
-def jaxpar_times(model_cfg, batch, prompts, new, repeats):
-  engine = engine_for(model_cfg, batch, len(prompts[0]), new)
+def jaxpar_times(model_cfg, batch, prompts, new, repeats, decode_burst=1):
+  engine = engine_for(model_cfg, batch, len(prompts[0]), new, decode_burst=decode_burst)
   run = lambda n: engine.generate(prompts, SamplingParams(max_tokens=n, stop_token_ids=()))  # noqa: E731
   return best(lambda: run(1), repeats), best(lambda: run(new), repeats)
 
@@ -128,18 +131,22 @@ def main():
   parser.add_argument("--prompt", type=int, default=64)
   parser.add_argument("--new", type=int, default=64)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--burst", type=int, default=4, help="decode steps per call in the burst column")
   args = parser.parse_args()
   model_cfg = load_config("bench-20m").model
   print(f"bench-20m shape, random weights, greedy, prompt {args.prompt}, {args.new} new tokens, "
         f"{os.cpu_count()} cores\n")
-  print(f"{'batch':>5} | {'jaxpar TTFT':>11} {'tok/s':>8} | {'HF TTFT':>9} {'tok/s':>8} | {'TTFT x':>6} {'tok/s x':>7}")
+  burst = f"burst {args.burst}"
+  print(f"{'batch':>5} | {'jaxpar TTFT':>11} {'tok/s':>8} {burst:>9} | {'HF TTFT':>9} {'tok/s':>8} | "
+        f"{'TTFT x':>6} {'tok/s x':>7} {burst + ' x':>9}")
   for batch in args.batches:
     prompts = np.random.default_rng(batch).integers(0, 256, (batch, args.prompt)).tolist()
     j1, jn = jaxpar_times(model_cfg, batch, prompts, args.new, args.repeats)
+    b1, bn = jaxpar_times(model_cfg, batch, prompts, args.new, args.repeats, decode_burst=args.burst)
     h1, hn = hf_times(model_cfg, prompts, args.new, args.repeats)
-    jrate, hrate = batch * (args.new - 1) / (jn - j1), batch * (args.new - 1) / (hn - h1)
-    print(f"{batch:>5} | {j1 * 1e3:>9.1f}ms {jrate:>8,.0f} | {h1 * 1e3:>7.1f}ms {hrate:>8,.0f} | "
-          f"{h1 / j1:>5.2f}x {jrate / hrate:>6.2f}x", flush=True)
+    jrate, brate, hrate = (batch * (args.new - 1) / (n - first) for first, n in ((j1, jn), (b1, bn), (h1, hn)))
+    print(f"{batch:>5} | {j1 * 1e3:>9.1f}ms {jrate:>8,.0f} {brate:>9,.0f} | {h1 * 1e3:>7.1f}ms {hrate:>8,.0f} | "
+          f"{h1 / j1:>5.2f}x {jrate / hrate:>6.2f}x {brate / hrate:>8.2f}x", flush=True)
   widths, rates = roomy_engine(model_cfg, 32, args.prompt, args.new, args.repeats)
   print(f"\nan engine sized for 2048 positions, batch 32, the same requests: "
         + ", ".join(f"{label} {rate:,.0f} tok/s" for label, rate in rates.items())

@@ -39,6 +39,9 @@ def add_engine_args(parser):
   parser.add_argument("--kv-cache", choices=("float", "int8", "int4", "int2"), default="float",
                       help="store the KV cache quantized: int8 per token, or KIVI int4/int2 (keys per "
                       "channel, values per token); each sequence's newest page stays float")
+  parser.add_argument("--decode-burst", type=int, default=1, metavar="K",
+                      help="decode steps per device call while no request needs the host between "
+                      "tokens: fewer round trips, tokens streamed K at a time (default 1)")
 
 
 def add_sampling_args(parser):
@@ -69,7 +72,7 @@ def build_engine(ns, echo=None, **options):
   return Engine.from_checkpoint(ns.checkpoint, mesh=mesh_sizes(ns.mesh) or None, slots=ns.slots,
                                 max_seq_len=ns.max_seq_len, page_size=ns.page_size,
                                 num_pages=ns.num_pages, kv_cache=ns.kv_cache, prefix_caching=ns.prefix_caching,
-                                echo=echo, **options)
+                                decode_burst=ns.decode_burst, echo=echo, **options)
 
 
 def sampling_from(ns, **overrides):

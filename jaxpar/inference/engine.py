@@ -26,7 +26,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.inference import processing
 from jaxpar.inference.pages import PagePool, page_table_rows, table_widths
 from jaxpar.inference.prefix_cache import PrefixSharing
-from jaxpar.inference.programs import Programs, program_key
+from jaxpar.inference.programs import Programs, burst_kind, program_key
 from jaxpar.inference.requests import Completion, Request, TokenEvent, check_tokens
 from jaxpar.inference.sampling import GREEDY, RequestError, SamplingParams, row_arrays
 from jaxpar.mesh import logical_to_sharding
@@ -52,6 +52,9 @@ class Engine:
   prefix_caching: requests share the cache pages of the prompt blocks they have in common
   (`prefix_cache.py`); outputs are the same either way (off where local layers' rings cannot be shared).
   cache_bytes: device bytes of the cache, {"pool": the page pool's, "rings": the local layers'}.
+  decode_burst: decode steps run in one device call (`programs.burst_kind`) while no request
+  waits, prefills, adjusts logits or has yet to stream its first token: the host round trip
+  and dispatch once per K tokens, the same tokens, streamed K at a time.
   adapters: the names of the LoRA adapters stacked in `params` (model.lora.stacked, slots 1..n;
   `adapters.py` builds them); a request names one (`submit(..., adapter=NAME)`) or gets the base.
   """
@@ -60,9 +63,12 @@ class Engine:
                max_seq_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
                prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
                kv_cache: str | None = None, echo=None, compile_extras: bool = False,
-               prefix_caching: bool = True, adapters: tuple[str, ...] = ()):
+               prefix_caching: bool = True, adapters: tuple[str, ...] = (), decode_burst: int = 1):
     cfg = runtime.model_config
     self.adapters = tuple(adapters)  # one name per stacked adapter (adapters.py builds both)
+    if decode_burst < 1:
+      raise ConfigError(f"decode_burst={decode_burst} must be >= 1 (1: one decode step per call)")
+    self.decode_burst = decode_burst
     runtime.plan.check_generation()
     self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
     self.model_state = model_state if model_state is not None else {}
@@ -124,10 +130,11 @@ class Engine:
 
   def _compile_all(self, echo, extras: bool):
     fills = sorted({(rows, c) for c, widest in self.fill_rows.items() for rows in (1, widest)})
-    steps = [("step", len(self.slots), 1, width) for width in self.step_widths]
+    steps = [(kind, len(self.slots), 1, width) for width in self.step_widths
+             for kind in ("step", "burst")[:1 + (self.decode_burst > 1)]]
     shapes = steps + [("fill", rows, c, self.pages_per_seq) for rows, c in fills]
     if extras:
-      shapes += [("step_processed", *step[1:]) for step in steps]
+      shapes += [("step_processed", *step[1:]) for step in steps if step[0] == "step"]
       shapes += [("fill_logprobs", rows, c, self.pages_per_seq) for rows, c in fills]
     started = time.perf_counter()
     for i, (kind, batch, length, width) in enumerate(shapes, 1):
@@ -137,7 +144,8 @@ class Engine:
 
   def _compile(self, kind, batch, length, width):
     extra = {"step_processed": processing.step_processed_kind(self.max_seq_len),
-             "fill_logprobs": processing.FILL_LOGPROBS}.get(kind)
+             "fill_logprobs": processing.FILL_LOGPROBS,
+             "burst": burst_kind(self.decode_burst)}.get(kind)
     self.programs.compile(kind, batch, length, width, program=extra)
 
   def _run(self, kind, *rows):
@@ -287,11 +295,24 @@ class Engine:
     processing.record_prompt_logprobs(group, positions, *outputs[:-1])
     return rows * chunk
 
+  def _burst_length(self) -> int:
+    """Decode steps the next call runs: `decode_burst` when nothing can change between them
+    (no request waiting or prefilling, none that adjusts logits or has yet to stream its
+    first token, each with that many tokens still to go and their pages free), else 1."""
+    steps, running = self.decode_burst, [r for r in self.slots if r is not None]
+    if steps == 1 or self.pending or any(r.prefilling or r.cancelled or r.sampling.processed or not r.generated
+                                         or r.sampling.max_tokens - len(r.generated) < steps
+                                         or r.length + steps - 1 > self.max_seq_len for r in running):
+      return 1
+    need = sum(max(self.pool.pages_for(r.length + steps - 1) - len(r.pages), 0) for r in running)
+    return steps if need <= self.pool.free else 1
+
   def _decode(self) -> list:
+    steps = self._burst_length()
     for request in sorted((r for r in self.slots if r is not None and not r.prefilling),
                           key=lambda r: r.arrival):
       if request in self.slots:  # not preempted by an older request's growth
-        self._reserve(request, request.length)
+        self._reserve(request, request.length + steps - 1)
     rows = [r if r is not None and not r.prefilling else None for r in self.slots]
     tokens = np.zeros((len(rows), 1), np.int32)
     positions = np.full((len(rows), 1), -1, np.int32)
@@ -311,19 +332,24 @@ class Engine:
       top = zip(np.asarray(top_ids).tolist(), np.asarray(top_logprobs).tolist())
       top = [list(zip(ids, lps)) for ids, lps in top]
     else:
-      next_tokens, logprobs, self.cache = self._run("step", tokens, positions, table, slots, settings)
-    next_tokens, logprobs = np.asarray(next_tokens), np.asarray(logprobs)
+      next_tokens, logprobs, self.cache = self._run("step" if steps == 1 else "burst", tokens, positions,
+                                                    table, slots, settings)
+    # [rows, steps]: a burst's later tokens for a request that ended earlier in it are dropped.
+    next_tokens = np.asarray(next_tokens).reshape(len(rows), steps).tolist()
+    logprobs = np.asarray(logprobs).reshape(len(rows), steps).tolist()
     events = []
     for i, request in enumerate(rows):
-      if request is not None:
+      for token, logprob in zip(next_tokens[i], logprobs[i]):
+        if request is None or request.finish_reason is not None:
+          break
         request.cached = request.length
         self.sharing.publish(request)
-        event = request.accept(int(next_tokens[i]), float(logprobs[i]), self.tokenizer.decode,
-                               self.max_seq_len, top[i] if top else None)
+        event = request.accept(token, logprob, self.tokenizer.decode, self.max_seq_len, top[i] if top else None)
         if request.finish_reason is not None:
           self._free(request)
         events.append(self._deliver(request, event))
-    self.stats["decode_steps"] += 1
+    self.stats["decode_steps"] += steps
+    self.stats["decode_bursts"] += steps > 1
     return events
 
   def reset(self) -> list[Request]:

@@ -54,6 +54,22 @@ def settings_struct(batch: int) -> dict:
   return {k: jax.ShapeDtypeStruct((batch,), dtype) for k, dtype in SETTINGS.items()}
 
 
+def burst_kind(steps: int) -> Kind:
+  """`steps` decode steps in one call, each feeding the tokens it samples to the next: one
+  dispatch and one host round trip per burst. Outputs tokens and log-probabilities
+  [batch, steps]; idle rows (position -1) stay idle."""
+  def burst(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings):
+    def one(carry, _):
+      tokens, positions, cache = carry
+      sampled, logprobs, cache = _step(graphdef, kv, params, model_state, cache, tokens, positions,
+                                       page_table, rows, settings)
+      positions = jnp.where(positions >= 0, positions + 1, positions)
+      return (sampled[:, None], positions, cache), (sampled, logprobs)
+    (*_, cache), (sampled, logprobs) = jax.lax.scan(one, (tokens, positions, cache), length=steps)
+    return sampled.T, logprobs.T, cache
+  return Kind(burst, lambda batch, *_: (settings_struct(batch),), ("rows", "rows"))
+
+
 KINDS = {"step": Kind(_step, lambda batch, *_: (settings_struct(batch),), ("rows", "rows")),
          "fill": Kind(_fill)}
 
