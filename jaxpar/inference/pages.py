@@ -27,6 +27,7 @@ class PagePool:
   def __init__(self, num_pages: int, page_size: int):
     self.num_pages, self.page_size = num_pages, page_size
     self._unused = np.ones(num_pages, bool)  # never used, or freed (not cached)
+    self._unused_count = num_pages  # kept, not summed: `free` is asked per row and step
     self._claimed = np.zeros(num_pages, bool)  # unused, but kept for a sequence to grow into
     self.holders = np.zeros(num_pages, np.int32)
     self._page_of: dict[bytes, int] = {}  # block hash -> the page holding that block
@@ -37,7 +38,7 @@ class PagePool:
   @property
   def free(self) -> int:
     """Pages a sequence can take: never used, or cached but held by nobody."""
-    return int(self._unused.sum()) + len(self._idle)
+    return self._unused_count + len(self._idle)
 
   @property
   def cached(self) -> int:
@@ -46,11 +47,12 @@ class PagePool:
   def _take(self, page: int | None = None) -> int:
     """`page` if given (unused), else the lowest unused page nobody has claimed, else the
     lowest unused one, else the least recently used cached page nobody holds."""
-    if page is None and self._unused.any():
+    if page is None and self._unused_count:
       open_ = self._unused & ~self._claimed
       page = int(np.argmax(open_ if open_.any() else self._unused))
     if page is not None:
       self._unused[page] = self._claimed[page] = False
+      self._unused_count -= 1
     else:  # the least recently used cached page nobody holds
       page, _ = self._idle.popitem(last=False)
       del self._page_of[self._hash_of.pop(page)]
@@ -65,6 +67,7 @@ class PagePool:
         self._idle[page] = None  # most recently used last
       else:
         self._unused[page] = True
+        self._unused_count += 1
 
   def share(self, held: list[int], hashes: list[bytes]) -> int:
     """Extend `held` (which ends where hashes[0]'s block starts) with the cached pages of the
