@@ -130,8 +130,8 @@ class Engine:
 
   def _compile_all(self, echo, extras: bool):
     fills = sorted({(rows, c) for c, widest in self.fill_rows.items() for rows in (1, widest)})
-    steps = [(kind, len(self.slots), 1, width) for width in self.step_widths
-             for kind in ("step", "burst")[:1 + (self.decode_burst > 1)]]
+    kinds = ("step", "burst") if self.decode_burst > 1 else ("step",)
+    steps = [(kind, len(self.slots), 1, width) for width in self.step_widths for kind in kinds]
     shapes = steps + [("fill", rows, c, self.pages_per_seq) for rows, c in fills]
     if extras:
       shapes += [("step_processed", *step[1:]) for step in steps if step[0] == "step"]
@@ -349,7 +349,7 @@ class Engine:
           self._free(request)
         events.append(self._deliver(request, event))
     self.stats["decode_steps"] += steps
-    self.stats["decode_bursts"] += steps > 1
+    self.stats["decode_bursts"] += int(steps > 1)
     return events
 
   def reset(self) -> list[Request]:

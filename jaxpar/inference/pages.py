@@ -100,10 +100,9 @@ class PagePool:
     A sequence's pages are kept consecutive where the pool allows: the page after its last
     one when that is unused, else the start of an unclaimed run of unused pages long enough
     for the rest of its `extent` (the most pages it expects to hold), whose rest is then
-    claimed for it. Claims only
-    steer placement: when nothing else is unused, claimed pages are taken too. (Decode
-    attention on CPU gathers every page of every row: at batch 32 a step took 25% longer
-    with each row's pages scattered than consecutive.)"""
+    claimed for it. Claims only steer placement: when nothing else is unused, claimed pages
+    are taken too. (Decode attention on CPU gathers every page of every row: at batch 32 a
+    step took 25% longer with each row's pages scattered than consecutive.)"""
     need = self.pages_for(tokens) - len(held)
     if need > self.free:
       return False

@@ -54,6 +54,11 @@ def settings_struct(batch: int) -> dict:
   return {k: jax.ShapeDtypeStruct((batch,), dtype) for k, dtype in SETTINGS.items()}
 
 
+def settings_extra(batch, *_):
+  """`Kind.extra` of programs that take only the rows' sampling settings."""
+  return (settings_struct(batch),)
+
+
 def burst_kind(steps: int) -> Kind:
   """`steps` decode steps in one call, each feeding the tokens it samples to the next: one
   dispatch and one host round trip per burst. Outputs tokens and log-probabilities
@@ -67,10 +72,10 @@ def burst_kind(steps: int) -> Kind:
       return (sampled[:, None], positions, cache), (sampled, logprobs)
     (*_, cache), (sampled, logprobs) = jax.lax.scan(one, (tokens, positions, cache), length=steps)
     return sampled.T, logprobs.T, cache
-  return Kind(burst, lambda batch, *_: (settings_struct(batch),), ("rows", "rows"))
+  return Kind(burst, settings_extra, ("rows", "rows"))
 
 
-KINDS = {"step": Kind(_step, lambda batch, *_: (settings_struct(batch),), ("rows", "rows")),
+KINDS = {"step": Kind(_step, settings_extra, ("rows", "rows")),
          "fill": Kind(_fill)}
 
 

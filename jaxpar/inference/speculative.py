@@ -23,7 +23,7 @@ from flax import nnx
 
 from jaxpar.errors import UserError
 from jaxpar.inference.pages import page_table_rows
-from jaxpar.inference.programs import Kind, settings_struct
+from jaxpar.inference.programs import Kind, settings_extra, settings_struct
 from jaxpar.inference.requests import Completion, Request
 from jaxpar.inference.sampling import GREEDY, SamplingParams, filtered_probs, row_arrays, row_keys
 
@@ -92,7 +92,7 @@ def _target_round(graphdef, kv, params, model_state, cache, tokens, positions, p
 
 
 def _draft_program(k):
-  return Kind(functools.partial(_draft_round, k), lambda batch, *_: (settings_struct(batch),), (None, None))
+  return Kind(functools.partial(_draft_round, k), settings_extra, (None, None))
 
 
 def _target_extra(batch, length, vocab):
