@@ -64,6 +64,21 @@ def test_grouped_ffn_matches_reference_forward_and_backward(implementation, gpt_
   assert not np.any(np.asarray(out)[np.asarray(groups) == E])  # rows of no expert stay zero
 
 
+def test_auto_runs_every_expert_on_few_rows_and_blocks_on_many():
+  """Decode's few rows go through every expert (no loop over padded blocks), a training
+  batch's through the blocks; both equal the reference."""
+  def run(num_rows):
+    rows = jnp.asarray(RNG.normal(size=(num_rows, D)), jnp.float32)
+    groups = jnp.asarray(RNG.integers(0, E + 1, num_rows), jnp.int32)  # some rows of no expert
+    auto = lambda r, g: grouped_ffn(r, g, GATE, UP, DOWN)  # noqa: E731
+    looped = any(eqn.primitive.name == "scan" for eqn in jax.make_jaxpr(auto)(rows, groups).jaxpr.eqns)
+    np.testing.assert_allclose(auto(rows, groups), grouped_ffn_reference(rows, groups, GATE, UP, DOWN),
+                               rtol=1e-5, atol=1e-5)
+    return looped
+  assert not run(16)  # 8 tokens x top-2: 16 x 8 rows of work, against a block of 128 for each expert
+  assert run(4096)
+
+
 @pytest.mark.parametrize("num_keys", [3, 100])  # a running count, and a sort past 64 keys
 def test_rank_within_counts_in_index_order(num_keys):
   keys = RNG.integers(0, 3, 700)

@@ -2,7 +2,11 @@
 per-expert gate/up biases and the gated activation `glu(gate, up)` (default silu(gate) * up).
 
 implementation:
-  blocked    (auto) rows are laid out by group, each group padded to whole blocks of
+  auto       `blocked`, or `reference` where every expert on every row is no more work than
+             a padded block for each expert that gets a row (`_every_expert_is_cheaper`):
+             decode's few rows. tiny-gpt-oss decoding 8 rows on CPU: 8.2 ms per step
+             blocked (a block of 128 rows for each of 16 rows), 2.5 ms with every expert.
+  blocked    rows are laid out by group, each group padded to whole blocks of
              `block` rows, and a loop runs one dense SwiGLU per block, skipping empty blocks:
              the matmul work is the real rows plus at most one block per expert, whatever
              the buffer size, on every backend.
@@ -103,8 +107,18 @@ def grouped_ffn(rows, groups, gate, up, down, *, biases=None, glu=silu_glu, impl
   if implementation not in IMPLEMENTATIONS:
     raise ConfigError(f"moe.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
   groups = groups.astype(jnp.int32)
+  block = block or block_rows(rows.shape[0], gate.shape[0])
+  if implementation == "auto" and _every_expert_is_cheaper(rows.shape[0], gate.shape[0], block):
+    implementation = "reference"
   if implementation == "reference":
     return grouped_ffn_reference(rows, groups, gate, up, down, biases, glu)
   if implementation == "ragged":
     return _ragged_ffn(rows, groups, gate, up, down, biases, glu)
-  return _blocked_ffn(rows, groups, gate, up, down, biases, glu, block or block_rows(rows.shape[0], gate.shape[0]))
+  return _blocked_ffn(rows, groups, gate, up, down, biases, glu, block)
+
+
+def _every_expert_is_cheaper(num_rows: int, num_groups: int, block: int) -> bool:
+  """Whether running every expert on every row (num_rows x num_groups rows of matmul work)
+  costs no more than the blocked path does when the rows spread over the experts: a
+  padded block of `block` rows for each expert that gets one."""
+  return num_rows * num_groups <= min(num_rows, num_groups) * block
