@@ -33,6 +33,8 @@ class MoEConfig(Frozen):
   # Expert parallelism without capacity: the all-to-all buffer per destination device, as a
   # multiple of a balanced share (tokens x k / mesh.expert). None: big enough for anything.
   ep_buffer_factor: float | None = Field(None, gt=0)
+  # The grouped SwiGLU (pallas_kernels/moe/grouped.py). auto: blocked, or every expert where
+  # that is no more work than padded blocks (decode's few tokens).
   implementation: Literal["auto", "blocked", "ragged", "reference"] = "auto"
   # GPT-OSS: a learned bias on the router logits (it steers the choice and the weights), a
   # bias on every expert's gate, up and down projections, and its clamped SwiGLU: gate

@@ -9,7 +9,9 @@ all-to-all of a bounded buffer: `buffer` rows per destination, fixed at trace ti
 uneven load never recompiles. Assignments past the buffer are dropped and reported
 exactly (`kept` is False for them); by default the buffer holds all of a device's
 assignments (T x k), so nothing is ever dropped. The local expert compute only touches
-the rows that arrived (grouped.py skips empty blocks), whatever the buffer size.
+the rows that arrived (grouped.py skips empty blocks), whatever the buffer size. A device
+holding every expert with a handful of tokens (decode) runs every expert on each token
+instead, when that is no more work than the padded blocks (`grouped.every_expert_is_cheaper`).
 
 Expert weights arrive as they are stored: split over `experts` (EP), `embed` (FSDP: gathered
 here, so their gradients leave reduce-scattered) and `mlp` (tensor parallelism inside each
@@ -23,8 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.mesh import logical_shard_map, mesh_axes
-from jaxpar.pallas_kernels.moe.grouped import block_rows, grouped_ffn
-from jaxpar.pallas_kernels.moe.reference import silu_glu
+from jaxpar.pallas_kernels.moe.grouped import block_rows, every_expert_is_cheaper, grouped_ffn
+from jaxpar.pallas_kernels.moe.reference import routed_experts_reference, silu_glu
 from jaxpar.pallas_kernels.moe.rows import inverse, rank_within, take_rows
 
 _TOKENS = ("batch", "length", None)
@@ -74,6 +76,33 @@ def _per_device(x, expert_ids, weights, gate, up, down, *biases, axes, ep_size, 
     x = jax.lax.pcast(x, tp, to="varying")
   b, length, dim = x.shape
   k = expert_ids.shape[-1]
+  tokens, num_local = b * length, gate.shape[0]
+  # One device's assignments, balanced, is what its experts receive on average.
+  block = block_rows(tokens * k, num_local)
+  if (implementation == "auto" and not ep and capacity_factor is None
+      and every_expert_is_cheaper(tokens, num_local, block, tokens * k)):
+    # Decode's few tokens: every expert on each token once (not once per choice), one
+    # batched matmul and no loop; dropless, as this path is.
+    y = routed_experts_reference(x, expert_ids, weights, gate, up, down, biases or None, glu).reshape(tokens, dim)
+    kept = jnp.ones((b, length, k), bool)
+  else:
+    y, kept = _through_buffers(x, expert_ids, weights, gate, up, down, biases, ep=ep, ep_size=ep_size,
+                               capacity_factor=capacity_factor, ep_buffer_factor=ep_buffer_factor,
+                               implementation=implementation, glu=glu, block=block)
+  if tp:
+    y = jax.lax.psum(y, tp)
+  if shared:  # the same tokens on these devices, so the same results: say so
+    y, kept = jax.lax.pmax(y, shared), jax.lax.pmax(kept.astype(jnp.int32), shared) > 0
+  return y.reshape(b, length, dim), kept
+
+
+def _through_buffers(x, expert_ids, weights, gate, up, down, biases, *, ep, ep_size, capacity_factor,
+                     ep_buffer_factor, implementation, glu, block):
+  """Each assignment sent to its expert's device (if ep) in the send buffer, the local
+  experts' grouped SwiGLU over what arrived, the results brought home and weighted ->
+  (y [T, D] partial over tp, kept bool [B, L, k])."""
+  b, length, dim = x.shape
+  k = expert_ids.shape[-1]
   tokens, assignments = b * length, b * length * k
   num_local = gate.shape[0]
   # Assignments in choice-major order (a = j x T + t: every token's first choice, then every
@@ -90,21 +119,15 @@ def _per_device(x, expert_ids, weights, gate, up, down, *biases, axes, ep_size, 
   exchange = functools.partial(jax.lax.all_to_all, axis_name=ep, split_axis=0, concat_axis=0, tiled=True)
   if ep:
     rows, row_expert = exchange(rows), exchange(row_expert)
-  # One device's assignments, balanced, is what its experts receive on average.
   out = grouped_ffn(rows, row_expert, gate, up, down, biases=biases or None, glu=glu,
-                    implementation=implementation, block=block_rows(assignments, num_local))
+                    implementation=implementation, block=block)
   if ep:
     out = exchange(out)
   mine = take_rows(out, index, owner).reshape(k, tokens, dim)
   # A weighted sum of k rows, in the compute dtype: a float32 result would make its
   # gradient a float32 copy of all T x k rows.
   y = jnp.einsum("tk,ktd->td", weights.reshape(tokens, k).astype(x.dtype), mine)
-  if tp:
-    y = jax.lax.psum(y, tp)
-  kept = kept.reshape(k, tokens).T.reshape(b, length, k)
-  if shared:  # the same tokens on these devices, so the same results: say so
-    y, kept = jax.lax.pmax(y, shared), jax.lax.pmax(kept.astype(jnp.int32), shared) > 0
-  return y.reshape(b, length, dim), kept
+  return y, kept.reshape(k, tokens).T.reshape(b, length, k)
 
 
 def routed_experts(x, expert_ids, weights, gate, up, down, *, biases=None, glu=silu_glu, capacity_factor=None,
