@@ -137,14 +137,23 @@ def story(tmp_path_factory):
     seen["preempted_code"] = job.finish()
     seen["preempted_output"] = job.text
 
-    # 3. the same command to the end; meanwhile a second job on the same run dir.
-    job = Job(*command, env=cache)
+    # 3. the same command to the end; meanwhile a second job on the same run dir. The first
+    # job's processes are paused while the second runs, so they cannot finish before it
+    # tries the lock (with the few steps left, on a loaded host they did); their peer
+    # timeout outlasts the pause.
+    job = Job(*command[:-1], str(WAIT_S), env=cache)
     jobs.append(job)
-    seen["holder_pid"] = job.pids()[0]
+    pids = job.pids()
+    seen["holder_pid"] = pids[0]
     job.wait_for(r"resumed from step")
-    second = subprocess.run([sys.executable, "-m", "jaxpar", "train", str(config_file), "--no-progress"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S)
-    seen["second"] = second
+    for pid in pids:
+      os.kill(pid, signal.SIGSTOP)
+    try:
+      seen["second"] = subprocess.run([sys.executable, "-m", "jaxpar", "train", str(config_file), "--no-progress"],
+                                      cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S)
+    finally:
+      for pid in pids:
+        os.kill(pid, signal.SIGCONT)
     seen["final_code"] = job.finish()
     seen["final_output"] = job.text
   finally:
