@@ -57,3 +57,33 @@ def test_a_sequence_past_its_window_keeps_growing_in_place():
   assert row[:2] == [RELEASED, RELEASED]
   pool.grow(row, 10, extent=10)
   assert row[2:] == [2, 3, 4]
+
+
+def _pool_full_of_cached_blocks(cached_yield_to_order):
+  """Two finished sequences of 4 pages each, every block indexed (cached, held by nobody);
+  then a new sequence shares the first sequence's first 2 blocks and grows to 4 pages."""
+  pool = PagePool(num_pages=8, page_size=1, cached_yield_to_order=cached_yield_to_order)
+  first, second = [], []
+  pool.grow(first, 4, extent=4)
+  pool.grow(second, 4, extent=4)
+  for page, block in zip(first + second, [b"a0", b"a1", b"a2", b"a3", b"b0", b"b1", b"b2", b"b3"]):
+    pool.index(page, block)
+  pool.release(second)  # released first: its blocks are the least recently used
+  pool.release(first)
+  row = []
+  assert pool.share(row, [b"a0", b"a1", b"x"]) == 2
+  pool.grow(row, 4)
+  return pool, row
+
+
+def test_with_cached_yield_to_order_a_sequence_grows_in_place_over_cached_blocks():
+  pool, row = _pool_full_of_cached_blocks(True)
+  assert row == [0, 1, 2, 3]  # its own successors, though they held cached blocks
+  assert pool.evictions == 2 and pool.share([], [b"a0", b"a1", b"a2"]) == 2  # a2 went, a0-a1 stay
+  assert pool.share([], [b"b0", b"b1", b"b2", b"b3"]) == 4  # the older blocks were spared
+
+
+def test_without_it_the_least_recently_used_cached_blocks_go_first():
+  pool, row = _pool_full_of_cached_blocks(False)
+  assert row == [0, 1, 7, 6]  # the second sequence's blocks (released first, last page first) went
+  assert pool.share([], [b"a0", b"a1", b"a2", b"a3"]) == 4

@@ -86,3 +86,30 @@ def test_eviction_under_memory_pressure_keeps_outputs_right(weights, engines):
   assert [r.tokens for r in tight.generate(prompts, SETTINGS)] == expected
   assert tight.pool.evictions > 0 and tight.stats["preemptions"] > 0 and tight.stats["prefix_cache_hits"] > 0
   _no_page_held(tight)
+
+
+def test_on_cpu_a_request_grows_into_the_pages_after_its_cached_prefix(engines):
+  """CPU decode gathers every page of every row each step, faster when each row's pages are
+  consecutive: a request that takes a cached prefix then grows into the pages after it,
+  though they hold cached blocks of their own (pages.PagePool.cached_yield_to_order)."""
+  engine = engines("float")
+  prompts = [rng.integers(0, 256, 30).tolist() for _ in range(8)]
+  settings = SamplingParams(max_tokens=20, stop_token_ids=())
+  expected = [r.tokens for r in engine.generate(prompts, settings)]  # their blocks stay cached
+  tables, run = [], engine.programs.run
+
+  def recording(kind, params, model_state, cache, tokens, positions, table, *rest):
+    if kind == "step":
+      tables.append((np.asarray(positions)[:, 0], np.asarray(table)))
+    return run(kind, params, model_state, cache, tokens, positions, table, *rest)
+  engine.programs.run = recording
+  try:
+    assert [r.tokens for r in engine.generate(prompts, settings)] == expected
+  finally:
+    del engine.programs.run  # the instance attribute: back to the method
+  assert engine.stats["prefix_cache_hits"] > 0 and tables
+  for positions, table in tables:
+    for position, row in zip(positions, table):
+      pages = row[:position // engine.pool.page_size + 1]
+      assert position < 0 or (np.diff(pages) == 1).all(), pages
+  _no_page_held(engine)

@@ -88,7 +88,7 @@ class Engine:
     if num_pages < most:
       raise ConfigError(f"num_pages={num_pages} cannot hold one sequence of max_seq_len="
                         f"{self.max_seq_len} ({most} pages of {page_size} at once): raise it")
-    self.pool = PagePool(num_pages, page_size)
+    self.pool = PagePool(num_pages, page_size, cached_yield_to_order=gathers)
     self.prefill_budget = prefill_budget or max(self.chunks[-1], 512)
     # Rows of the widest fill program per chunk length: one row always, more when they fit the budget.
     self.fill_rows = {c: max(1, min(slots, self.prefill_budget // c)) for c in self.chunks}

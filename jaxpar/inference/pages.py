@@ -24,8 +24,16 @@ NARROWEST_TABLE = 512  # positions: the narrowest extra page table decode is com
 
 
 class PagePool:
-  def __init__(self, num_pages: int, page_size: int):
+  """`cached_yield_to_order`: a sequence grows into the page after its last one even when
+  that page holds a cached block nobody holds (the block is evicted out of LRU order), so
+  its pages stay consecutive. For CPU decode, which gathers every page of every row each
+  step: once the pool is full of cached pages, new sequences otherwise get them scattered,
+  and a batch-32 bench-20m step on such page tables took 13.5 ms against 11.8 ms on
+  consecutive ones (same run)."""
+
+  def __init__(self, num_pages: int, page_size: int, cached_yield_to_order: bool = False):
     self.num_pages, self.page_size = num_pages, page_size
+    self.cached_yield_to_order = cached_yield_to_order
     self._unused = np.ones(num_pages, bool)  # never used, or freed (not cached)
     self._unused_count = num_pages  # kept, not summed: `free` is asked per row and step
     self._claimed = np.zeros(num_pages, bool)  # unused, but kept for a sequence to grow into
@@ -45,20 +53,27 @@ class PagePool:
     return len(self._page_of)
 
   def _take(self, page: int | None = None) -> int:
-    """`page` if given (unused), else the lowest unused page nobody has claimed, else the
-    lowest unused one, else the least recently used cached page nobody holds."""
+    """`page` if given (unused, or cached and held by nobody), else the lowest unused page
+    nobody has claimed, else the lowest unused one, else the least recently used cached page
+    nobody holds."""
     if page is None and self._unused_count:
       open_ = self._unused & ~self._claimed
       page = int(np.argmax(open_ if open_.any() else self._unused))
-    if page is not None:
+    if page is not None and page in self._idle:  # a cached page, given: its block goes
+      del self._idle[page]
+      self._evict(page)
+    elif page is not None:
       self._unused[page] = self._claimed[page] = False
       self._unused_count -= 1
     else:  # the least recently used cached page nobody holds
       page, _ = self._idle.popitem(last=False)
-      del self._page_of[self._hash_of.pop(page)]
-      self.evictions += 1
+      self._evict(page)
     self.holders[page] = 1
     return page
+
+  def _evict(self, page: int):
+    del self._page_of[self._hash_of.pop(page)]
+    self.evictions += 1
 
   def _drop(self, page: int):
     self.holders[page] -= 1
@@ -98,7 +113,7 @@ class PagePool:
     has too few free pages.
 
     A sequence's pages are kept consecutive where the pool allows: the page after its last
-    one when that is unused, else the start of an unclaimed run of unused pages long enough
+    one when that is unused (or cached and unheld, with `cached_yield_to_order`), else the start of an unclaimed run of unused pages long enough
     for the rest of its `extent` (the most pages it expects to hold), whose rest is then
     claimed for it. Claims only steer placement: when nothing else is unused, claimed pages
     are taken too. (Decode attention on CPU gathers every page of every row: at batch 32 a
@@ -108,7 +123,8 @@ class PagePool:
       return False
     for _ in range(max(need, 0)):
       last = held[-1] if held and held[-1] != RELEASED else None
-      if last is not None and last + 1 < self.num_pages and self._unused[last + 1]:
+      if last is not None and last + 1 < self.num_pages and (
+          self._unused[last + 1] or (self.cached_yield_to_order and last + 1 in self._idle)):
         held.append(self._take(last + 1))
       elif (rest := extent - len(held)) > 1 and (start := self._open_run(rest)) is not None:
         self._claimed[start + 1:start + rest] = True
