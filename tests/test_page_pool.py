@@ -1,7 +1,7 @@
 """The page pool keeps each sequence's pages consecutive where it can (CPU decode gathers
 them faster), without that ever costing capacity."""
 
-from jaxpar.inference.pages import RELEASED, PagePool
+from jaxpar.inference.pages import RELEASED, PagePool, page_table_rows
 
 
 def test_sequences_growing_in_lockstep_keep_consecutive_pages():
@@ -87,3 +87,10 @@ def test_without_it_the_least_recently_used_cached_blocks_go_first():
   pool, row = _pool_full_of_cached_blocks(False)
   assert row == [0, 1, 7, 6]  # the second sequence's blocks (released first, last page first) went
   assert pool.share([], [b"a0", b"a1", b"a2", b"a3"]) == 4
+
+
+def test_table_entries_past_a_sequence_read_on_from_its_last_page():
+  """Entries no attention uses: the pages after the row's last one (round the pool), which
+  the CPU gather reads faster than one page over and over; released entries stay page 0."""
+  table = page_table_rows([[4, 5], [RELEASED, 8], [], [9]], width=4, num_pages=10)
+  assert table.tolist() == [[4, 5, 6, 7], [0, 8, 9, 0], [0, 1, 2, 3], [9, 0, 1, 2]]

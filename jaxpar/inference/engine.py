@@ -283,7 +283,8 @@ class Engine:
       tails[i] = self.slots.index(request) if request in self.slots else request.row
       request.cached += count
       self.stats["prefill_tokens"] += count
-    table = page_table_rows([r.pages for r in group] + [[]] * (rows - len(group)), self.pages_per_seq)
+    table = page_table_rows([r.pages for r in group] + [[]] * (rows - len(group)), self.pages_per_seq,
+                            self.pool.num_pages)
     for request in group:
       self.sharing.publish(request)  # indexed now: the program below writes them before any later one reads
     if not any(r.prompt_logprobs is not None for r in group):
@@ -321,7 +322,7 @@ class Engine:
         tokens[i, 0], positions[i, 0] = request.last_token, request.length - 1
     longest = max(len(r.pages) for r in rows if r is not None)
     table = page_table_rows([r.pages if r else [] for r in rows],
-                            next(w for w in self.step_widths if w >= longest))
+                            next(w for w in self.step_widths if w >= longest), self.pool.num_pages)
     settings = row_arrays([r.sampling if r else None for r in rows])
     slots = np.arange(len(rows), dtype=np.int32)
     top = None

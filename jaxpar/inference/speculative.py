@@ -189,7 +189,8 @@ class SpeculativeDecoder:
         tokens[i] = [request.context[-1], *proposed[i]]
         positions[i] = np.arange(n - 1, n + k)
     target = self.target
-    table = page_table_rows([r.pages for r in requests] + [[]] * (self.batch - len(requests)), target.pages_per_seq)
+    table = page_table_rows([r.pages for r in requests] + [[]] * (self.batch - len(requests)), target.pages_per_seq,
+                            target.pool.num_pages)
     accepted, bonus, target.cache = target.programs.run(
         "speculate", target.params, target.model_state, target.cache, tokens, positions, table,
         np.arange(self.batch, dtype=np.int32), settings, draft_probs, proposed)
@@ -214,7 +215,8 @@ class SpeculativeDecoder:
   def _draft(self, drafts, live, starts, settings):
     """k proposals per live row [B, k] (host), and the draft's distributions they came from."""
     draft = self.draft
-    table = page_table_rows([d.pages for d in drafts] + [[]] * (self.batch - len(drafts)), draft.pages_per_seq)
+    table = page_table_rows([d.pages for d in drafts] + [[]] * (self.batch - len(drafts)), draft.pages_per_seq,
+                            draft.pool.num_pages)
     # Catch up: feed what the draft's cache lacks (the last token, and the one before it
     # when every proposal was accepted last round).
     tokens = np.zeros((self.batch, 2), np.int32)
