@@ -1,0 +1,174 @@
+"""How far batch decode on this CPU can go: jaxpar's step against the least work a step must do.
+
+    python benchmarks/decode_floor.py [--batch 32] [--repeats 5] [--burst 4]
+
+`benchmarks/decode.py` compares whole generations with `transformers`. This script asks what
+a batch-`--batch` decode step of the bench-20m shape (4 layers, embed 256, 4 heads x 64,
+MLP 1024, vocab 32000, float32, random weights) could cost at best here, and prints, in one
+run and in milliseconds per generated token step:
+
+- transformers: `generate`, timed as decode.py times it (64 new tokens after a 64-token prompt);
+- jaxpar engine: the same requests through `Engine`, 1 step per call and `--burst` per call;
+- jaxpar step: the engine's compiled decode step alone, called in a loop (no host work);
+- dense floor: the least a step does, in XLA: the same matmuls, RMS norms and attention over
+  keys and values already contiguous [batch, heads, 96, 64] (the mean cached length of those
+  64 tokens), a greedy argmax (the engine's) and its log-probability. No rotary embedding, no cache write,
+  no page table, no sampling settings, no host: any real step does more;
+- matmul floor: only the step's matrix multiplies (each layer's q/k/v, o, gate, up and down,
+  and the output projection), in XLA, and the same shapes in torch (what transformers runs).
+
+Each time is the best of `--repeats` (a busy host only adds time).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode  # noqa: E402
+
+from jaxpar.config import load_config  # noqa: E402
+from jaxpar.inference.pages import page_table_rows  # noqa: E402
+from jaxpar.inference.sampling import argmax, row_arrays  # noqa: E402
+
+PROMPT, NEW = 64, 64
+MEAN_LENGTH = PROMPT + NEW // 2  # the cached length, averaged over the generated tokens
+
+
+def per_call(fn, repeats, calls=20):
+  """Best over `repeats` of the mean time of `calls` calls of fn, each waited for (as the
+  engine waits for each step's tokens)."""
+  jax.block_until_ready(fn())
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(calls):
+      jax.block_until_ready(fn())
+    best = min(best, (time.perf_counter() - start) / calls)
+  return best
+
+
+def random_weights(cfg, rng):
+  embed, heads, dim, mlp = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
+  def w(*shape):
+    return rng.standard_normal(shape, np.float32) * 0.05
+  layers = [{"qkv": w(embed, 3 * heads * dim), "o": w(heads * dim, embed), "gate": w(embed, mlp),
+             "up": w(embed, mlp), "down": w(mlp, embed)} for _ in range(cfg.num_layers)]
+  return layers, w(embed, cfg.vocab_size)
+
+
+def xla_floors(cfg, batch, repeats):
+  """(dense floor, matmul floor) seconds per step."""
+  rng = np.random.default_rng(0)
+  layers, head = jax.tree.map(jnp.asarray, random_weights(cfg, rng))
+  heads, dim = cfg.num_heads, cfg.head_dim
+  x = jnp.asarray(rng.standard_normal((batch, cfg.embed_dim), np.float32))
+  keys, values = ([jnp.asarray(rng.standard_normal((batch, heads, MEAN_LENGTH, dim), np.float32))
+                   for _ in range(cfg.num_layers)] for _ in range(2))  # one array a layer: nothing sliced
+
+  def rms(x):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.norm_eps)
+
+  def matmuls(layers, head, x):
+    for p in layers:
+      q, k, v = jnp.split(x @ p["qkv"], 3, axis=-1)  # all three used: XLA keeps the whole product
+      x = x + (q + k + v) @ p["o"]
+      x = x + (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+    return x @ head
+
+  def dense(layers, head, x, keys, values):
+    for i, p in enumerate(layers):
+      q, k, v = (t.reshape(batch, heads, dim) for t in jnp.split(rms(x) @ p["qkv"], 3, axis=-1))
+      # The cached keys, then the new token's own (kept apart: no copy of the cache).
+      scores = jnp.concatenate([jnp.einsum("bhtd,bhd->bht", keys[i], q), jnp.sum(k * q, -1)[..., None]], -1)
+      probs = jax.nn.softmax(scores * dim ** -0.5, axis=-1)
+      attended = jnp.einsum("bht,bhtd->bhd", probs[..., :-1], values[i]) + probs[..., -1:] * v
+      x = x + attended.reshape(batch, heads * dim) @ p["o"]
+      h = rms(x)
+      x = x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+    logits = rms(x) @ head
+    return argmax(logits), jnp.max(logits, -1) - jax.nn.logsumexp(logits, -1)
+
+  dense_step, matmul_step = jax.jit(dense), jax.jit(matmuls)
+  return (per_call(lambda: dense_step(layers, head, x, keys, values), repeats),
+          per_call(lambda: matmul_step(layers, head, x), repeats))
+
+
+def torch_matmul_floor(cfg, batch, repeats):
+  """Seconds per step of the same matrix multiplies in torch (transformers' own kernels)."""
+  import torch
+  layers, head = random_weights(cfg, np.random.default_rng(0))
+  # torch's Linear keeps weights [out, in]; transformers calls F.linear on them.
+  layers = [{k: torch.from_numpy(v.T.copy()) for k, v in p.items()} for p in layers]
+  head = torch.from_numpy(head.T.copy())
+  x0 = torch.randn(batch, cfg.embed_dim)
+  linear, width = torch.nn.functional.linear, cfg.num_heads * cfg.head_dim
+
+  def step():
+    with torch.no_grad():
+      x = x0
+      for p in layers:
+        q, k, v = linear(x, p["qkv"]).split(width, dim=-1)
+        x = x + linear(q + k + v, p["o"])
+        x = x + linear(torch.nn.functional.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+      return linear(x, head)
+  return per_call(step, repeats)
+
+
+def jaxpar_step_alone(cfg, batch, repeats):
+  """Seconds per call of the engine's compiled decode step, at the mean cached length."""
+  engine = decode.engine_for(cfg, batch, PROMPT, NEW)
+  engine.generate([[1] * PROMPT] * batch, decode.SamplingParams(max_tokens=2, stop_token_ids=()))
+  (kind, _, _, width), step = next((key, e) for key, e in engine.programs.compiled.items()
+                                   if key[:3] == ("step", batch, 1))
+  tokens = np.ones((batch, 1), np.int32)
+  positions = np.full((batch, 1), MEAN_LENGTH, np.int32)
+  table = page_table_rows([list(range(row * width, (row + 1) * width)) for row in range(batch)], width,
+                          engine.pool.num_pages)
+  rows, settings = np.arange(batch, dtype=np.int32), row_arrays([None] * batch)
+  state = {"cache": engine.cache}
+
+  def call():
+    *out, state["cache"] = step(engine.params, engine.model_state, state["cache"], tokens, positions,
+                                table, rows, settings)
+    return out
+  return per_call(call, repeats)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--batch", type=int, default=32)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--burst", type=int, default=4)
+  args = parser.parse_args()
+  cfg, batch = load_config("bench-20m").model, args.batch
+  prompts = np.random.default_rng(batch).integers(0, 256, (batch, PROMPT)).tolist()
+
+  def per_token(times):
+    first, full = times
+    return (full - first) / (NEW - 1)
+  rows = [("transformers generate", per_token(decode.hf_times(cfg, prompts, NEW, args.repeats))),
+          ("jaxpar engine, 1 step per call", per_token(decode.jaxpar_times(cfg, batch, prompts, NEW, args.repeats))),
+          (f"jaxpar engine, {args.burst} steps per call",
+           per_token(decode.jaxpar_times(cfg, batch, prompts, NEW, args.repeats, decode_burst=args.burst))),
+          ("jaxpar decode step alone", jaxpar_step_alone(cfg, batch, args.repeats))]
+  dense, matmuls = xla_floors(cfg, batch, args.repeats)
+  rows += [("dense floor (XLA)", dense), ("matmul floor (XLA)", matmuls),
+           ("matmul floor (torch)", torch_matmul_floor(cfg, batch, args.repeats))]
+  hf = rows[0][1]
+  print(f"bench-20m shape, batch {batch}, float32, {os.cpu_count()} cores; ms per token step; "
+        f"transformers' step / this\n")
+  print(f"| {'':<34} | {'ms':>6} | {'vs transformers':>15} |\n| {'-' * 34} | {'-' * 6} | {'-' * 15} |")
+  for label, seconds in rows:
+    print(f"| {label:<34} | {seconds * 1e3:>6.2f} | {hf / seconds:>14.2f}x |")
+
+
+if __name__ == "__main__":
+  main()
