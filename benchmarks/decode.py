@@ -6,7 +6,8 @@ Both run the bench-20m shape (embed 256, 4 layers, 4 heads x 64, MLP 1024, vocab
 float32) with random weights, greedy, prompts of 64 random tokens, 64 new tokens, on the
 same host in the same run. Both are timed the same way: a call that generates 1 token
 (time to first token) and one that generates all 64; decode tokens/s = batch x 63 /
-(the difference). Best of `--repeats` after a warm-up. jaxpar runs twice: one decode step
+(the difference). Best of `--repeats` rounds after a warm-up, each round running every
+system once in turn (the host's speed drifts: this way each gets the same moments). jaxpar runs twice: one decode step
 per call, and `--burst` steps per call (`Engine(decode_burst=K)`: the same tokens, streamed
 K at a time; the first token still comes from a single step). Then: the same requests on an engine
 sized for 2048 positions, with and without narrower page tables; continuous batching under a
@@ -49,13 +50,14 @@ def engine_for(model_cfg, slots, prompt, new, seed=0, decode_burst=1):
                 decode_burst=decode_burst)
 
 
-def jaxpar_times(model_cfg, batch, prompts, new, repeats, decode_burst=1):
+def jaxpar_generate(model_cfg, batch, prompts, new, decode_burst=1):
+  """run(n): the engine generating n tokens for each prompt."""
   engine = engine_for(model_cfg, batch, len(prompts[0]), new, decode_burst=decode_burst)
-  run = lambda n: engine.generate(prompts, SamplingParams(max_tokens=n, stop_token_ids=()))  # noqa: E731
-  return best(lambda: run(1), repeats), best(lambda: run(new), repeats)
+  return lambda n: engine.generate(prompts, SamplingParams(max_tokens=n, stop_token_ids=()))
 
 
-def hf_times(model_cfg, prompts, new, repeats):
+def hf_generate(model_cfg, prompts):
+  """run(n): transformers' `generate` of exactly n greedy tokens for each prompt."""
   import torch
   import transformers
   config = transformers.LlamaConfig(**{k: v for k, v in hf_config_from_model(model_cfg, "float32").items()
@@ -66,7 +68,32 @@ def hf_times(model_cfg, prompts, new, repeats):
   def run(n):
     with torch.no_grad():
       model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-  return best(lambda: run(1), repeats), best(lambda: run(new), repeats)
+  return run
+
+
+def side_by_side(runs: dict, new, repeats) -> dict:
+  """{name: (seconds for 1 token, seconds for `new`)}, each the best of `repeats` rounds in
+  which every system runs once in turn: on a host whose speed drifts, each system then gets
+  the same quiet and busy moments."""
+  for run in runs.values():
+    run(1), run(new)  # warm-up
+  times = {name: [float("inf"), float("inf")] for name in runs}
+  for _ in range(repeats):
+    for name, run in runs.items():
+      for i, n in enumerate((1, new)):
+        start = time.perf_counter()
+        run(n)
+        times[name][i] = min(times[name][i], time.perf_counter() - start)
+  return {name: tuple(t) for name, t in times.items()}
+
+
+def jaxpar_times(model_cfg, batch, prompts, new, repeats, decode_burst=1):
+  return side_by_side({"jaxpar": jaxpar_generate(model_cfg, batch, prompts, new, decode_burst)}, new,
+                      repeats)["jaxpar"]
+
+
+def hf_times(model_cfg, prompts, new, repeats):
+  return side_by_side({"hf": hf_generate(model_cfg, prompts)}, new, repeats)["hf"]
 
 
 def roomy_engine(model_cfg, batch, prompt, new, repeats, max_seq_len=2048):
@@ -141,9 +168,10 @@ def main():
         f"{'TTFT x':>6} {'tok/s x':>7} {burst + ' x':>9}")
   for batch in args.batches:
     prompts = np.random.default_rng(batch).integers(0, 256, (batch, args.prompt)).tolist()
-    j1, jn = jaxpar_times(model_cfg, batch, prompts, args.new, args.repeats)
-    b1, bn = jaxpar_times(model_cfg, batch, prompts, args.new, args.repeats, decode_burst=args.burst)
-    h1, hn = hf_times(model_cfg, prompts, args.new, args.repeats)
+    times = side_by_side({"jaxpar": jaxpar_generate(model_cfg, batch, prompts, args.new),
+                          "burst": jaxpar_generate(model_cfg, batch, prompts, args.new, args.burst),
+                          "hf": hf_generate(model_cfg, prompts)}, args.new, args.repeats)
+    (j1, jn), (b1, bn), (h1, hn) = times["jaxpar"], times["burst"], times["hf"]
     jrate, brate, hrate = (batch * (args.new - 1) / (n - first) for first, n in ((j1, jn), (b1, bn), (h1, hn)))
     print(f"{batch:>5} | {j1 * 1e3:>9.1f}ms {jrate:>8,.0f} {brate:>9,.0f} | {h1 * 1e3:>7.1f}ms {hrate:>8,.0f} | "
           f"{h1 / j1:>5.2f}x {jrate / hrate:>6.2f}x {brate / hrate:>8.2f}x", flush=True)

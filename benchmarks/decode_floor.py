@@ -9,15 +9,15 @@ run and in milliseconds per generated token step:
 
 - transformers: `generate`, timed as decode.py times it (64 new tokens after a 64-token prompt);
 - jaxpar engine: the same requests through `Engine`, 1 step per call and `--burst` per call;
-- jaxpar step: the engine's compiled decode step alone, called in a loop (no host work);
 - dense floor: the least a step does, in XLA: the same matmuls, RMS norms and attention over
   keys and values already contiguous [batch, heads, 96, 64] (the mean cached length of those
-  64 tokens), a greedy argmax (the engine's) and its log-probability. No rotary embedding, no cache write,
-  no page table, no sampling settings, no host: any real step does more;
+  64 tokens), a greedy argmax (the engine's) and its log-probability. No rotary embedding,
+  no cache write, no page table, no sampling settings, no host: any real step does more;
 - matmul floor: only the step's matrix multiplies (each layer's q/k/v, o, gate, up and down,
   and the output projection), in XLA, and the same shapes in torch (what transformers runs).
 
-Each time is the best of `--repeats` (a busy host only adds time).
+Each time is the best of `--repeats` (a busy host only adds time); transformers and the
+engine are timed in alternating rounds (`decode.side_by_side`), the floors after them.
 """
 
 import argparse
@@ -35,8 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode  # noqa: E402
 
 from jaxpar.config import load_config  # noqa: E402
-from jaxpar.inference.pages import page_table_rows  # noqa: E402
-from jaxpar.inference.sampling import argmax, row_arrays  # noqa: E402
+from jaxpar.inference.sampling import argmax  # noqa: E402
 
 PROMPT, NEW = 64, 64
 MEAN_LENGTH = PROMPT + NEW // 2  # the cached length, averaged over the generated tokens
@@ -122,26 +121,6 @@ def torch_matmul_floor(cfg, batch, repeats):
   return per_call(step, repeats)
 
 
-def jaxpar_step_alone(cfg, batch, repeats):
-  """Seconds per call of the engine's compiled decode step, at the mean cached length."""
-  engine = decode.engine_for(cfg, batch, PROMPT, NEW)
-  engine.generate([[1] * PROMPT] * batch, decode.SamplingParams(max_tokens=2, stop_token_ids=()))
-  (kind, _, _, width), step = next((key, e) for key, e in engine.programs.compiled.items()
-                                   if key[:3] == ("step", batch, 1))
-  tokens = np.ones((batch, 1), np.int32)
-  positions = np.full((batch, 1), MEAN_LENGTH, np.int32)
-  table = page_table_rows([list(range(row * width, (row + 1) * width)) for row in range(batch)], width,
-                          engine.pool.num_pages)
-  rows, settings = np.arange(batch, dtype=np.int32), row_arrays([None] * batch)
-  state = {"cache": engine.cache}
-
-  def call():
-    *out, state["cache"] = step(engine.params, engine.model_state, state["cache"], tokens, positions,
-                                table, rows, settings)
-    return out
-  return per_call(call, repeats)
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--batch", type=int, default=32)
@@ -151,14 +130,11 @@ def main():
   cfg, batch = load_config("bench-20m").model, args.batch
   prompts = np.random.default_rng(batch).integers(0, 256, (batch, PROMPT)).tolist()
 
-  def per_token(times):
-    first, full = times
-    return (full - first) / (NEW - 1)
-  rows = [("transformers generate", per_token(decode.hf_times(cfg, prompts, NEW, args.repeats))),
-          ("jaxpar engine, 1 step per call", per_token(decode.jaxpar_times(cfg, batch, prompts, NEW, args.repeats))),
-          (f"jaxpar engine, {args.burst} steps per call",
-           per_token(decode.jaxpar_times(cfg, batch, prompts, NEW, args.repeats, decode_burst=args.burst))),
-          ("jaxpar decode step alone", jaxpar_step_alone(cfg, batch, args.repeats))]
+  times = decode.side_by_side({"transformers generate": decode.hf_generate(cfg, prompts),
+                               "jaxpar engine, 1 step per call": decode.jaxpar_generate(cfg, batch, prompts, NEW),
+                               f"jaxpar engine, {args.burst} steps per call":
+                               decode.jaxpar_generate(cfg, batch, prompts, NEW, args.burst)}, NEW, args.repeats)
+  rows = [(label, (full - first) / (NEW - 1)) for label, (first, full) in times.items()]
   dense, matmuls = xla_floors(cfg, batch, args.repeats)
   rows += [("dense floor (XLA)", dense), ("matmul floor (XLA)", matmuls),
            ("matmul floor (torch)", torch_matmul_floor(cfg, batch, args.repeats))]
