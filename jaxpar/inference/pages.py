@@ -113,11 +113,12 @@ class PagePool:
     has too few free pages.
 
     A sequence's pages are kept consecutive where the pool allows: the page after its last
-    one when that is unused (or cached and unheld, with `cached_yield_to_order`), else the start of an unclaimed run of unused pages long enough
-    for the rest of its `extent` (the most pages it expects to hold), whose rest is then
-    claimed for it. Claims only steer placement: when nothing else is unused, claimed pages
-    are taken too. (Decode attention on CPU gathers every page of every row: at batch 32 a
-    step took 25% longer with each row's pages scattered than consecutive.)"""
+    one when that is unused (or cached and unheld, with `cached_yield_to_order`), else the
+    start of an unclaimed run of unused pages long enough for the rest of its `extent` (the
+    most pages it expects to hold), whose rest is then claimed for it. Claims only steer
+    placement: when nothing else is unused, claimed pages are taken too. (Decode attention
+    on CPU gathers every page of every row: at batch 32 a step took 25% longer with each
+    row's pages scattered than consecutive.)"""
     need = self.pages_for(tokens) - len(held)
     if need > self.free:
       return False
@@ -192,8 +193,8 @@ def table_widths(pages_per_seq: int, page_size: int, gathers: bool) -> tuple[int
 
 def page_table_rows(held: list[list[int]], width: int, num_pages: int) -> np.ndarray:
   """[len(held), width] int32 page table of a pool of `num_pages`. Entries past a
-  sequence's pages name the pages after its last one (round the pool), released entries
-  page 0. Attention never uses them (it masks positions past each sequence's length and
+  sequence's pages name the pages after its last one (round the pool); released entries
+  name page 0. Attention never uses them (it masks positions past each sequence's length and
   before its window), but the CPU decode gathers every entry of every row, and reading on
   from a row's last page is faster there than reading one page again and again: 2.99 ms
   against 3.64 ms for bench-20m's 4 layers of batch-32 attention, 6 pages used of 9."""
