@@ -23,7 +23,6 @@ engine are timed in alternating rounds (`decode.side_by_side`), the floors after
 import argparse
 import os
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -42,16 +41,9 @@ MEAN_LENGTH = PROMPT + NEW // 2  # the cached length, averaged over the generate
 
 
 def per_call(fn, repeats, calls=20):
-  """Best over `repeats` of the mean time of `calls` calls of fn, each waited for (as the
-  engine waits for each step's tokens)."""
-  jax.block_until_ready(fn())
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      jax.block_until_ready(fn())
-    best = min(best, (time.perf_counter() - start) / calls)
-  return best
+  """Seconds per call of fn, each waited for (as the engine waits for each step's tokens):
+  the best over `repeats` of `calls` calls in a row."""
+  return decode.best(lambda: [jax.block_until_ready(fn()) for _ in range(calls)], repeats) / calls
 
 
 def random_weights(cfg, rng):
