@@ -25,11 +25,13 @@ def test_xla_paged_decode_equals_the_reference(options, group):
     np.testing.assert_array_equal(auto, got)
 
 
-def test_xla_paged_decode_with_sinks_and_a_latent_cache():
+@pytest.mark.parametrize("num_heads", [2, 4], ids=["one_query_per_kv_head", "grouped"])
+def test_xla_paged_decode_with_sinks_and_a_latent_cache(num_heads):
   """GPT-OSS's sinks and MLA's latent cache (values = the keys' first entries, v pages None)
-  through the CPU form equal the reference, and the sinks change the result."""
-  q, k, _, lengths, table = paged_inputs(num_heads=4, head_dim=64)
-  sinks = np.linspace(-1.0, 2.0, 4).astype(np.float32)
+  through the CPU form equal the reference, and the sinks change the result; in both score
+  layouts (one query per kv head, grouped queries)."""
+  q, k, _, lengths, table = paged_inputs(num_heads=num_heads, head_dim=64)
+  sinks = np.linspace(-1.0, 2.0, num_heads).astype(np.float32)
   options = dict(value_dim=32, sinks=sinks)
   got = paged_decode_attention_xla(q, k, None, lengths, table, **options)
   want = decode_attention_reference(q, k, None, lengths, page_table=table, **options)
