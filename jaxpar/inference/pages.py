@@ -198,7 +198,7 @@ def page_table_rows(held: list[list[int]], width: int, num_pages: int) -> np.nda
   before its window), but the CPU decode gathers every entry of every row, and reading on
   from a row's last page is faster there than reading one page again and again: 2.99 ms
   against 3.64 ms for bench-20m's 4 layers of batch-32 attention, 6 pages used of 9."""
-  rows = []  # built as lists: per-row NumPy calls cost 0.3 ms a batch-32 step
+  rows = []  # built as lists: per-row NumPy calls took 0.11 ms for 32 rows, lists 0.05
   for pages in held:
     after = (pages[-1] + 1) if pages else 0
     rows.append([max(page, 0) for page in pages] + [(after + j) % num_pages for j in range(width - len(pages))])
