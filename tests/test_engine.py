@@ -125,6 +125,19 @@ def test_stop_strings_tokens_and_logprobs(one_device):
   assert ended.finish_reason == "stop" and ended.tokens == free.tokens[:2]
 
 
+def test_logprobs_are_computed_for_the_rows_that_ask(one_device):
+  """The step skips log-probabilities when no row asks: a batch where one row asks gives it
+  the numbers it gets alone, and the other row none."""
+  prompts, wanted = _prompts([6, 9], seed=3), SamplingParams(max_tokens=5, logprobs=True, **NO_STOP)
+  alone = one_device.generate(prompts[:1], wanted)[0]
+  mixed = one_device.generate(prompts, [wanted, SamplingParams(max_tokens=5, **NO_STOP)])
+  assert mixed[0].tokens == alone.tokens and mixed[1].logprobs is None
+  np.testing.assert_allclose(mixed[0].logprobs, alone.logprobs, rtol=1e-5, atol=1e-6)
+  assert all(np.isfinite(alone.logprobs)) and all(lp <= 0 for lp in alone.logprobs)
+  events = list(one_device.stream(prompts[1], SamplingParams(max_tokens=3, **NO_STOP)))
+  assert [e.token for e in events] == mixed[1].tokens[:3] and all(e.logprob is None for e in events)
+
+
 def test_bad_requests_are_clear_errors(one_device):
   with pytest.raises(ValueError, match="the prompt has 96 tokens but the context holds 96"):
     one_device.submit([1] * 96)

@@ -21,7 +21,8 @@ from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import lora
 from jaxpar.runtime import abstract_model
 
-SETTINGS = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "seed": jnp.uint32}
+SETTINGS = {"temperature": jnp.float32, "top_k": jnp.int32, "top_p": jnp.float32, "seed": jnp.uint32,
+            "logprobs": jnp.bool_}
 
 
 def _step(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings):

@@ -177,7 +177,7 @@ class Request:
       full = _safe_prefix(full, sampling.stop)
     delta = full[len(self.text):] if full.startswith(self.text) else ""
     self.text += delta
-    return TokenEvent(self.id, token, delta, logprob, self.finish_reason, top)
+    return TokenEvent(self.id, token, delta, logprob if sampling.logprobs else None, self.finish_reason, top)
 
 
 def _safe_prefix(text: str, stop_strings) -> str:

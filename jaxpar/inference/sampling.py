@@ -96,7 +96,8 @@ def row_arrays(params: list[SamplingParams | None]) -> dict[str, np.ndarray]:
   return {"temperature": np.asarray([p.temperature for p in rows], np.float32),
           "top_k": np.asarray([p.top_k for p in rows], np.int32),
           "top_p": np.asarray([p.top_p for p in rows], np.float32),
-          "seed": np.asarray([p.seed for p in rows], np.uint32)}
+          "seed": np.asarray([p.seed for p in rows], np.uint32),
+          "logprobs": np.asarray([p.logprobs for p in rows], bool)}
 
 
 _BISECTION_STEPS = 32  # threshold resolution: 2^-32 of the probability range
@@ -190,7 +191,9 @@ def sample(logits, settings: dict, positions):
   """logits [B, V] -> (tokens [B] int32, log-probabilities [B] under the model's distribution).
 
   settings: `row_arrays` as device arrays; positions [B]: the position each token will
-  take, which with the row's seed picks its random key.
+  take, which with the row's seed picks its random key. The log-probabilities are computed
+  only when some row asks for them (NaN otherwise): their log-sum-exp over the vocabulary
+  cost 2-3% of a batch-32 bench-20m decode step on CPU, for a number most requests drop.
   """
   logits = logits.astype(jnp.float32)
   greedy = argmax(logits)
@@ -200,5 +203,9 @@ def sample(logits, settings: dict, positions):
     return jnp.where(settings["temperature"] > 0, _draw(logits, settings, uniform), greedy)
   tokens = jax.lax.cond(jnp.any(settings["temperature"] > 0), draw, lambda _: greedy, logits)
   tokens = tokens.astype(jnp.int32)
-  chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-  return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
+
+  def logprobs():
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    return chosen - jax.nn.logsumexp(logits, axis=-1)
+  return tokens, jax.lax.cond(jnp.any(settings["logprobs"]), logprobs,
+                              lambda: jnp.full(tokens.shape, jnp.nan, jnp.float32))
