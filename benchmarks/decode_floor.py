@@ -11,8 +11,9 @@ run and in milliseconds per generated token step:
 - jaxpar engine: the same requests through `Engine`, 1 step per call and `--burst` per call;
 - dense floor: the least a step does, in XLA: the same matmuls, RMS norms and attention over
   keys and values already contiguous [batch, heads, 96, 64] (the mean cached length of those
-  64 tokens), a greedy argmax (the engine's) and its log-probability. No rotary embedding,
-  no cache write, no page table, no sampling settings, no host: any real step does more;
+  64 tokens), a greedy argmax (the engine's; it computes log-probabilities only for requests
+  that ask). No rotary embedding, no cache write, no page table, no sampling settings, no
+  host: any real step does more;
 - matmul floor: only the step's matrix multiplies (each layer's q/k/v, o, gate, up and down,
   and the output projection), in XLA, and the same shapes in torch (what transformers runs).
 
@@ -84,8 +85,7 @@ def xla_floors(cfg, batch, repeats):
       x = x + attended.reshape(batch, heads * dim) @ p["o"]
       h = rms(x)
       x = x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
-    logits = rms(x) @ head
-    return argmax(logits), jnp.max(logits, -1) - jax.nn.logsumexp(logits, -1)
+    return argmax(rms(x) @ head)
 
   dense_step, matmul_step = jax.jit(dense), jax.jit(matmuls)
   return (per_call(lambda: dense_step(layers, head, x, keys, values), repeats),

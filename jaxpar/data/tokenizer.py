@@ -54,8 +54,12 @@ class ByteTokenizer:
     return [self.encode_array(t) for t in texts]
 
   def decode(self, ids: Iterable[int]) -> str:
-    arr = np.asarray(ids if hasattr(ids, "__len__") else list(ids), dtype=np.int64).reshape(-1)
     # Special ids carry no bytes; a model may emit a cut-off UTF-8 sequence, so replace.
+    if isinstance(ids, list) and len(ids) < 256:
+      # Generation decodes a few new ids per row and step: 0.6 us this way, 3.2 through
+      # NumPy (0.2 ms of each batch-32 step); NumPy is the faster for long texts.
+      return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace")
+    arr = np.asarray(ids if hasattr(ids, "__len__") else list(ids), dtype=np.int64).reshape(-1)
     return arr[(arr >= 0) & (arr < 256)].astype(np.uint8).tobytes().decode("utf-8", "replace")
 
   def __repr__(self) -> str:
