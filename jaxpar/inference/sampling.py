@@ -156,12 +156,35 @@ def _draw(logits, settings, uniform):
   return jnp.where(filtered & fits, from_top, whole)
 
 
+_ARGMAX_BLOCK = 128
+
+
+def _first_largest(x):
+  """Index of each row's first largest entry (the row's length where none equals its max: a
+  NaN max): a max and then a min over the row, which XLA vectorises on CPU (its argmax and
+  top_k(1) loop, 2-4x slower)."""
+  n = x.shape[-1]
+  return jnp.min(jnp.where(x == jnp.max(x, axis=-1, keepdims=True), jnp.arange(n, dtype=jnp.int32), n), axis=-1)
+
+
 def argmax(logits):
-  """Each row's first largest logit [B]: a max and then a min over the vocabulary, which XLA
-  vectorises on CPU (its argmax and top_k(1) loop over the vocabulary, 2-4x slower)."""
-  vocab = logits.shape[-1]
-  first = jnp.where(logits == jnp.max(logits, axis=-1, keepdims=True), jnp.arange(vocab, dtype=jnp.int32), vocab)
-  return jnp.minimum(jnp.min(first, axis=-1), vocab - 1)  # a row of NaNs matches nothing
+  """Each row's first largest logit [B]. A row holding NaN gets some index in range: which
+  one depends on how the backend's max treats NaN (XLA's CPU reductions skip it).
+
+  One pass over the logits takes the largest of each block of 128; the index search then
+  runs over the block maxima and the one block that holds the row's first largest. On CPU,
+  over [32, 32000] logits, 0.09 against 0.75 ms for the same search over the whole row
+  (which reads the logits twice, the second time into an integer min that XLA's CPU
+  backend does not vectorise)."""
+  batch, vocab = logits.shape
+  padded = jnp.pad(logits, ((0, 0), (0, -vocab % _ARGMAX_BLOCK)), constant_values=-jnp.inf)
+  blocks = padded.reshape(batch, -1, _ARGMAX_BLOCK)
+  # The barrier keeps XLA from fusing the block maxima into both of their uses, which read
+  # every logit twice (0.17 against 0.09 ms).
+  block_max = jax.lax.optimization_barrier(jnp.max(blocks, axis=-1))
+  block = jnp.minimum(_first_largest(block_max), blocks.shape[1] - 1)
+  within = _first_largest(jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0])
+  return jnp.minimum(block * _ARGMAX_BLOCK + within, vocab - 1)  # past the end only with NaN
 
 
 def filtered_probs(logits, settings: dict):
