@@ -45,17 +45,15 @@ class PagedCache:
   def at(self, layer) -> "PagedCache":
     return self.replace(layer=layer)
 
-  def keys_values(self):
-    """This layer's (k, v) pages [kv_heads, num_pages, page_size, head_dim]."""
-    take = lambda x: jax.lax.dynamic_index_in_dim(x, self.layer, keepdims=False)  # noqa: E731
-    return take(self.pages["k"]), take(self.pages["v"])
-
   def update_and_attend(self, q, k, v, context, options, sinks=None):
     """Store k, v [B, T, kv_heads, head_dim] at context.positions, then attend q to
     everything cached up to each query's position -> (out [B, T, heads, head_dim], cache)."""
     cache = write(self, k, v, context.positions)
-    out = pallas_kernels.paged_attention(q, *cache.keys_values(), context.positions, self.page_table,
-                                         sinks=sinks, **options.kernel_args())
+    # The stacked pages and the layer's index: a kernel that reads them in place (CPU decode)
+    # need not copy the layer's pages out first.
+    out = pallas_kernels.paged_attention(q, cache.pages["k"], cache.pages["v"], context.positions,
+                                         self.page_table, layer=self.layer, sinks=sinks,
+                                         **options.kernel_args())
     return out, cache
 
 

@@ -9,7 +9,6 @@ form: queries in latent space against the latent keys, whose first kv_lora_rank 
 are also the values (the decode door's v_cache=None, value_dim).
 """
 
-import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -40,8 +39,7 @@ class LatentPagedCache:
     -> (out [B, T, heads, latent], cache)."""
     pages = kv_cache.scatter(self.pages["latent"], self.layer, self.page_table, k, context.positions)
     cache = self.replace(pages={"latent": pages})
-    layer_pages = jax.lax.dynamic_index_in_dim(pages, self.layer, keepdims=False)
-    out = pallas_kernels.paged_attention(q, layer_pages, None, context.positions, self.page_table,
+    out = pallas_kernels.paged_attention(q, pages, None, context.positions, self.page_table, layer=self.layer,
                                          value_dim=v.shape[-1], sinks=sinks, **options.kernel_args())
     return out, cache
 

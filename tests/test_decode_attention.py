@@ -80,7 +80,7 @@ def test_bad_decode_arguments_name_the_argument():
     paged_decode_attention_gpu(q, k[:, :, :12], v[:, :, :12], lengths, table, interpret=True)
 
 
-@pytest.mark.parametrize("implementation", ["reference", "flash"])
+@pytest.mark.parametrize("implementation", ["reference", "flash", "auto"])  # auto: the C++ kernel on CPU
 def test_pages_before_the_window_are_never_read(implementation):
   """A sliding window narrows each row's page table to the pages it can see: pages before
   the window hold NaN here (as if handed to another sequence) and the output stays the

@@ -1,6 +1,7 @@
-"""The CPU paged decode (keys gathered whole and kept on the left of the product) equals the
+"""XLA's CPU paged decode (keys gathered whole and kept on the left of the product) equals the
 reference, with GQA, windows, soft-capping and an empty sequence; it is what "auto" runs
-on CPU."""
+on CPU where the C++ kernel cannot (JAXPAR_CPU_KERNELS=0 here; tests/test_decode_cpu.py
+checks the kernel)."""
 
 import numpy as np
 import pytest
@@ -13,12 +14,13 @@ from tests.test_decode_attention import OPTIONS, paged_inputs
 
 @pytest.mark.parametrize("options", OPTIONS, ids=["plain", "window_softcap"])
 @pytest.mark.parametrize("group", [1, 4])
-def test_xla_paged_decode_equals_the_reference(options, group):
+def test_xla_paged_decode_equals_the_reference(options, group, monkeypatch):
   q, k, v, lengths, table = paged_inputs(num_heads=2 * group, head_dim=64)
   got = paged_decode_attention_xla(q, k, v, lengths, table, **options)
   want = decode_attention_reference(q, k, v, lengths, page_table=table, **options)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   assert not np.any(got[1]), "an empty sequence attends to nothing"
+  monkeypatch.setenv("JAXPAR_CPU_KERNELS", "0")
   auto = pallas_kernels.decode_attention(q, k, v, lengths, page_table=table, **options)
   np.testing.assert_allclose(auto, want, atol=1e-5, rtol=1e-5)
   if not options:  # with a window "auto" first narrows the table to the window's pages (other sums)

@@ -15,12 +15,13 @@ parallel plan set (`mesh.execution_options`).
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import current_execution_options, logical_shard_map
 from jaxpar.pallas_kernels.attention import context_parallel as cp
-from jaxpar.pallas_kernels.attention import validation
+from jaxpar.pallas_kernels.attention import decode_cpu, validation
 from jaxpar.pallas_kernels.attention.decode_common import visible_pages
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
 from jaxpar.pallas_kernels.attention.blockwise import AttentionOptions
@@ -123,7 +124,7 @@ def _context_parallel(q, k, v, segment_ids, sinks, split, platform, strategy, im
                                        kernel=cp.blockwise_kernel(impl, platform), opts=opts)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_window=None,
+def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, layer=None, sliding_window=None,
                      logit_soft_cap=None, scale=None, sinks=None, implementation="auto",
                      value_dim=None):
   """One new token per sequence against a KV cache with ragged `lengths` -> [B, Hq, Dv].
@@ -131,10 +132,12 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
   q: [B, Hq, D]; lengths: int [B] valid entries (the new token's key included).
   Contiguous cache: k [B, S, Hkv, D], v [B, S, Hkv, Dv]; always the XLA path (a
   bandwidth-bound matrix-vector product). Paged cache: k [Hkv, num_pages, page_size, D],
-  v [.., Dv] with page_table int [B, pages_per_seq]; "auto"/"flash" use the Pallas kernel on
-  TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode). With a sliding window every
-  implementation gets only the pages inside it (`visible_pages`); "auto" on CPU the
-  transpose-free XLA form (decode_xla.py). v_cache None: the values are the first
+  v [.., Dv] with page_table int [B, pages_per_seq]; with `layer` (an int scalar) the pages
+  are stacked over layers [layers, Hkv, ...] and that layer's are read. "auto"/"flash" use
+  the Pallas kernel on TPU/GPU ("flash" on CPU: the TPU kernel in interpret mode); "auto"
+  on CPU the C++ kernel that reads pages in place (decode_cpu.py), or where it cannot run,
+  the transpose-free XLA form (decode_xla.py). With a sliding window every implementation
+  gets only the pages inside it (`visible_pages`). v_cache None: the values are the first
   `value_dim` entries of each key (multi-head latent attention's latent cache, absorbed
   form: queries [B, Hq, latent + rope] against one latent "kv head"). sinks: [Hq] or
   None, as `attention` takes them.
@@ -145,8 +148,18 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
   options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale,
                  value_dim=value_dim)
   if page_table is not None:
-    page_table, start = visible_pages(page_table, lengths[:, None] - 1, k_cache.shape[2], sliding_window)
+    page_table, start = visible_pages(page_table, lengths[:, None] - 1, k_cache.shape[-2], sliding_window)
     lengths = jnp.where(lengths > 0, lengths - start, 0)
+  native = (page_table is not None and implementation == "auto" and platform not in ("tpu", "gpu")
+            and decode_cpu.available(q.dtype, k_cache.dtype))
+  if native:
+    if layer is None:  # one layer's pages: a stack of one (a free reshape)
+      k_cache, v_cache, layer = k_cache[None], None if v_cache is None else v_cache[None], 0
+    return _sharded_decode(decode_cpu.paged_decode_attention_cpu, q, k_cache, v_cache, lengths, page_table,
+                           sinks, options, layer=layer)
+  if layer is not None:
+    take = lambda x: None if x is None else jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)  # noqa: E731
+    k_cache, v_cache = take(k_cache), take(v_cache)
   use_kernel = page_table is not None and (
       implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")))
   if not use_kernel and page_table is not None and implementation == "auto":
@@ -156,22 +169,34 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, sliding_w
                                       sinks=sinks, **options)
   kernel = paged_decode_attention_gpu if platform == "gpu" else paged_decode_attention_tpu
   run = functools.partial(kernel, interpret=interpret(platform), **options)
+  return _sharded_decode(run, q, k_cache, v_cache, lengths, page_table, sinks, {})
+
+
+def _sharded_decode(kernel, q, k_pages, v_pages, lengths, page_table, sinks, options, layer=None):
+  """`kernel` per device over the current mesh: rows over the batch axes, query and kv heads
+  over the same axes; pages (stacked over layers when `layer` is given) shared by the rows."""
   token = ("batch", _HEADS, "head_dim")
   # One kv head (MQA, a latent cache) is never split: every device's query heads read it.
-  pages = _PAGES if k_cache.shape[0] > 1 else (None,) + _PAGES[1:]
-  per_device = lambda q, k, v, n, t, sinks: run(q, k, v, n, t, sinks=sinks)  # noqa: E731
-  return logical_shard_map(per_device, (token, pages, pages, ("batch",), ("batch", None), (_HEADS,)),
-                           token)(q, k_cache, v_cache, lengths, page_table, sinks)
+  pages = _PAGES if k_pages.shape[-4] > 1 else (None,) + _PAGES[1:]
+  if layer is None:
+    per_device = lambda q, k, v, n, t, sinks: kernel(q, k, v, n, t, sinks=sinks, **options)  # noqa: E731
+    return logical_shard_map(per_device, (token, pages, pages, ("batch",), ("batch", None), (_HEADS,)),
+                             token)(q, k_pages, v_pages, lengths, page_table, sinks)
+  stacked = (None, *pages)
+  per_device = lambda q, k, v, i, n, t, sinks: kernel(q, k, v, n, t, i, sinks=sinks, **options)  # noqa: E731
+  return logical_shard_map(per_device, (token, stacked, stacked, (), ("batch",), ("batch", None), (_HEADS,)),
+                           token)(q, k_pages, v_pages, jnp.asarray(layer, jnp.int32), lengths, page_table, sinks)
 
 
-def paged_attention(q, k_pages, v_pages, q_positions, page_table, *, sliding_window=None,
+def paged_attention(q, k_pages, v_pages, q_positions, page_table, *, layer=None, sliding_window=None,
                     logit_soft_cap=None, scale=None, sinks=None, implementation="auto",
                     value_dim=None):
   """New tokens against a paged KV cache that already holds their keys -> [B, T, Hq, Dv].
 
   q: [B, T, Hq, D] at q_positions int [B, T] (negative: padding, output 0); each query
   sees the cached keys at positions 0..its own. Pages: k [Hkv, num_pages, page_size, D],
-  v [.., Dv], or None with `value_dim` (the keys' first entries: a latent cache);
+  v [.., Dv], or None with `value_dim` (the keys' first entries: a latent cache), or with
+  `layer` (an int scalar) both stacked over layers [layers, Hkv, ...] and that layer's read;
   page_table: int [B, pages_per_seq]. One token per sequence (decode) goes to
   `decode_attention` and its kernels; several (prefill) to the reference over the pages
   (only those inside a sliding window: positions contiguous per row).
@@ -181,8 +206,11 @@ def paged_attention(q, k_pages, v_pages, q_positions, page_table, *, sliding_win
                  value_dim=value_dim, sinks=sinks)
   if q.shape[1] == 1:
     lengths = jnp.maximum(q_positions[:, 0] + 1, 0)
-    return decode_attention(q[:, 0], k_pages, v_pages, lengths, page_table=page_table,
+    return decode_attention(q[:, 0], k_pages, v_pages, lengths, page_table=page_table, layer=layer,
                             implementation=implementation, **options)[:, None]
+  if layer is not None:
+    k_pages, v_pages = (None if x is None else jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+                        for x in (k_pages, v_pages))
   page_table, start = visible_pages(page_table, q_positions, k_pages.shape[2], sliding_window)
   q_positions = jnp.where(q_positions >= 0, q_positions - start[:, None], -1)
   return paged_attention_reference(q, k_pages, v_pages, q_positions, page_table, **options)
