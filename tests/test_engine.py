@@ -101,6 +101,61 @@ def test_preemption_recomputes_the_same_tokens():
   assert engine.pool.free == engine.pool.num_pages
 
 
+def test_running_ahead_gives_the_tokens_of_one_step_at_a_time(one_device):
+  """Steps dispatched before the last one's tokens are read (run_ahead) give the same tokens
+  as reading every step first, while requests stop on a token at different steps (their
+  pages freed with a step still writing to them, and taken by others), and new ones arrive
+  mid-way; and the engine did run ahead."""
+  engine = one_device
+  prompts = _prompts([5, 12, 20, 9, 30, 3], seed=4)
+  free = engine.generate(prompts, SamplingParams(max_tokens=16, **NO_STOP))
+  # Each request stops on a token it would generate at a different step (if it appears earlier, there).
+  settings = [SamplingParams(max_tokens=16, temperature=0.8 * (i % 2), seed=i,
+                             stop_token_ids=(result.tokens[3 + 2 * i] if 3 + 2 * i < 16 else 0,))
+              for i, result in enumerate(free)]
+
+  def run():
+    requests = [engine.submit(p, s) for p, s in zip(prompts[:4], settings[:4])]
+    steps = 0
+    while any(r.finish_reason is None for r in requests):
+      engine.step()
+      steps += 1
+      if steps == 6:  # two more arrive while the first four run
+        requests += [engine.submit(p, s) for p, s in zip(prompts[4:], settings[4:])]
+    return [(r.generated, r.finish_reason) for r in requests]
+  before = engine.stats["decode_steps_ahead"]
+  ahead = run()
+  assert engine.stats["decode_steps_ahead"] > before
+  engine.run_ahead = False
+  try:
+    assert run() == ahead
+  finally:
+    engine.run_ahead = True
+  assert sum(reason == "stop" for _, reason in ahead) >= 3
+  assert engine.pool.free == engine.pool.num_pages and not any(engine.slots)
+
+
+def test_requests_arriving_while_a_step_runs_ahead_can_preempt_its_rows():
+  """A request that arrives while a step runs ahead, and whose prompt takes pages from a
+  running row (preempting it), gets its tokens, and so does the preempted row: the same as
+  each alone."""
+  engine = _engine({"fsdp": 1}, jax.devices()[:1], num_pages=14)
+  prompts = _prompts([30, 20, 60], seed=5)
+  settings = SamplingParams(max_tokens=30, temperature=0.7, seed=6, **NO_STOP)
+  requests = [engine.submit(p, settings) for p in prompts[:2]]
+  steps = 0
+  while any(r.finish_reason is None for r in requests):
+    engine.step()
+    steps += 1
+    if steps == 5:
+      assert engine._ahead is not None, "the first two run ahead before the others arrive"
+      requests.append(engine.submit(prompts[2], settings))
+  assert engine.stats["preemptions"] > 0
+  alone = [engine.generate([p], settings)[0].tokens for p in prompts]
+  assert [r.generated for r in requests] == alone
+  assert engine.pool.free == engine.pool.num_pages
+
+
 def test_no_recompiles_after_warm_up(one_device):
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(

@@ -1,7 +1,8 @@
 """The generation engine: continuous batching over a paged KV cache.
 
 A fixed number of slots decode together, one token each per step (one compiled program;
-on CPU, one per page-table width: `pages.table_widths`).
+on CPU, one per page-table width: `pages.table_widths`); while nothing else happens, each
+step is dispatched before the previous one's tokens are read (decode_batch.py).
 Between steps, waiting requests take free slots and their prompts are written into the
 cache a chunk at a time (a few compiled chunk lengths), a bounded number of prompt tokens
 per step, so a long prompt never stalls the running decodes for its whole prefill. Prompts
@@ -24,11 +25,12 @@ import numpy as np
 
 from jaxpar.errors import ConfigError
 from jaxpar.inference import processing
+from jaxpar.inference.decode_batch import DecodeBatch, DecodeCalls
 from jaxpar.inference.pages import PagePool, page_table_rows, table_widths
 from jaxpar.inference.prefix_cache import PrefixSharing
 from jaxpar.inference.programs import Programs, burst_kind, program_key
 from jaxpar.inference.requests import Completion, Request, TokenEvent, check_tokens
-from jaxpar.inference.sampling import GREEDY, RequestError, SamplingParams, row_arrays
+from jaxpar.inference.sampling import GREEDY, RequestError, SamplingParams
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import caches, kv_cache, kv_reach, local_window
 from jaxpar.models.kv_quant import KVQuantization
@@ -36,7 +38,7 @@ from jaxpar.models.kv_quant import KVQuantization
 DEFAULT_CHUNKS = (16, 64, 256)
 
 
-class Engine:
+class Engine(DecodeCalls):
   """Generate from a model on a device mesh (`Engine.from_checkpoint` to load one).
 
   slots: sequences decoded together; max_seq_len: longest prompt + completion (default the
@@ -55,6 +57,9 @@ class Engine:
   decode_burst: decode steps run in one device call (`programs.burst_kind`) while no request
   waits, prefills, adjusts logits or has yet to stream its first token: the host round trip
   and dispatch once per K tokens, the same tokens, streamed K at a time.
+  run_ahead: while nothing can change between single decode steps, dispatch the next step
+  before reading this one's tokens (`decode_batch.py`): the host's work on them overlaps
+  the device's next step; the same tokens, streamed as they come.
   adapters: the names of the LoRA adapters stacked in `params` (model.lora.stacked, slots 1..n;
   `adapters.py` builds them); a request names one (`submit(..., adapter=NAME)`) or gets the base.
   """
@@ -63,12 +68,14 @@ class Engine:
                max_seq_len: int | None = None, page_size: int = 16, num_pages: int | None = None,
                prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
                kv_cache: str | None = None, echo=None, compile_extras: bool = False,
-               prefix_caching: bool = True, adapters: tuple[str, ...] = (), decode_burst: int = 1):
+               prefix_caching: bool = True, adapters: tuple[str, ...] = (), decode_burst: int = 1,
+               run_ahead: bool = True):
     cfg = runtime.model_config
     self.adapters = tuple(adapters)  # one name per stacked adapter (adapters.py builds both)
     if decode_burst < 1:
       raise ConfigError(f"decode_burst={decode_burst} must be >= 1 (1: one decode step per call)")
-    self.decode_burst = decode_burst
+    self.decode_burst, self.run_ahead = decode_burst, run_ahead
+    self._ahead: DecodeBatch | None = None  # a decode step dispatched and not yet read
     runtime.plan.check_generation()
     self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
     self.model_state = model_state if model_state is not None else {}
@@ -214,6 +221,9 @@ class Engine:
     events = []
     while not self._inbox.empty():
       self.waiting.append(self._inbox.get())
+    if self._ahead is not None and self.waiting:  # the batch will change: take the step in flight first
+      batch, self._ahead = self._ahead, None
+      events += self._accept(batch)
     for request in [r for r in [*self.waiting, *self.slots] if r is not None and r.cancelled]:
       events.append(self._end(request, "cancelled"))
     for i, slot in enumerate(self.slots):
@@ -296,63 +306,6 @@ class Engine:
     processing.record_prompt_logprobs(group, positions, *outputs[:-1])
     return rows * chunk
 
-  def _burst_length(self) -> int:
-    """Decode steps the next call runs: `decode_burst` when nothing can change between them
-    (no request waiting or prefilling, none that adjusts logits or has yet to stream its
-    first token, each with that many tokens still to go and their pages free), else 1."""
-    steps, running = self.decode_burst, [r for r in self.slots if r is not None]
-    if steps == 1 or self.pending or any(r.prefilling or r.cancelled or r.sampling.processed or not r.generated
-                                         or r.sampling.max_tokens - len(r.generated) < steps
-                                         or r.length + steps - 1 > self.max_seq_len for r in running):
-      return 1
-    need = sum(max(self.pool.pages_for(r.length + steps - 1) - len(r.pages), 0) for r in running)
-    return steps if need <= self.pool.free else 1
-
-  def _decode(self) -> list:
-    steps = self._burst_length()
-    for request in sorted((r for r in self.slots if r is not None and not r.prefilling),
-                          key=lambda r: r.arrival):
-      if request in self.slots:  # not preempted by an older request's growth
-        self._reserve(request, request.length + steps - 1)
-    rows = [r if r is not None and not r.prefilling else None for r in self.slots]
-    tokens = np.zeros((len(rows), 1), np.int32)
-    positions = np.full((len(rows), 1), -1, np.int32)
-    for i, request in enumerate(rows):
-      if request is not None:
-        tokens[i, 0], positions[i, 0] = request.last_token, request.length - 1
-    longest = max(len(r.pages) for r in rows if r is not None)
-    table = page_table_rows([r.pages if r else [] for r in rows],
-                            next(w for w in self.step_widths if w >= longest), self.pool.num_pages)
-    settings = row_arrays([r.sampling if r else None for r in rows])
-    slots = np.arange(len(rows), dtype=np.int32)
-    top = None
-    if any(r is not None and r.sampling.processed for r in rows):
-      extras = processing.extras_arrays(rows, self.runtime.model_config.vocab_size, self.max_seq_len)
-      next_tokens, logprobs, top_ids, top_logprobs, self.cache = self._run(
-          "step_processed", tokens, positions, table, slots, settings, extras)
-      top = zip(np.asarray(top_ids).tolist(), np.asarray(top_logprobs).tolist())
-      top = [list(zip(ids, lps)) for ids, lps in top]
-    else:
-      next_tokens, logprobs, self.cache = self._run("step" if steps == 1 else "burst", tokens, positions,
-                                                    table, slots, settings)
-    # [rows, steps]: a burst's later tokens for a request that ended earlier in it are dropped.
-    next_tokens = np.asarray(next_tokens).reshape(len(rows), steps).tolist()
-    logprobs = np.asarray(logprobs).reshape(len(rows), steps).tolist()
-    events = []
-    for i, request in enumerate(rows):
-      for token, logprob in zip(next_tokens[i], logprobs[i]):
-        if request is None or request.finish_reason is not None:
-          break
-        request.cached = request.length
-        self.sharing.publish(request)
-        event = request.accept(token, logprob, self.tokenizer.decode, self.max_seq_len, top[i] if top else None)
-        if request.finish_reason is not None:
-          self._free(request)
-        events.append(self._deliver(request, event))
-    self.stats["decode_steps"] += steps
-    self.stats["decode_bursts"] += int(steps > 1)
-    return events
-
   def reset(self) -> list[Request]:
     """After a failed step: end every request in flight ("error"), free every page, and
     rebuild the cache if the failure consumed its buffers. Returns the ended requests."""
@@ -364,6 +317,7 @@ class Engine:
       self.pool.release(request.pages)
     self.slots = [None] * len(self.slots)
     self.waiting.clear()
+    self._ahead = None
     if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
       self.cache = self._empty_cache(*self._cache_layout)
     return ended

@@ -34,6 +34,14 @@ def _step(graphdef, kv, params, model_state, cache, tokens, positions, page_tabl
   return next_tokens, logprobs, cache
 
 
+def _single_step(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings):
+  """One decode step with tokens and log-probabilities [B, 1]: its tokens are the next step's
+  input as they are (the engine's run-ahead feeds them back without the host)."""
+  next_tokens, logprobs, cache = _step(graphdef, kv, params, model_state, cache, tokens, positions, page_table,
+                                       rows, settings)
+  return next_tokens[:, None], logprobs[:, None], cache
+
+
 def _fill(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows):
   return nnx.merge(graphdef, params, model_state).prefill_cache(tokens, positions, cache, page_table,
                                                                 kv_quantization=kv, tail_index=rows)
@@ -76,7 +84,7 @@ def burst_kind(steps: int) -> Kind:
   return Kind(burst, settings_extra, ("rows", "rows"))
 
 
-KINDS = {"step": Kind(_step, settings_extra, ("rows", "rows")),
+KINDS = {"step": Kind(_single_step, settings_extra, ("rows", "rows")),
          "fill": Kind(_fill)}
 
 
