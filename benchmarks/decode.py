@@ -42,17 +42,17 @@ def best(fn, repeats):
   return min(times)
 
 
-def engine_for(model_cfg, slots, prompt, new, seed=0, decode_burst=1):
+def engine_for(model_cfg, slots, prompt, new, seed=0, **options):
+  """An engine for `slots` requests of `prompt` + `new` tokens; `options` go to Engine."""
   runtime = Runtime(model_cfg, MeshConfig(fsdp=1), jax.devices()[:1], seed=seed)
   params, model_state = runtime.init()
   return Engine(runtime, params, ByteTokenizer(), model_state=model_state, slots=slots,
-                max_seq_len=prompt + new + 8, page_size=16, prefill_chunks=(prompt,),
-                decode_burst=decode_burst)
+                max_seq_len=prompt + new + 8, page_size=16, prefill_chunks=(prompt,), **options)
 
 
-def jaxpar_generate(model_cfg, batch, prompts, new, decode_burst=1):
+def jaxpar_generate(model_cfg, batch, prompts, new, decode_burst=1, **options):
   """run(n): the engine generating n tokens for each prompt."""
-  engine = engine_for(model_cfg, batch, len(prompts[0]), new, decode_burst=decode_burst)
+  engine = engine_for(model_cfg, batch, len(prompts[0]), new, decode_burst=decode_burst, **options)
   return lambda n: engine.generate(prompts, SamplingParams(max_tokens=n, stop_token_ids=()))
 
 
