@@ -87,6 +87,30 @@ def test_gpu_decode_lowers_for_cuda():
   args = (jax.ShapeDtypeStruct((4, 16, 128), jnp.bfloat16), pages, pages,
           jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4, 8), jnp.int32))
   assert _export_cuda(lambda *a: paged_decode_attention_gpu(*a, sliding_window=64), *args) == 1
+  stacked = jax.ShapeDtypeStruct((6, 4, 40, 16, 128), jnp.bfloat16)  # 6 layers: one read by index
+  layer_args = (args[0], stacked, stacked, *args[3:], jax.ShapeDtypeStruct((), jnp.int32))
+  assert _export_cuda(lambda q, k, v, n, t, i: paged_decode_attention_gpu(q, k, v, n, t, layer=i),
+                      *layer_args) == 1
+
+
+@pytest.mark.tpu
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
+def test_tpu_paged_decode_reads_its_layer_of_the_stacked_cache_in_place():
+  """Through the door with the engine's stacked cache and a layer index, the TPU decode
+  kernel fetches that layer's pages from the stack: no copy of the layer's pages (8 MiB per
+  device here; a real server's pool is gigabytes) before the kernel, as slicing the layer
+  out first made (a dynamic-slice fusion for k and for v)."""
+  mesh = _topology_mesh("v5e:2x2")
+  sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+  batch = mesh.shape["data"]
+  pool = sds((8, 2, 2048, 16, 128), jnp.bfloat16, P(None, "tensor"))
+  with jax.set_mesh(mesh):
+    decode = jax.jit(lambda q, k, v, t, p, i: pallas_kernels.paged_attention(q, k, v, p, t, layer=i))
+    compiled = decode.lower(sds((batch, 1, 8, 128), jnp.bfloat16, P("data", None, "tensor")), pool, pool,
+                            sds((batch, 64), jnp.int32, P("data")), sds((batch, 1), jnp.int32, P("data")),
+                            jax.ShapeDtypeStruct((), jnp.int32)).compile()
+  hlo = compiled.as_text()
+  assert "tpu_custom_call" in hlo and "dynamic-slice" not in hlo
 
 
 @pytest.mark.tpu

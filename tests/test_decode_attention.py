@@ -40,6 +40,17 @@ def test_paged_kernel_interpret(kernel, options, group):
   assert not np.any(got[1]), "an empty sequence attends to nothing"
 
 
+@pytest.mark.parametrize("kernel", KERNELS, ids=["tpu", "gpu"])
+def test_paged_kernel_reads_one_layer_of_a_stacked_pool(kernel):
+  """With `layer`, a kernel reads that layer of pages stacked over layers (the others hold
+  NaN here: reading them would show), as the engine's stacked cache passes them."""
+  q, k, v, lengths, table = paged_inputs(num_heads=4)
+  stack = lambda x: jnp.full((3, *x.shape), jnp.nan, x.dtype).at[2].set(x)  # noqa: E731
+  got = kernel(q, stack(k), stack(v), lengths, table, layer=jnp.int32(2), interpret=True)
+  want = decode_attention_reference(q, k, v, lengths, page_table=table)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_paged_kernel_bf16():
   q, k, v, lengths, table = paged_inputs(dtype=jnp.bfloat16)
   got = paged_decode_attention_tpu(q, k, v, lengths, table, interpret=True)

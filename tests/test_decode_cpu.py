@@ -45,7 +45,7 @@ def test_kernel_equals_the_reference(case):
     options = dict(options, sinks=jnp.linspace(-1.0, 2.0, q.shape[1]))
   want = decode_attention_reference(q, k, v, lengths, page_table=table, **options)
   got = decode_cpu.paged_decode_attention_cpu(q, stacked(k), None if v is None else stacked(v), lengths,
-                                              table, 1, **options)
+                                              table, layer=1, **options)
   assert got.shape == want.shape and got.dtype == q.dtype
   np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
   assert not np.any(np.asarray(got[1])), "an empty sequence attends to nothing"
@@ -53,7 +53,7 @@ def test_kernel_equals_the_reference(case):
 
 def test_bfloat16_pages():
   q, k, v, lengths, table = paged_inputs(dtype=jnp.bfloat16)
-  got = decode_cpu.paged_decode_attention_cpu(q, k[None], v[None], lengths, table, 0)
+  got = decode_cpu.paged_decode_attention_cpu(q, k, v, lengths, table)  # one layer's pages
   up = lambda x: x.astype(jnp.float32)  # noqa: E731
   want = decode_attention_reference(up(q), up(k), up(v), lengths, page_table=table)
   assert got.dtype == jnp.bfloat16

@@ -1,5 +1,7 @@
-"""Pieces shared by the paged attention paths: which cache pages a sequence can see, and checks."""
+"""Pieces shared by the paged attention paths: which cache pages a sequence can see, the
+layer a decode kernel reads, and checks."""
 
+import jax
 import jax.numpy as jnp
 
 from jaxpar.errors import UserError
@@ -44,6 +46,18 @@ def clamp_page(j, length, page_size, sliding_window):
   """Page to fetch at step j: dead steps re-use a live page, so no new DMA is issued."""
   first, last = live_pages(length, page_size, sliding_window)
   return jnp.minimum(jnp.maximum(j, first), jnp.maximum(last, 0))
+
+
+def stacked_inputs(q, k_pages, v_pages, lengths, page_table, layer, value_dim=None, sinks=None):
+  """A decode kernel's pages as a pool stacked over layers [layers, Hkv, num_pages,
+  page_size, D], read by the layer's index [1] int32 (slicing a layer out first would copy
+  it), checked (`check_decode_args`) -> (k, v, layer, the values' head dim). layer None:
+  the pages are one layer's, made a stack of one (a free reshape)."""
+  if layer is None:
+    k_pages, v_pages, layer = k_pages[None], None if v_pages is None else v_pages[None], 0
+  one_layer = lambda pages: None if pages is None else jax.ShapeDtypeStruct(pages.shape[1:], pages.dtype)  # noqa: E731
+  value_dim = check_decode_args(q, one_layer(k_pages), one_layer(v_pages), lengths, page_table, value_dim, sinks)
+  return k_pages, v_pages, jnp.asarray(layer, jnp.int32).reshape(1), value_dim
 
 
 def check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim=None, sinks=None) -> int:

@@ -5,8 +5,9 @@ XLA's own form (decode_xla.py) gathers every row's pages into a contiguous copy 
 and step and multiplies them in many tiny batched dots. The kernel reads each key and
 value once, in one pass with an online softmax: the bench-20m batch-32 decode step took
 8.46 against 10.22 ms with XLA's form (10th percentiles of 300 alternating calls of the
-engine's compiled step; `benchmarks/decode_floor.py` shows both in whole generations). It takes the pool stacked over layers with the layer's index, since
-slicing one layer out first would make XLA copy the layer's whole pool. Same function as
+engine's compiled step; `benchmarks/decode_floor.py` shows both in whole generations).
+Like the Pallas decode kernels, it reads a layer of the pool stacked over layers by the
+layer's index (`decode_common.stacked_inputs`). Same function as
 `decode_attention_reference`, to float rounding (tests compare them).
 
 `available()` says whether the kernel can run here (native.load builds it on first use);
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.pallas_kernels import native
+from jaxpar.pallas_kernels.attention import decode_common
 
 _SOURCE = Path(__file__).with_name("decode_cpu.cc")
 _TARGET = "JaxparPagedDecodeAttention"
@@ -33,21 +35,23 @@ def available(q_dtype, cache_dtype) -> bool:
           and native.load(_SOURCE, (_TARGET,)))
 
 
-def paged_decode_attention_cpu(q, k_pages, v_pages, lengths, page_table, layer, *, sliding_window=None,
+def paged_decode_attention_cpu(q, k_pages, v_pages, lengths, page_table, *, layer=None, sliding_window=None,
                                logit_soft_cap=None, scale=None, value_dim=None, sinks=None):
-  """q [B, Hq, D]; k pages stacked [layers, Hkv, num_pages, page_size, D], v pages [.., Dv]
-  or None with `value_dim` (the keys' first entries: a latent cache); layer: int scalar;
-  lengths [B] (the new token's key included); page_table [B, n]; sinks [Hq] or None
-  -> [B, Hq, Dv] in q's dtype (the pages' too: `available`); length 0 gets 0."""
+  """q [B, Hq, D]; k pages [Hkv, num_pages, page_size, D], v pages [.., Dv] or None with
+  `value_dim` (the keys' first entries: a latent cache); with `layer` (an int scalar) both
+  stacked over layers [layers, Hkv, ...] and that layer's read; lengths [B] (the new
+  token's key included); page_table [B, n]; sinks [Hq] or None -> [B, Hq, Dv] in q's dtype
+  (the pages' too: `available`); length 0 gets 0."""
   if not native.load(_SOURCE, (_TARGET,)):
     raise RuntimeError("the CPU decode attention kernel could not be built here (the warning above says why); "
                        "pallas_kernels.decode_attention falls back to XLA's form by itself")
+  k_pages, v_pages, layer, value_dim = decode_common.stacked_inputs(q, k_pages, v_pages, lengths, page_table, layer,
+                                                                    value_dim, sinks)
   batch, q_heads, head_dim = q.shape
   values = k_pages if v_pages is None else v_pages
-  value_dim = values.shape[-1] if value_dim is None else value_dim
   call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((batch, q_heads, value_dim), q.dtype),
                           vmap_method="sequential")
-  return call(q, k_pages, values, jnp.asarray(layer, jnp.int32).reshape(1), lengths.astype(jnp.int32),
+  return call(q, k_pages, values, layer, lengths.astype(jnp.int32),
               page_table.astype(jnp.int32),
               jnp.zeros((q_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
               scale=np.float32(head_dim ** -0.5 if scale is None else scale),

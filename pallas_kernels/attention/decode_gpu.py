@@ -1,7 +1,8 @@
 """Paged decode attention for GPU (Pallas Triton): one new token per sequence, ragged lengths.
 
 Grid (batch, kv_head). Each program walks only the live pages of its sequence
-through the page table; all query heads of the kv head share each loaded page
+through the page table, in its layer of a pool stacked over layers (slicing the layer out
+first would copy it); all query heads of the kv head share each loaded page
 (GQA). Decode is memory-bound, so the [group, page] products use vector units,
 which also lifts Triton's 16-row minimum for matmuls. Triton tiles are powers of two, so
 a head dim that is not one (576: multi-head latent attention's latent plus its rotary
@@ -43,14 +44,14 @@ def power_of_two_pieces(dim: int) -> tuple[tuple[int, int], ...]:
   return tuple(pieces)
 
 
-def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *, st):
-  length = lengths_ref[0]
+def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *, st):
+  layer, length = layer_ref[0], lengths_ref[0]
   qs = [q_ref[:, pl.ds(start, size)].astype(jnp.float32) for start, size in st.pieces]  # [group, piece]
 
   def step(j, carry):
     m, l, acc = carry
     page = table_ref[j]
-    s = sum(jnp.sum(q[:, None, :] * k_ref[page, :, pl.ds(start, size)].astype(jnp.float32)[None], axis=-1)
+    s = sum(jnp.sum(q[:, None, :] * k_ref[layer, page, :, pl.ds(start, size)].astype(jnp.float32)[None], axis=-1)
             for q, (start, size) in zip(qs, st.pieces)) * st.scale
     k_pos = j * st.page_size + jnp.arange(st.page_size)[None, :]
     mask = masking.token_mask(length - 1, k_pos, causal=True, sliding_window=st.sliding_window,
@@ -60,7 +61,7 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *, st
     p = jnp.exp(s - m_next[:, None])
     alpha = jnp.exp(m - m_next)
     values = k_ref if v_ref is None else v_ref  # no v pages: the latent keys hold the values
-    v = values[page, :, pl.ds(0, st.value_dim)].astype(jnp.float32)
+    v = values[layer, page, :, pl.ds(0, st.value_dim)].astype(jnp.float32)
     pv = jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
     return m_next, alpha * l + p.sum(axis=1), alpha[:, None] * acc + pv
 
@@ -75,15 +76,17 @@ def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *, st
   o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
 
 
-def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, sliding_window=None,
+def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, layer=None, sliding_window=None,
                                logit_soft_cap=None, scale=None, value_dim=None, sinks=None,
                                interpret=False):
   """q: [B, Hq, D]; k_pages: [Hkv, num_pages, page_size, D]; v_pages: [.., Dv], or None with
-  `value_dim` (the keys' first value_dim entries); lengths: [B]; page_table: [B, n];
-  sinks: [Hq] or None -> [B, Hq, Dv]."""
-  value_dim = decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim, sinks)
+  `value_dim` (the keys' first value_dim entries); with `layer` (an int scalar) both
+  stacked over layers [layers, Hkv, ...] and that layer's read; lengths: [B]; page_table:
+  [B, n]; sinks: [Hq] or None -> [B, Hq, Dv]."""
+  k_pages, v_pages, layer, value_dim = decode_common.stacked_inputs(q, k_pages, v_pages, lengths, page_table, layer,
+                                                                    value_dim, sinks)
   batch, num_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = k_pages.shape
+  num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
   for name, n in (("q heads per kv head", group), ("page_size", page_size), ("value head_dim", value_dim)):
     if n & (n - 1):
@@ -92,14 +95,16 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, slid
                scale=head_dim ** -0.5 if scale is None else scale, page_size=page_size,
                pieces=power_of_two_pieces(head_dim), value_dim=value_dim)
   q_spec, o_spec = (pl.BlockSpec((None, None, group, d), lambda b, h: (b, h, 0, 0)) for d in (head_dim, value_dim))
-  k_spec, v_spec = (pl.BlockSpec((None, num_pages, page_size, d), lambda b, h: (h, 0, 0, 0))
+  # Every layer's pages of kv head h: the kernel indexes the layer (block shapes are static).
+  k_spec, v_spec = (pl.BlockSpec((num_layers, None, num_pages, page_size, d), lambda b, h: (0, h, 0, 0, 0))
                     for d in (head_dim, value_dim))
   v_spec = None if v_pages is None else v_spec  # latent: values are read from the key pages
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
   out = pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid=(batch, num_kv_heads),
-      in_specs=[pl.BlockSpec((1,), lambda b, h: (b,)),
+      in_specs=[pl.BlockSpec((1,), lambda b, h: (0,)),  # the layer
+                pl.BlockSpec((1,), lambda b, h: (b,)),
                 pl.BlockSpec((None, page_table.shape[1]), lambda b, h: (b, 0)),
                 q_spec, k_spec, v_spec,
                 None if sinks is None else pl.BlockSpec((group,), lambda b, h: (h,))],  # kv head h's
@@ -109,6 +114,6 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, slid
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
       name="paged_decode_attention",
-  )(lengths.astype(jnp.int32), page_table.astype(jnp.int32), qg, k_pages, v_pages,
+  )(layer, lengths.astype(jnp.int32), page_table.astype(jnp.int32), qg, k_pages, v_pages,
     None if sinks is None else sinks.astype(jnp.float32))
   return out.reshape(batch, num_heads, value_dim)

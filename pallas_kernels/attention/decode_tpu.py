@@ -1,7 +1,9 @@
 """Paged decode attention for TPU (Mosaic): one new token per sequence, ragged lengths.
 
-Grid (batch, kv_head, page). The page table and lengths are scalar-prefetched into
-SMEM so the K/V index maps can fetch the right page; steps past a sequence's end
+Grid (batch, kv_head, page). The layer's index, the page table and lengths are
+scalar-prefetched into SMEM so the K/V index maps fetch the right page of the right layer
+straight from a pool stacked over layers (slicing the layer out first would copy it);
+steps past a sequence's end
 re-use the last live page (no DMA) and skip compute. All query heads of a kv head
 form one [group, head_dim] tile, so GQA reads each page once. Values may have their own
 head dim, or be the first `value_dim` entries of each key (multi-head latent attention's
@@ -35,7 +37,7 @@ class _Static:
   value_dim: int
 
 
-def _kernel(lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, m_scr, l_scr, acc_scr, *, st):
+def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, m_scr, l_scr, acc_scr, *, st):
   b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = lengths_ref[b]
 
@@ -85,7 +87,7 @@ def _cost(q, k_pages, pages_per_seq, value_dim, shared_values):
   """At full context (every page of the table live; shorter sequences skip pages): two
   matmuls over all cached keys, one exp per score, each K/V page read once per sequence."""
   batch, num_heads, head_dim = q.shape
-  num_kv_heads, _, page_size, _ = k_pages.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape[-4:]
   keys = pages_per_seq * page_size
   scores = batch * num_heads * keys
   per_key = head_dim + (0 if shared_values else value_dim)
@@ -95,15 +97,17 @@ def _cost(q, k_pages, pages_per_seq, value_dim, shared_values):
                          + batch * num_heads * value_dim * q.dtype.itemsize)
 
 
-def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, sliding_window=None,
+def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, layer=None, sliding_window=None,
                                logit_soft_cap=None, scale=None, value_dim=None, sinks=None,
                                interpret=False):
   """q: [B, Hq, D]; k_pages: [Hkv, num_pages, page_size, D]; v_pages: [.., Dv], or None with
-  `value_dim` (the keys' first value_dim entries); lengths: [B]; page_table: [B, n];
-  sinks: [Hq] or None -> [B, Hq, Dv]."""
-  value_dim = decode_common.check_decode_args(q, k_pages, v_pages, lengths, page_table, value_dim, sinks)
+  `value_dim` (the keys' first value_dim entries); with `layer` (an int scalar) both
+  stacked over layers [layers, Hkv, ...] and that layer's read; lengths: [B]; page_table:
+  [B, n]; sinks: [Hq] or None -> [B, Hq, Dv]."""
+  k_pages, v_pages, layer, value_dim = decode_common.stacked_inputs(q, k_pages, v_pages, lengths, page_table, layer,
+                                                                    value_dim, sinks)
   batch, num_heads, head_dim = q.shape
-  num_kv_heads, _, page_size, _ = k_pages.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape[1:]
   if page_size % 8:
     raise UserError(f"page_size={page_size} must be a multiple of 8 for the TPU decode kernel")
   group = num_heads // num_kv_heads
@@ -112,19 +116,19 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, slid
                scale=head_dim ** -0.5 if scale is None else scale, page_size=page_size,
                pages_per_seq=pages_per_seq, value_dim=value_dim)
 
-  def page_index(b, h, j, lengths_ref, table_ref):
+  def page_index(b, h, j, layer_ref, lengths_ref, table_ref):
     page = decode_common.clamp_page(j, lengths_ref[b], page_size, sliding_window)
-    return (h, table_ref[b * pages_per_seq + page], 0, 0)
+    return (layer_ref[0], h, table_ref[b * pages_per_seq + page], 0, 0)
 
   q_spec, o_spec = (pl.BlockSpec((None, None, group, d), lambda b, h, j, *_: (b, h, 0, 0))
                     for d in (head_dim, value_dim))
-  k_spec = pl.BlockSpec((None, None, page_size, head_dim), page_index)
-  v_spec = None if v_pages is None else pl.BlockSpec((None, None, page_size, value_dim), page_index)
+  k_spec = pl.BlockSpec((None, None, None, page_size, head_dim), page_index)
+  v_spec = None if v_pages is None else pl.BlockSpec((None, None, None, page_size, value_dim), page_index)
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
   out = pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
+          num_scalar_prefetch=3,
           grid=(batch, num_kv_heads, pages_per_seq),
           in_specs=[q_spec, k_spec, v_spec,
                     None if sinks is None else pl.BlockSpec(memory_space=pltpu.SMEM)],
@@ -139,6 +143,6 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, slid
       cost_estimate=_cost(q, k_pages, pages_per_seq, value_dim, v_pages is None),
       interpret=interpret,
       name="paged_decode_attention",
-  )(lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages,
+  )(layer, lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages,
     None if sinks is None else sinks.astype(jnp.float32))
   return out.reshape(batch, num_heads, value_dim)

@@ -152,40 +152,38 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, layer=Non
     lengths = jnp.where(lengths > 0, lengths - start, 0)
   native = (page_table is not None and implementation == "auto" and platform not in ("tpu", "gpu")
             and decode_cpu.available(q.dtype, k_cache.dtype))
-  if native:
-    if layer is None:  # one layer's pages: a stack of one (a free reshape)
-      k_cache, v_cache, layer = k_cache[None], None if v_cache is None else v_cache[None], 0
-    return _sharded_decode(decode_cpu.paged_decode_attention_cpu, q, k_cache, v_cache, lengths, page_table,
-                           sinks, options, layer=layer)
+  use_kernel = page_table is not None and (
+      implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")))
+  if native or use_kernel:
+    if native:
+      kernel = decode_cpu.paged_decode_attention_cpu
+    else:
+      pallas = paged_decode_attention_gpu if platform == "gpu" else paged_decode_attention_tpu
+      kernel = functools.partial(pallas, interpret=interpret(platform))
+    return _sharded_decode(functools.partial(kernel, **options), q, k_cache, v_cache, lengths, page_table,
+                           sinks, layer)
   if layer is not None:
     take = lambda x: None if x is None else jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)  # noqa: E731
     k_cache, v_cache = take(k_cache), take(v_cache)
-  use_kernel = page_table is not None and (
-      implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")))
-  if not use_kernel and page_table is not None and implementation == "auto":
+  if page_table is not None and implementation == "auto":
     return paged_decode_attention_xla(q, k_cache, v_cache, lengths, page_table, sinks=sinks, **options)
-  if not use_kernel:
-    return decode_attention_reference(q, k_cache, v_cache, lengths, page_table=page_table,
-                                      sinks=sinks, **options)
-  kernel = paged_decode_attention_gpu if platform == "gpu" else paged_decode_attention_tpu
-  run = functools.partial(kernel, interpret=interpret(platform), **options)
-  return _sharded_decode(run, q, k_cache, v_cache, lengths, page_table, sinks, {})
+  return decode_attention_reference(q, k_cache, v_cache, lengths, page_table=page_table,
+                                    sinks=sinks, **options)
 
 
-def _sharded_decode(kernel, q, k_pages, v_pages, lengths, page_table, sinks, options, layer=None):
+def _sharded_decode(kernel, q, k_pages, v_pages, lengths, page_table, sinks, layer):
   """`kernel` per device over the current mesh: rows over the batch axes, query and kv heads
-  over the same axes; pages (stacked over layers when `layer` is given) shared by the rows."""
+  over the same axes; pages (stacked over layers when `layer` is given: each device reads
+  its layer in place) shared by the rows."""
   token = ("batch", _HEADS, "head_dim")
   # One kv head (MQA, a latent cache) is never split: every device's query heads read it.
   pages = _PAGES if k_pages.shape[-4] > 1 else (None,) + _PAGES[1:]
-  if layer is None:
-    per_device = lambda q, k, v, n, t, sinks: kernel(q, k, v, n, t, sinks=sinks, **options)  # noqa: E731
-    return logical_shard_map(per_device, (token, pages, pages, ("batch",), ("batch", None), (_HEADS,)),
-                             token)(q, k_pages, v_pages, lengths, page_table, sinks)
-  stacked = (None, *pages)
-  per_device = lambda q, k, v, i, n, t, sinks: kernel(q, k, v, n, t, i, sinks=sinks, **options)  # noqa: E731
-  return logical_shard_map(per_device, (token, stacked, stacked, (), ("batch",), ("batch", None), (_HEADS,)),
-                           token)(q, k_pages, v_pages, jnp.asarray(layer, jnp.int32), lengths, page_table, sinks)
+  if layer is not None:
+    pages = (None, *pages)
+    layer = jnp.asarray(layer, jnp.int32)
+  per_device = lambda q, k, v, n, t, i, sinks: kernel(q, k, v, n, t, layer=i, sinks=sinks)  # noqa: E731
+  return logical_shard_map(per_device, (token, pages, pages, ("batch",), ("batch", None), (), (_HEADS,)),
+                           token)(q, k_pages, v_pages, lengths, page_table, layer, sinks)
 
 
 def paged_attention(q, k_pages, v_pages, q_positions, page_table, *, layer=None, sliding_window=None,
