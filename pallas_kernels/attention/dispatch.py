@@ -150,16 +150,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, layer=Non
   if page_table is not None:
     page_table, start = visible_pages(page_table, lengths[:, None] - 1, k_cache.shape[-2], sliding_window)
     lengths = jnp.where(lengths > 0, lengths - start, 0)
-  native = (page_table is not None and implementation == "auto" and platform not in ("tpu", "gpu")
-            and decode_cpu.available(q.dtype, k_cache.dtype))
-  use_kernel = page_table is not None and (
-      implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")))
-  if native or use_kernel:
-    if native:
-      kernel = decode_cpu.paged_decode_attention_cpu
-    else:
-      pallas = paged_decode_attention_gpu if platform == "gpu" else paged_decode_attention_tpu
-      kernel = functools.partial(pallas, interpret=interpret(platform))
+  kernel = None if page_table is None else _paged_decode_kernel(implementation, platform, q.dtype, k_cache.dtype)
+  if kernel is not None:
     return _sharded_decode(functools.partial(kernel, **options), q, k_cache, v_cache, lengths, page_table,
                            sinks, layer)
   if layer is not None:
@@ -169,6 +161,17 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, layer=Non
     return paged_decode_attention_xla(q, k_cache, v_cache, lengths, page_table, sinks=sinks, **options)
   return decode_attention_reference(q, k_cache, v_cache, lengths, page_table=page_table,
                                     sinks=sinks, **options)
+
+
+def _paged_decode_kernel(implementation, platform, q_dtype, cache_dtype):
+  """The kernel that reads a paged cache in place, or None for XLA's forms: Pallas on
+  TPU/GPU (and "flash" elsewhere, interpreted), the C++ kernel for "auto" on CPU."""
+  if implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")):
+    pallas = paged_decode_attention_gpu if platform == "gpu" else paged_decode_attention_tpu
+    return functools.partial(pallas, interpret=interpret(platform))
+  if implementation == "auto" and decode_cpu.available(q_dtype, cache_dtype):
+    return decode_cpu.paged_decode_attention_cpu
+  return None
 
 
 def _sharded_decode(kernel, q, k_pages, v_pages, lengths, page_table, sinks, layer):
