@@ -209,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
   add_eval_parsers(commands)
   from jaxpar.finetune.commands import add_parsers as add_lora_parsers
   add_lora_parsers(commands)
+  from jaxpar.check.commands import add_parsers as add_check_parsers
+  add_check_parsers(commands)
 
   launch = commands.add_parser(
       "launch-local", help="run N processes of one job on this machine (simulated CPU devices)",
