@@ -23,3 +23,9 @@ def interpret(platform=None) -> bool:
   """Pallas kernels compile natively on TPU (Mosaic) and GPU (Triton); elsewhere they run
   in interpret mode, which is how the CPU tests check their numerics."""
   return (platform or current_platform()) not in ("tpu", "gpu")
+
+
+def multiprocessors() -> int:
+  """Cores a GPU kernel's grid spreads over: the device's (a GPU's multiprocessors); 128
+  where a backend does not say (CPU, where kernels only run interpreted)."""
+  return getattr(jax.local_devices()[0], "core_count", None) or 128

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpar.errors import UserError
 from jaxpar import pallas_kernels
 from jaxpar.pallas_kernels import MatmulBlocks, QuantizedWeight, quantize_weight
 from jaxpar.pallas_kernels.matmul import packing, quantize, reference
@@ -167,3 +168,24 @@ def test_bad_arguments_name_the_argument():
     pallas_kernels.quantized_matmul(jnp.ones((2, 96)), QuantizedWeight(qw.values, jnp.ones((2, 64))))
   with pytest.raises(ValueError, match="block_k=100 must be a positive multiple of 128"):
     quantized_matmul_tpu(jnp.ones((2, 96)), qw, blocks=MatmulBlocks(32, 128, 100))
+
+
+@pytest.mark.parametrize("mode,group", [("int8", None), ("int4", 64), ("w8a8", None)])
+@pytest.mark.parametrize("splits", [2, 6])
+def test_gpu_kernel_splits_k(mode, group, splits):
+  """Split-K: programs that each sum a share of K, added after, give the reference's result
+  (W8A8 bit for bit: its int32 partial sums add exactly before the scales)."""
+  x, w = _inputs(5, 384, 136, jnp.float32)
+  qw = quantize_weight(w, mode, group)
+  run = functools.partial(quantized_matmul_gpu, blocks=MatmulBlocks(16, 64, 64), splits=splits, interpret=True)
+  if mode == "w8a8":
+    xq, xs = quantize.quantize_rows(x)
+    np.testing.assert_array_equal(jax.jit(run)(xq, qw, xs), reference.w8a8_reference(xq, xs, qw))
+    return
+  assert _relative(jax.jit(run)(x, qw), reference.weight_only_reference(x, qw)) < TOLERANCE[jnp.float32]
+
+
+def test_gpu_kernel_refuses_splits_that_do_not_divide_k():
+  x, w = _inputs(5, 384, 136, jnp.float32)
+  with pytest.raises(UserError, match="splits=4 must divide the 6 K steps"):
+    quantized_matmul_gpu(x, quantize_weight(w, "int8"), blocks=MatmulBlocks(16, 64, 64), splits=4, interpret=True)

@@ -34,8 +34,9 @@ _TPU_DEFAULTS = {
     "v5p": BlockSizes(512, 1024, 512, 512, vmem_limit_bytes=48 * _MiB),
     "v6e": BlockSizes(512, 1024, 512, 512, vmem_limit_bytes=96 * _MiB),
 }
-# GPU (Triton): tiles live in registers/shared memory, so they are much smaller.
-_GPU_DEFAULT = BlockSizes(64, 64, 32, 32)
+# GPU (Triton): tiles live in registers/shared memory, so they are much smaller. 64 x 64 for
+# the backward too: on an H200 (D128, bf16) it ran 4.9 ms against 32 x 32's 11 ms.
+_GPU_DEFAULT = BlockSizes(64, 64, 64, 64)
 # CPU chunked path: big enough to amortise scan overhead, small enough for cache.
 _CPU_DEFAULT = BlockSizes(512, 512)
 

@@ -1,14 +1,15 @@
 """Paged decode attention for GPU (Pallas Triton): one new token per sequence, ragged lengths.
 
-Grid (batch, kv_head). Each program walks only the live pages of its sequence
-through the page table, in its layer of a pool stacked over layers (slicing the layer out
+Grid (batch, kv_head, split). Each program walks its split's share of the live pages of its
+sequence through the page table (flash-decoding: a few sequences still fill the GPU; the
+partial softmaxes are combined after), in its layer of a pool stacked over layers (slicing the layer out
 first would copy it); all query heads of the kv head share each loaded page
 (GQA). Decode is memory-bound, so the [group, page] products use vector units,
 which also lifts Triton's 16-row minimum for matmuls. Triton tiles are powers of two, so
 a head dim that is not one (576: multi-head latent attention's latent plus its rotary
 part) is read as power-of-two pieces (512 + 64) whose scores add up; values may be the
 keys' first `value_dim` entries (the latent), read once. Attention sinks (one logit per
-query head) start each row's online softmax at (max = sink, sum = 1).
+query head) join the combination as one more key of value zero.
 """
 
 import dataclasses
@@ -22,6 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxpar.errors import UserError
 from jaxpar.pallas_kernels.attention import decode_common, masking
+from jaxpar.pallas_kernels.platform import multiprocessors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +34,7 @@ class _Static:
   page_size: int
   pieces: tuple[tuple[int, int], ...]  # (start, size) of the power-of-two pieces of head_dim
   value_dim: int
+  pages_per_split: int  # table columns each program of a sequence walks
 
 
 def power_of_two_pieces(dim: int) -> tuple[tuple[int, int], ...]:
@@ -44,8 +47,8 @@ def power_of_two_pieces(dim: int) -> tuple[tuple[int, int], ...]:
   return tuple(pieces)
 
 
-def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, *, st):
-  layer, length = layer_ref[0], lengths_ref[0]
+def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, st):
+  layer, length, split = layer_ref[0], lengths_ref[0], pl.program_id(2)
   qs = [q_ref[:, pl.ds(start, size)].astype(jnp.float32) for start, size in st.pieces]  # [group, piece]
 
   def step(j, carry):
@@ -67,22 +70,46 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o
 
   group = qs[0].shape[0]
   first, last = decode_common.live_pages(length, st.page_size, st.sliding_window)
-  if sinks_ref is None:
-    m, l = jnp.full((group,), masking.MASK_VALUE, jnp.float32), jnp.zeros((group,), jnp.float32)
-  else:  # the sink: a first key of value zero
-    m, l = sinks_ref[...].astype(jnp.float32), jnp.ones((group,), jnp.float32)
-  init = (m, l, jnp.zeros((group, st.value_dim), jnp.float32))
-  _, l, acc = lax.fori_loop(first, last + 1, step, init)
-  o_ref[...] = (acc / jnp.where(l == 0.0, 1.0, l)[:, None]).astype(o_ref.dtype)
+  # This program's share of the live pages: split s of the table's columns.
+  first = jnp.maximum(first, split * st.pages_per_split)
+  last = jnp.minimum(last, split * st.pages_per_split + st.pages_per_split - 1)
+  init = (jnp.full((group,), masking.MASK_VALUE, jnp.float32), jnp.zeros((group,), jnp.float32),
+          jnp.zeros((group, st.value_dim), jnp.float32))
+  m, l, acc = lax.fori_loop(first, last + 1, step, init)
+  o_ref[...], m_ref[...], l_ref[...] = acc, m, l
+
+
+def combine_splits(acc, m, l, sinks):
+  """Partial softmaxes over page ranges [..., S, G, (Dv)] -> the attention [..., G, Dv]; each
+  query head's sink (or None) joins as one more key of value zero."""
+  top = m.max(axis=-2)
+  if sinks is not None:
+    top = jnp.maximum(top, sinks)
+  weight = jnp.exp(m - top[..., None, :])
+  total = jnp.sum(weight * l, axis=-2)
+  if sinks is not None:
+    total = total + jnp.exp(sinks - top)
+  out = jnp.sum(weight[..., None] * acc, axis=-3)
+  return out / jnp.where(total == 0.0, 1.0, total)[..., None]
+
+
+def default_splits(programs: int, pages_per_seq: int) -> int:
+  """How many programs share one sequence's pages: enough for about 8 programs per
+  multiprocessor (one page walk is latency-bound; many in flight hide it), each walking at
+  least 4 pages, a power of two."""
+  wanted = -(-8 * multiprocessors() // programs)
+  return max(1, min(pl.next_power_of_2(wanted), pl.next_power_of_2(-(-pages_per_seq // 4))))
 
 
 def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, layer=None, sliding_window=None,
-                               logit_soft_cap=None, scale=None, value_dim=None, sinks=None,
+                               logit_soft_cap=None, scale=None, value_dim=None, sinks=None, splits=None,
                                interpret=False):
   """q: [B, Hq, D]; k_pages: [Hkv, num_pages, page_size, D]; v_pages: [.., Dv], or None with
   `value_dim` (the keys' first value_dim entries); with `layer` (an int scalar) both
   stacked over layers [layers, Hkv, ...] and that layer's read; lengths: [B]; page_table:
-  [B, n]; sinks: [Hq] or None -> [B, Hq, Dv]."""
+  [B, n]; sinks: [Hq] or None -> [B, Hq, Dv]. splits: programs per (sequence, kv head),
+  each over its own range of pages, their partial softmaxes combined after (flash-decoding;
+  None: `default_splits`)."""
   k_pages, v_pages, layer, value_dim = decode_common.stacked_inputs(q, k_pages, v_pages, lengths, page_table, layer,
                                                                     value_dim, sinks)
   batch, num_heads, head_dim = q.shape
@@ -91,29 +118,34 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, laye
   for name, n in (("q heads per kv head", group), ("page_size", page_size), ("value head_dim", value_dim)):
     if n & (n - 1):
       raise UserError(f"{name}={n} must be a power of two for the Triton decode kernel")
+  pages_per_seq = page_table.shape[1]
+  splits = splits or default_splits(batch * num_kv_heads, pages_per_seq)
   st = _Static(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
                scale=head_dim ** -0.5 if scale is None else scale, page_size=page_size,
-               pieces=power_of_two_pieces(head_dim), value_dim=value_dim)
-  q_spec, o_spec = (pl.BlockSpec((None, None, group, d), lambda b, h: (b, h, 0, 0)) for d in (head_dim, value_dim))
+               pieces=power_of_two_pieces(head_dim), value_dim=value_dim,
+               pages_per_split=-(-pages_per_seq // splits))
+  q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, s: (b, h, 0, 0))
   # Every layer's pages of kv head h: the kernel indexes the layer (block shapes are static).
-  k_spec, v_spec = (pl.BlockSpec((num_layers, None, num_pages, page_size, d), lambda b, h: (0, h, 0, 0, 0))
+  k_spec, v_spec = (pl.BlockSpec((num_layers, None, num_pages, page_size, d), lambda b, h, s: (0, h, 0, 0, 0))
                     for d in (head_dim, value_dim))
   v_spec = None if v_pages is None else v_spec  # latent: values are read from the key pages
-  qg = q.reshape(batch, num_kv_heads, group, head_dim)
-  out = pl.pallas_call(
+  partial = (batch, num_kv_heads, splits, group)
+  mat = jax.typeof(q).mat
+  acc, m, l = pl.pallas_call(
       functools.partial(_kernel, st=st),
-      grid=(batch, num_kv_heads),
-      in_specs=[pl.BlockSpec((1,), lambda b, h: (0,)),  # the layer
-                pl.BlockSpec((1,), lambda b, h: (b,)),
-                pl.BlockSpec((None, page_table.shape[1]), lambda b, h: (b, 0)),
-                q_spec, k_spec, v_spec,
-                None if sinks is None else pl.BlockSpec((group,), lambda b, h: (h,))],  # kv head h's
-      out_specs=o_spec,
-      out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, group, value_dim), q.dtype,
-                                     manual_axis_type=jax.typeof(q).mat),
+      grid=(batch, num_kv_heads, splits),
+      in_specs=[pl.BlockSpec((1,), lambda b, h, s: (0,)),  # the layer
+                pl.BlockSpec((1,), lambda b, h, s: (b,)),
+                pl.BlockSpec((None, pages_per_seq), lambda b, h, s: (b, 0)),
+                q_spec, k_spec, v_spec],
+      out_specs=[pl.BlockSpec((None, None, None, group, value_dim), lambda b, h, s: (b, h, s, 0, 0)),
+                 *[pl.BlockSpec((None, None, None, group), lambda b, h, s: (b, h, s, 0))] * 2],
+      out_shape=[jax.ShapeDtypeStruct((*partial, value_dim), jnp.float32, manual_axis_type=mat),
+                 *[jax.ShapeDtypeStruct(partial, jnp.float32, manual_axis_type=mat)] * 2],
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=interpret,
       name="paged_decode_attention",
-  )(layer, lengths.astype(jnp.int32), page_table.astype(jnp.int32), qg, k_pages, v_pages,
-    None if sinks is None else sinks.astype(jnp.float32))
-  return out.reshape(batch, num_heads, value_dim)
+  )(layer, lengths.astype(jnp.int32), page_table.astype(jnp.int32), q.reshape(batch, num_kv_heads, group, head_dim),
+    k_pages, v_pages)
+  heads_sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(num_kv_heads, group)
+  return combine_splits(acc, m, l, heads_sinks).reshape(batch, num_heads, value_dim).astype(q.dtype)

@@ -19,7 +19,7 @@ class MatmulBlocks:
 # inside the 16 MiB default scoped VMEM.
 TPU_DEFAULT = MatmulBlocks(256, 512, 512)
 # GPU (Triton): power-of-two register tiles; an int4 K step is always one group.
-GPU_DEFAULT = MatmulBlocks(64, 64, 64)
+GPU_DEFAULT = MatmulBlocks(64, 64, 128)
 
 
 def check_blocks(blocks: MatmulBlocks, platform: str):
