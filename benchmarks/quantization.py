@@ -36,7 +36,8 @@ from jaxpar.data.sources import read_documents
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.train.evaluate import logits, perplexity, split_heldout, token_windows
 from jaxpar.models import kv_quant
-from jaxpar.convert.quantize import quantization_section, quantize_params, quantized_kernels
+from jaxpar.convert.quantize import quantization_section
+from jaxpar.weights import quantize_params, quantized_kernels
 from jaxpar.runtime import Runtime
 from jaxpar.train.trainer import Trainer
 

@@ -20,7 +20,7 @@ _EXPORTS = {
   "Config": "jaxpar.config", "load_config": "jaxpar.config",
   "UserError": "jaxpar.errors", "ConfigError": "jaxpar.errors", "CheckpointError": "jaxpar.errors",
   "DataError": "jaxpar.errors", "ParallelPlan": "jaxpar.parallel",
-  "SavedRun": "jaxpar.saved_run", "open_run": "jaxpar.saved_run",
+  "SavedRun": "jaxpar.weights", "open_run": "jaxpar.weights",
   "Runtime": "jaxpar.runtime", "TrainState": "jaxpar.train.state",
   "Trainer": "jaxpar.train.trainer", "TrainResult": "jaxpar.train.trainer", "train": "jaxpar.train.trainer",
   "plot_runs": "jaxpar.plot",

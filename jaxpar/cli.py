@@ -64,7 +64,7 @@ def _print_sample(trainer, state, tokenizer):
   """A short sample from the trained model, through the inference engine."""
   from jaxpar.inference import Engine, SamplingParams
   from jaxpar.runtime import Runtime
-  from jaxpar.saved_run import relayout
+  from jaxpar.weights import relayout
   t, runtime = trainer.config.train, trainer.runtime
   params, model_state = state.weights(), state.model_state
   sizes = runtime.plan.generation_sizes()

@@ -11,10 +11,12 @@ import yaml
 from pydantic import Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from jaxpar.errors import ConfigError
+from jaxpar.data.sources import BUNDLED, BUNDLED_CHAT, is_glob, set_name
 from jaxpar.mesh.build import AXES as MESH_AXES
 from jaxpar.models import check_blocks, get_family
 from jaxpar.models.config import Frozen as _Frozen
 from jaxpar.models.config import ModelConfig, RopeScaling  # noqa: F401  (the model section)
+from jaxpar.objectives import Options, get_objective, migrate_objective_keys
 from jaxpar.parallel import ParallelConfig, ParallelPlan, migrate_model_keys
 
 
@@ -75,7 +77,6 @@ SINGLE_SOURCE = "heldout"  # the name `data.source` goes by (its held-out docume
 
 
 def _check_path(key: str, path: str):
-  from jaxpar.data.sources import BUNDLED, BUNDLED_CHAT, is_glob
   if path not in (BUNDLED, BUNDLED_CHAT) and not is_glob(path) and not Path(path).expanduser().exists():
     raise ValueError(f"{key}={path!r} does not exist: give 'bundled', a data file (.txt, .jsonl, "
                      ".parquet, .arrow, .feather), a folder or glob of them, or a token cache")
@@ -90,8 +91,8 @@ class DataConfig(_Frozen):
   tokens_key: str | None = None  # pre-tokenized: the column of token-id lists
   tokenizer: str = "byte"
   # chat: fine-tuning rows (`messages`, or `prompt` + `completion`) in JSON lines, packed with
-  # loss on the assistant's tokens only (jaxpar/finetune/sft_batches.py); preference: DPO pairs
-  # (`prompt`, `chosen`, `rejected`: jaxpar/finetune/preference_batches.py); text: plain documents.
+  # loss on the assistant's tokens only (jaxpar/data/chat_batches.py); preference: DPO pairs
+  # (`prompt`, `chosen`, `rejected`: jaxpar/data/preference_batches.py); text: plain documents.
   format: Literal["text", "chat", "preference"] = "text"
   chat_template: str | None = None  # a .jinja file, or chatml (bundled); default: the tokenizer's own
   seq_len: int = 128
@@ -115,7 +116,7 @@ class DataConfig(_Frozen):
       raise ValueError("data.sources: every weight is 0, so nothing is trained on: give at least one "
                        "source a positive weight")
     if self.format != "text" and self.sources:
-      raise ValueError(f"data.format={self.format} reads one data.source of JSON lines, not data.sources")
+      raise ValueError(f"data.format={self.format} reads the rows of one data.source, not data.sources")
     if (info.context or {}).get("check_paths", True) is False:
       return self  # a saved run's config: the weights carry their tokenizer
     if self.chat_template not in (None, "chatml") and not Path(self.chat_template).is_file():
@@ -156,13 +157,9 @@ class TrainConfig(_Frozen):
   momentum: float | None = Field(None, ge=0, lt=1)  # sgd (default 0.9), muon (default 0.95)
   grad_clip: float | None = 1.0
   z_loss: float = 0.0
-  # lm: next-token cross-entropy; dpo: preference pairs (data.format=preference) against a
-  # frozen reference, with this beta: under model.lora the base with the adapters off, else
-  # the weights of checkpoint dpo_reference, where the policy starts too (None: the model's
-  # init from train.seed). jaxpar/finetune/dpo.py.
-  objective: Literal["lm", "dpo"] = "lm"
-  dpo_beta: float = Field(0.1, gt=0)
-  dpo_reference: str | None = None
+  # A registered objective (jaxpar/objectives/): lm (text), sft (chat rows), dpo (preference
+  # pairs); its own keys are the config's `objective:` section.
+  objective: str = "lm"
   microbatches: int = 1
   # Sequence positions per device in each chunk of the fused output-projection + loss
   # (0: plain logits); under context parallelism a chunk spans the context devices.
@@ -197,10 +194,14 @@ class Config(_Frozen):
   train: TrainConfig = TrainConfig()
   eval: EvalConfig = EvalConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  objective: SerializeAsAny[Options] = Options()  # train.objective's own Options subclass
 
   @model_validator(mode="after")
   def _consistent(self, info):
     m, d = self.model, self.data
+    if type(self.objective) is not get_objective(self.train.objective).Options:
+      raise ValueError(f"the objective section holds {type(self.objective).__name__}, not train.objective="
+                       f"{self.train.objective}'s options: build configs with from_dict")
     if d.seq_len > m.max_seq_len:
       raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
                        "lower data.seq_len or raise model.max_seq_len")
@@ -235,11 +236,6 @@ class Config(_Frozen):
   def plan(self, mesh=None) -> ParallelPlan:
     """What each mesh axis does: on `mesh` (a jax Mesh) when given, else as the sizes are written."""
     return ParallelPlan.of(mesh if mesh is not None else self.mesh, self.parallel)
-
-
-def set_name(path: str) -> str:
-  """An eval set's name for a path: its file or folder name without suffixes."""
-  return Path(path.rstrip("/")).name.split(".")[0] or path
 
 
 def _set_dotted(tree: dict, key: str, value):
@@ -303,19 +299,30 @@ def model_from_dict(model: dict) -> ModelConfig:
     raise ConfigError(str(e)) from None
 
 
+def objective_from_dict(name: str, options: dict) -> Options:
+  """The `objective` section, validated by train.objective's own Options class."""
+  try:
+    return get_objective(name).Options.model_validate(options)
+  except ValidationError as e:
+    raise ConfigError(_describe(e, "objective")) from None
+
+
 def from_dict(tree: dict, *, check_paths: bool = True) -> Config:
   """Validate a config tree; `mesh.rules` defaults to the model family's preset. Keys that
   moved (parallel.py: `migrate_model_keys`) are accepted at their old place with a note.
   check_paths=False: data paths need not exist here (a saved run opened on another machine)."""
-  tree = migrate_model_keys(dict(tree))
+  tree = migrate_objective_keys(migrate_model_keys(dict(tree)))
   model = tree.get("model") or {}
   if not isinstance(model, ModelConfig):
     model = model_from_dict(model)
+  objective = tree.get("objective") or {}
+  if not isinstance(objective, Options):
+    objective = objective_from_dict((tree.get("train") or {}).get("objective", "lm"), objective)
   mesh = dict(tree.get("mesh") or {})
   if mesh.get("rules") is None:
     mesh["rules"] = get_family(model.family).rules
   try:
-    return Config.model_validate({**tree, "model": model, "mesh": mesh},
+    return Config.model_validate({**tree, "model": model, "mesh": mesh, "objective": objective},
                                  context={"check_paths": check_paths})
   except ValidationError as e:
     raise ConfigError(_describe(e)) from None

@@ -12,7 +12,7 @@ SMALL_MODEL = dict(vocab_size=512, embed_dim=64, num_layers=2, num_heads=4, num_
 
 
 def small_config(mesh=None, model=None, data=None, train=None, tmp_path=None, checkpoint=None,
-                 parallel=None):
+                 parallel=None, objective=None):
   tree = {
     "model": {**SMALL_MODEL, **(model or {})},
     "mesh": {"fsdp": -1, "rules": "fsdp_tp", **(mesh or {})},
@@ -25,6 +25,7 @@ def small_config(mesh=None, model=None, data=None, train=None, tmp_path=None, ch
               os.path.join(tempfile.gettempdir(), f"jaxpar-test-{os.getpid()}"), **(train or {})},
     # Only a test's own tmp run dir gets checkpoints: never resume another test's run.
     "checkpoint": {"enabled": tmp_path is not None, **(checkpoint or {})},
+    "objective": objective or {},
   }
   return from_dict(tree)
 
@@ -49,6 +50,7 @@ def gradient_temp_bytes(config, num_devices: int) -> int:
   chunks) on the first `num_devices` devices: what activation memory a change saves."""
   import jax
 
+  from jaxpar.objectives.lm import lm_loss
   from jaxpar.train.step import make_gradients
   from jaxpar.train.trainer import Trainer
   trainer = Trainer(config, devices=jax.devices()[:num_devices])
@@ -56,6 +58,6 @@ def gradient_temp_bytes(config, num_devices: int) -> int:
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
            for k, v in synthetic_batch(config).items()}
   with trainer.context():
-    compiled = jax.jit(make_gradients(trainer.graphdef, z_loss=0.0, microbatches=1,
-                                      logits_chunk_len=128)).lower(params, batch).compile()
+    gradients = make_gradients(lm_loss(trainer.graphdef, z_loss=0.0, logits_chunk_len=128), microbatches=1)
+    compiled = jax.jit(gradients).lower(params, batch).compile()
   return compiled.memory_analysis().temp_size_in_bytes

@@ -13,6 +13,7 @@ from jaxpar.data import ByteTokenizer
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.errors import ConfigError
 from jaxpar.models import KVQuantization, caches, kv_cache, kv_cache_latent
+from jaxpar.objectives.lm import lm_loss
 from jaxpar.train.step import make_gradients
 from jaxpar.train.trainer import Trainer
 from tests.helpers import synthetic_batch
@@ -139,7 +140,7 @@ def _gradients(mesh, devices=None):
   params, model_state = trainer.runtime.init()
   batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in synthetic_batch(config).items()}
   with trainer.context():
-    grads, sums, _ = jax.jit(make_gradients(trainer.graphdef, z_loss=0.0, microbatches=1))(params, batch, model_state)
+    grads, sums, _ = jax.jit(make_gradients(lm_loss(trainer.graphdef, z_loss=0.0), microbatches=1))(params, batch, model_state)
   return jax.device_get((grads, sums))
 
 

@@ -11,11 +11,11 @@ import pytest
 from helpers import small_config
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.errors import ConfigError
-from jaxpar.finetune.dpo import make_dpo_objective, reference_weights
-from jaxpar.finetune.partition import join
-from jaxpar.finetune.preference_batches import pair_rows
-from jaxpar.train.state import REFERENCE
+from jaxpar.data.preference_batches import pair_rows
+from jaxpar.objectives import BASE
+from jaxpar.objectives.dpo import REFERENCE, make_dpo_objective
 from jaxpar.train.trainer import Trainer
+from jaxpar.weights import join, read_network
 
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "down"]}
 
@@ -29,12 +29,12 @@ def _pairs(path, count=32):
   return str(path)
 
 
-def _config(tmp_path, model=None, run=None, **train):
+def _config(tmp_path, model=None, run=None, objective=None, **train):
   return small_config(mesh={"fsdp": 1}, model={"lora": LORA} if model is None else model, tmp_path=run,
                       data={"source": _pairs(tmp_path / "pairs.jsonl"), "format": "preference", "seq_len": 16,
                             "global_batch_size": 8},
-                      train={"objective": "dpo", "steps": 12, "learning_rate": 2e-2, "warmup_steps": 1,
-                             "dpo_beta": 0.5, **train})
+                      train={"objective": "dpo", "steps": 12, "learning_rate": 2e-2, "warmup_steps": 1, **train},
+                      objective={"beta": 0.5, **(objective or {})})
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_loss_matches_hand_computation(toy):
   beta = 0.5
   with trainer.context():
     total, (sums, _) = jax.jit(make_dpo_objective(trainer.graphdef, beta))(adapters, model_state, batch, frozen)
-    model = lambda a: trainer.runtime.merge(join(a, frozen), model_state)  # noqa: E731
+    model = lambda a: trainer.runtime.merge(join(a, frozen[BASE]), model_state)  # noqa: E731
     policy_logits = model(adapters)(batch["inputs"], batch["positions"], batch["segment_ids"])[0]
     zeros = jax.tree.map(jnp.zeros_like, adapters)
     reference_logits = model(zeros)(batch["inputs"], batch["positions"], batch["segment_ids"])[0]
@@ -125,15 +125,15 @@ def test_full_model_dpo_against_a_frozen_copy(tmp_path):
   assert all(np.array_equal(a, b) for a, b in zip(leaves(result.state.frozen[REFERENCE]), leaves(before)))
   assert any(not np.array_equal(a, b) for a, b in zip(leaves(result.state.params), leaves(before)))
   assert result.state.weights() is result.state.params  # the reference is not part of the model
-  # train.dpo_reference names a checkpoint instead (here the trained policy's).
-  read = reference_weights(trainer.runtime, result.summary["checkpoint"])
+  # objective.reference names a checkpoint instead (here the trained policy's).
+  read = read_network(trainer.runtime, result.summary["checkpoint"], "objective.reference")
   assert all(np.array_equal(a, b) for a, b in zip(leaves(read), leaves(result.state.params)))
 
 
 def test_dpo_config_errors(tmp_path):
   config = _config(tmp_path)
-  with pytest.raises(ConfigError, match="drop train.dpo_reference"):
-    Trainer(small_config(model={"lora": LORA}, data=config.data.model_dump(),
-                         train={**config.train.model_dump(), "dpo_reference": str(tmp_path)}))
+  with pytest.raises(ConfigError, match="drop objective.reference"):
+    Trainer(small_config(model={"lora": LORA}, data=config.data.model_dump(), train=config.train.model_dump(),
+                         objective={"reference": str(tmp_path)}))
   with pytest.raises(ConfigError, match="data.format=text"):
     Trainer(small_config(model={"lora": LORA}, train={"objective": "dpo"}))

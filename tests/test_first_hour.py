@@ -68,7 +68,7 @@ def saved(tmp_path_factory):
 
 
 def test_opening_a_checkpoint_logs_no_warnings(saved, caplog):
-  from jaxpar.saved_run import SavedRun
+  from jaxpar.weights import SavedRun
   root, _ = saved
   with caplog.at_level(logging.INFO), SavedRun(root / "ckpt") as run:
     assert run.step == 5
@@ -128,14 +128,15 @@ def test_a_byte_level_export_brings_a_tokenizer_that_encodes_byte_for_byte(saved
 def test_an_hf_model_without_a_tokenizer_is_named_at_convert_and_refused_at_generate(tmp_path, capsys):
   pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  from jaxpar.saved_run import open_run
+  from jaxpar.inference import Engine
+  from jaxpar.weights import open_run
   from tests.test_hf import SMALL, _random_hf_model
   _random_hf_model(transformers.LlamaConfig(**SMALL), tmp_path / "hf")
   assert main(["convert", "hf-to-jaxpar", str(tmp_path / "hf"), str(tmp_path / "bare")]) == 0
   said = capsys.readouterr().err
   assert "WARNING" in said and "has no tokenizer.json" in said and "--tokenizer PATH" in said, said
   with pytest.raises(CheckpointError, match="imported without a tokenizer.*--tokenizer PATH"):
-    open_run(tmp_path / "bare").engine(slots=1)
+    Engine.from_run(open_run(tmp_path / "bare"), slots=1)
   assert main(["convert", "hf-to-jaxpar", str(tmp_path / "hf"), str(tmp_path / "x"),
                "--tokenizer", str(tmp_path / "nowhere")]) == 2
   assert not (tmp_path / "x").exists()  # refused before anything was written

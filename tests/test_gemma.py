@@ -11,6 +11,7 @@ import pytest
 
 from jaxpar.config import MeshConfig
 from jaxpar.runtime import Runtime
+from jaxpar.objectives.lm import lm_loss
 from jaxpar.train.step import make_gradients
 from tests.helpers import synthetic_batch, small_config
 
@@ -73,7 +74,7 @@ def test_train_step_on_8_devices_equals_one_device():
   params, _ = wide.init()
 
   def gradients(runtime, chunk):
-    step = jax.jit(make_gradients(runtime.graphdef, z_loss=1e-4, microbatches=1, logits_chunk_len=chunk))
+    step = jax.jit(make_gradients(lm_loss(runtime.graphdef, z_loss=1e-4, logits_chunk_len=chunk), microbatches=1))
     with runtime.context():
       return jax.device_get(step(jax.device_put(jax.device_get(params), runtime.param_shardings), batch)[:2])
 

@@ -13,7 +13,7 @@ pytest.importorskip("lm_eval")  # the `eval` extra; `dev` installs it, so CI run
 
 from jaxpar.convert.hf import jaxpar_to_hf  # noqa: E402
 from jaxpar.data import bundled_path, read_documents  # noqa: E402
-from jaxpar.saved_run import open_run  # noqa: E402
+from jaxpar.weights import open_run  # noqa: E402
 from jaxpar.train.trainer import Trainer  # noqa: E402
 from tests.helpers import small_config  # noqa: E402
 

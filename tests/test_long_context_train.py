@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxpar.objectives.lm import lm_loss
 from jaxpar.train.step import make_gradients
 from jaxpar.train.trainer import Trainer
 from tests.helpers import gradient_temp_bytes, small_config, synthetic_batch
@@ -31,8 +32,7 @@ def _gradients(config, devices=None):
   trainer = Trainer(config, devices=devices)
   batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in synthetic_batch(config).items()}
   params = trainer.init_state().params
-  gradients = jax.jit(make_gradients(trainer.graphdef, z_loss=0.0,
-                                     microbatches=config.train.microbatches))
+  gradients = jax.jit(make_gradients(lm_loss(trainer.graphdef, z_loss=0.0), microbatches=config.train.microbatches))
   with trainer.context():
     compiled = gradients.lower(params, batch).compile()
   grads, sums, _ = compiled(params, batch)

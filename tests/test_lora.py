@@ -15,7 +15,7 @@ from jaxpar.cli import main
 from jaxpar.convert.hf import hf_to_jaxpar, jaxpar_to_hf
 from jaxpar.finetune.merge import merge_checkpoint
 from jaxpar.finetune.peft import import_peft
-from jaxpar.saved_run import open_run
+from jaxpar.weights import open_run
 from jaxpar.train.trainer import Trainer
 
 torch = pytest.importorskip("torch")
@@ -171,12 +171,12 @@ def test_adapters_and_base_decode_together(base, trained, peft_adapter):
   request the greedy tokens of its adapter alone, and a new mix compiles nothing."""
   import openai
 
-  from jaxpar.inference import SamplingParams
+  from jaxpar.inference import Engine, SamplingParams
   from tests.serving_setup import RunningServer
   _, ckpt, _ = base
   paths = {None: ckpt, "tuned": trained[2].summary["checkpoint"], "peft": peft_adapter[1][1]}
   run = open_run(ckpt, mesh={"fsdp": 1}, devices=jax.devices()[:1])
-  engine = run.engine(adapters={k: v for k, v in paths.items() if k}, slots=4, page_size=8, prefill_chunks=(8,),
+  engine = Engine.from_run(run, adapters={k: v for k, v in paths.items() if k}, slots=4, page_size=8, prefill_chunks=(8,),
                       prefill_budget=8, max_seq_len=32)
   asks = [(TOKENS[0, :17], None), (TOKENS[0, :17], "tuned"), (TOKENS[0, :17], "peft"), (TOKENS[1, :20], "peft")]
   alone = {name: iter(_greedy_alone(path, [p for p, n in asks if n == name], 6)) for name, path in paths.items()}

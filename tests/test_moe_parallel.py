@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import from_dict
+from jaxpar.objectives.lm import lm_loss
 from jaxpar.train.step import make_gradients
 from jaxpar.train.trainer import Trainer
 from tests.helpers import SMALL_MODEL, synthetic_batch
@@ -41,7 +42,7 @@ def _one_gradient_step(config, devices=None):
   trainer = Trainer(config, devices)
   params, model_state = trainer.runtime.init()
   batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in synthetic_batch(config).items()}
-  gradients = jax.jit(make_gradients(trainer.graphdef, z_loss=0.0, microbatches=1))
+  gradients = jax.jit(make_gradients(lm_loss(trainer.graphdef, z_loss=0.0), microbatches=1))
   with trainer.context():
     compiled = gradients.lower(params, batch, model_state).compile()
   grads, sums, model_state = jax.device_get(compiled(params, batch, model_state))

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxpar.objectives.lm import lm_loss
 from jaxpar.train.step import make_gradients
 from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config, synthetic_batch
@@ -24,7 +25,7 @@ def _run_one_step(trainer, batch):
   """Initial params, grads, loss and updated params of one step, as numpy."""
   state = trainer.init_state()
   initial = jax.device_get(state.params)
-  gradients = jax.jit(make_gradients(trainer.graphdef, z_loss=0.0, microbatches=1))
+  gradients = jax.jit(make_gradients(lm_loss(trainer.graphdef, z_loss=0.0), microbatches=1))
   global_batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in batch.items()}
   with trainer.context():
     grads, aux, _ = gradients(state.params, global_batch)

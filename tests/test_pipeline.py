@@ -21,7 +21,8 @@ import pytest
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import execution_options
 from jaxpar.models.pipeline import bubble_fraction, reorder_layers, stage_major_order
-from jaxpar.saved_run import relayout
+from jaxpar.weights import relayout
+from jaxpar.objectives.lm import lm_loss
 from jaxpar.train.step import make_gradients
 from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config, synthetic_batch
@@ -66,7 +67,7 @@ def gradients_of(trainer, batch, params, *, fill=np.nan, accumulate=1):
   options = runtime.plan.execution_options
   if options.pipeline is not None:
     options = dataclasses.replace(options, pipeline=dataclasses.replace(options.pipeline, bubble_fill=fill))
-  gradients = jax.jit(make_gradients(trainer.graphdef, z_loss=0.0, microbatches=accumulate))
+  gradients = jax.jit(make_gradients(lm_loss(trainer.graphdef, z_loss=0.0), microbatches=accumulate))
   batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in batch.items()}
   with trainer.context(), execution_options(options):
     grads, sums, _ = jax.device_get(gradients(params, batch, {}))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpar.models.pipeline import reorder_layers
-from jaxpar.saved_run import open_run
+from jaxpar.weights import open_run
 from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 

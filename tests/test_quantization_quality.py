@@ -17,7 +17,8 @@ from jaxpar.data.sources import read_documents
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.train.evaluate import logits, perplexity, split_heldout, token_windows
 from jaxpar.models.kv_quant import KVQuantization
-from jaxpar.convert.quantize import quantization_section, quantize_params
+from jaxpar.convert.quantize import quantization_section
+from jaxpar.weights import quantize_params
 from jaxpar.runtime import Runtime
 from jaxpar.train.trainer import Trainer
 

@@ -10,7 +10,8 @@ from jaxpar import cli
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.pallas_kernels import QuantizedWeight, dequantize_weight
 from jaxpar.config import ConfigError, replace
-from jaxpar.convert.quantize import quantization_section, quantize_params
+from jaxpar.convert.quantize import quantization_section
+from jaxpar.weights import quantize_params
 from jaxpar.runtime import Runtime
 from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config

@@ -14,6 +14,7 @@ from jaxpar.train.loss import causal_lm_loss
 from jaxpar.models import (MLP, Attention, LayerKind, ModelFamily, Transformer, build_model, register_block,
                            register_family)
 from jaxpar.models.flops import dense_train_flops_per_token
+from jaxpar.objectives.lm import lm_loss
 from jaxpar.train.step import make_gradients
 from jaxpar.train.trainer import Trainer
 from tests.helpers import SMALL_MODEL, synthetic_batch
@@ -167,7 +168,7 @@ def test_aux_losses_reach_objective_and_metrics_with_microbatches(probe_run):
   (_, aux), want = jax.jit(jax.value_and_grad(by_hand, has_aux=True))(params)
   assert set(aux["losses"]) == {"probe"} and set(aux["metrics"]) == {"probe_rms"}
 
-  gradients = jax.jit(make_gradients(trainer.graphdef, z_loss=0.0, microbatches=2))
+  gradients = jax.jit(make_gradients(lm_loss(trainer.graphdef, z_loss=0.0), microbatches=2))
   with trainer.context():
     grads, sums, _ = gradients(state.params, batch, state.model_state)
   tokens = float(sums["tokens"])

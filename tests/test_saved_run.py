@@ -11,6 +11,7 @@ import pytest
 
 import jaxpar
 from jaxpar.errors import CheckpointError
+from jaxpar.inference import Engine
 from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
@@ -50,7 +51,7 @@ def test_open_run_restores_the_trained_weights_on_any_mesh(trained):
 def test_the_engine_generates_from_a_saved_run(trained):
   _, _, run_dir = trained
   with jaxpar.open_run(run_dir, mesh={"data": -1, "fsdp": 1}) as run:
-    engine = run.engine(slots=2, page_size=8, prefill_chunks=(8,))
+    engine = Engine.from_run(run, slots=2, page_size=8, prefill_chunks=(8,))
   completion = engine.generate(["The "], jaxpar.inference.SamplingParams(max_tokens=5))[0]
   assert len(completion.tokens) <= 5 and completion.finish_reason in ("length", "stop")
 

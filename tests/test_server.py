@@ -249,7 +249,7 @@ def test_cli_serve_drains_on_sigterm_and_exits_0(checkpoint):
 
 
 def test_a_run_is_named_by_its_run_directory(checkpoint, tmp_path):
-  from jaxpar.saved_run import run_name
+  from jaxpar.weights import run_name
   assert run_name(checkpoint.parent) == run_name(checkpoint) == run_name(checkpoint / "0") == MODEL_NAME
   (tmp_path / "llama-import").mkdir()  # a converted model's checkpoint dir, no run around it
   assert run_name(tmp_path / "llama-import") == "llama-import"

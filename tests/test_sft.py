@@ -12,10 +12,10 @@ from helpers import small_config
 from jaxpar.cli import main
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.errors import DataError
-from jaxpar.finetune.chat_data import ChatRenderer, example_tokens
-from jaxpar.finetune.sft_batches import pack_examples, read_rows
+from jaxpar.data.chat import ChatRenderer, example_tokens
+from jaxpar.data.chat_batches import pack_examples, read_rows
 from jaxpar.runtime import Runtime
-from jaxpar.train.step import make_objective
+from jaxpar.objectives.lm import lm_loss
 from jaxpar.train.trainer import Trainer
 
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
@@ -86,7 +86,7 @@ def test_packing_gives_the_unpacked_loss():
   config = small_config(mesh={"fsdp": 1}, model={"max_seq_len": 384})
   runtime = Runtime.from_config(config, jax.devices()[:1])
   params, model_state = runtime.init()
-  objective = jax.jit(make_objective(runtime.graphdef, z_loss=0.0, logits_chunk_len=0))
+  objective = jax.jit(lm_loss(runtime.graphdef, z_loss=0.0, logits_chunk_len=0))
   with runtime.context():
     sums = [objective(params, model_state, batch)[1][0] for batch in (packed, unpacked)]
   np.testing.assert_allclose(sums[0]["ce_sum"], sums[1]["ce_sum"], rtol=1e-5)

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxpar.objectives.lm import lm_loss
 from jaxpar.train.step import make_gradients
 from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config, synthetic_batch
@@ -49,7 +50,7 @@ def test_gradient_accumulation_matches_full_batch():
   batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in synthetic_batch(config).items()}
   results = []
   for microbatches in (1, 4):
-    gradients = jax.jit(make_gradients(trainer.graphdef, z_loss=1e-4, microbatches=microbatches))
+    gradients = jax.jit(make_gradients(lm_loss(trainer.graphdef, z_loss=1e-4), microbatches=microbatches))
     with trainer.context():
       results.append(jax.device_get(gradients(state.params, batch)[:2]))
   (full, full_aux), (accumulated, accumulated_aux) = results
@@ -67,8 +68,7 @@ def test_fused_chunked_loss_matches_plain_logits(mesh):
   batch = {k: jax.device_put(v, trainer.batch_sharding) for k, v in synthetic_batch(config).items()}
   results = []
   for chunk in (0, 8):  # 32 positions in chunks of 8
-    gradients = jax.jit(make_gradients(trainer.graphdef, z_loss=1e-3, microbatches=1,
-                                       logits_chunk_len=chunk))
+    gradients = jax.jit(make_gradients(lm_loss(trainer.graphdef, z_loss=1e-3, logits_chunk_len=chunk), microbatches=1))
     with trainer.context():
       results.append(jax.device_get(gradients(state.params, batch)[:2]))
   (plain, plain_aux), (fused, fused_aux) = results

@@ -4,7 +4,10 @@ libtpu topology names; the (CPU-host) devices of a topology to compile for."""
 import re
 from dataclasses import dataclass
 
+from jax.experimental import topologies
+
 from jaxpar.errors import ConfigError
+from jaxpar.host import prepare_topology_compile
 
 GB = 1e9
 GIB = 2 ** 30
@@ -63,9 +66,6 @@ def parse_slice(name: str) -> tuple[Chip, str]:
 def topology_devices(name: str, num_slices: int = 1) -> tuple[Chip, list]:
   """The chip and the devices of `num_slices` slices of `name`, for compiling on a CPU host
   (libtpu must be installed; the CPU backend compiles)."""
-  from jax.experimental import topologies
-
-  from jaxpar.host import prepare_topology_compile
   prepare_topology_compile()
   chip, libtpu_name = parse_slice(name)
   try:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxpar.aot.chips import topology_devices
 from jaxpar.aot.compile import memory_sizes, per_device_bytes
 from jaxpar.aot.phases import silent
+from jaxpar.aot.report import gib
 from jaxpar.inference.programs import Programs
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import caches, kv_cache
@@ -73,7 +74,6 @@ def _quantized(r) -> str:
 
 
 def format_inference_report(r: dict) -> str:
-  from jaxpar.aot.report import gib
   mesh = " x ".join(f"{a}={s}" for a, s in r["mesh"].items()) or "single device"
   lines = [f"{r['topology']} ({r['devices']} {r['chip']} chips); mesh {mesh}; "
            f"{r['param_dtype']} weights{_quantized(r)}; "

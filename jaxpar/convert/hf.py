@@ -29,7 +29,7 @@ from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models import family_names, get_family
 from jaxpar.models.transformer import layer_groups
 from jaxpar.runtime import Runtime
-from jaxpar.saved_run import SavedRun
+from jaxpar.weights import SavedRun
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _log = logging.getLogger(__name__)
@@ -136,15 +136,6 @@ def _entries(params: dict, cfg: ModelConfig):
 
 def _get(tree, path):
   for key in path:
-    tree = tree[key]
-  return tree
-
-
-def lookup(tree, path):
-  """The leaf or subtree of nested dicts at `path`, or None where the path is absent."""
-  for key in path:
-    if not isinstance(tree, dict) or key not in tree:
-      return None
     tree = tree[key]
   return tree
 

@@ -8,16 +8,12 @@ device reading only its shards; the engine, evaluation and `Runtime.restore` loa
 it from that config.
 """
 
-import jax
-from flax import nnx
-
 from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import replace
 from jaxpar.data import copy_tokenizer_files
 from jaxpar.errors import CheckpointError, ConfigError
-from jaxpar.models.dense import QuantizedKernel, quantized_arrays
 from jaxpar.runtime import Runtime
-from jaxpar.saved_run import SavedRun
+from jaxpar.weights import SavedRun, quantize_params
 
 
 def quantization_section(mode: str, group_size=None, zero_point=False, outlier_channels=0) -> dict:
@@ -30,41 +26,6 @@ def quantization_section(mode: str, group_size=None, zero_point=False, outlier_c
   if outlier_channels:
     section["outlier_channels"] = outlier_channels
   return section
-
-
-def quantized_kernels(runtime: Runtime) -> list[tuple[tuple[str, ...], QuantizedKernel]]:
-  """(parameter path, abstract QuantizedKernel) of every quantized projection of a model."""
-  module = runtime.merge(runtime.abstract_params, runtime.abstract_model_state)
-  return [(tuple(path), node) for path, node in nnx.iter_modules(module)
-          if isinstance(node, QuantizedKernel)]
-
-
-def _get(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
-def quantize_params(params: dict, quant_runtime: Runtime, shardings=None) -> dict:
-  """Float params (a nested dict) -> the quantized model's params, placed on its shardings
-  (or `shardings`: those of just the params given, e.g. a base without its adapters).
-  Stacked layers are quantized one layer at a time (vmap over the leading axes)."""
-  kernels = quantized_kernels(quant_runtime)
-  config = quant_runtime.model_config.quantization
-
-  def convert(params):
-    out = jax.tree.map(lambda x: x, params)  # a fresh tree of the same arrays
-    for path, kernel in kernels:
-      w = _get(params, path)
-      stacked = w.ndim - kernel.contract - len(kernel.out_shape)
-      fn = lambda w, c=kernel.contract: quantized_arrays(w, c, config)
-      for _ in range(stacked):
-        fn = jax.vmap(fn)
-      _get(out, path[:-1])[path[-1]] = fn(w)
-    return out
-
-  with quant_runtime.context():
-    return jax.jit(convert, out_shardings=shardings or quant_runtime.param_shardings)(params)
 
 
 def quantize_checkpoint(ckpt, out, mode: str, group_size=None, *, zero_point=False,

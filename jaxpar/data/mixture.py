@@ -23,7 +23,7 @@ import grain
 from jaxpar.data.cache import is_cache, open_cache
 from jaxpar.data.packing import PackedStream, pack_documents
 from jaxpar.data.readers import Column
-from jaxpar.data.sources import iter_documents, source_files
+from jaxpar.data.sources import iter_documents, set_name, source_files
 from jaxpar.errors import DataError
 
 _log = logging.getLogger(__name__)
@@ -76,7 +76,6 @@ def open_sources(data_config, tokenizer, names=None, seed: int | None = None) ->
 def eval_streams(config, tokenizer, names=None, sources: dict[str, Source] | None = None
                  ) -> dict[str, PackedStream]:
   """The eval sets (Config.eval_sets, or `names`: set names, source names or paths) as streams."""
-  from jaxpar.config import set_name
   named, known = config.data.named_sources(), config.eval_sets()
   if names is None:
     wanted = known

@@ -1,6 +1,7 @@
 """Read the documents of one file, in batches, in a fixed order.
 
-Formats, by suffix (text and JSON lines may also be `.gz` or `.zst` compressed):
+Formats, by suffix (text and JSON lines may also be `.gz` or `.zst` compressed); whole rows
+of the row formats (`read_records`) are what chat and preference data are made of:
   .txt              documents separated by a form feed (\\f); a file without one is one document
   .jsonl            one JSON object per line; the document is its field `column`
   .parquet          (pyarrow) the column `column`
@@ -100,27 +101,31 @@ def _txt(path: str, column: Column):
     yield docs[start:start + BATCH]
 
 
-def _jsonl(path: str, column: Column):
-  batch = []
+def _jsonl_rows(path: str):
+  """(line number, object) of every non-blank line."""
   with _open(path) as f:
     try:
       for lineno, raw in enumerate(f, 1):
         line = _decode(raw, f"{path}:{lineno}")
-        if not line.strip():
-          continue
-        try:
-          row = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(row, dict) or column.name not in row:
-          keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-          raise DataError(f"{path}:{lineno}: no field {column.name!r} (has {keys}); set data.{_key(column)}")
-        batch.append(_tokens(row[column.name], path) if column.tokens else _text(row[column.name]))
-        if len(batch) == BATCH:
-          yield batch
-          batch = []
+        if line.strip():
+          try:
+            yield lineno, json.loads(line)
+          except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
     except (OSError, EOFError) as e:
       raise DataError(f"{path}: cannot decompress ({str(e).splitlines()[0]})") from None
+
+
+def _jsonl(path: str, column: Column):
+  batch = []
+  for lineno, row in _jsonl_rows(path):
+    if not isinstance(row, dict) or column.name not in row:
+      keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+      raise DataError(f"{path}:{lineno}: no field {column.name!r} (has {keys}); set data.{_key(column)}")
+    batch.append(_tokens(row[column.name], path) if column.tokens else _text(row[column.name]))
+    if len(batch) == BATCH:
+      yield batch
+      batch = []
   if batch:
     yield batch
 
@@ -172,22 +177,28 @@ def _arrow_error(path: str, kind: str, error: Exception) -> DataError:
                    "write it again or remove it")
 
 
-def _parquet(path: str, column: Column):
+def _parquet_batches(path: str, columns=None):
+  """Record batches of a Parquet file (only `columns`, when given and present)."""
   import pyarrow as pa
   import pyarrow.parquet as pq
   try:
     parquet = pq.ParquetFile(path)
-    if column.name in parquet.schema_arrow.names:
-      batches = parquet.iter_batches(batch_size=BATCH, columns=[column.name])
+    if columns is None or all(c in parquet.schema_arrow.names for c in columns):
+      yield from parquet.iter_batches(batch_size=BATCH, columns=columns)
     else:
-      batches = iter([pa.RecordBatch.from_pylist([], schema=parquet.schema_arrow)])
-    for batch in batches:
-      yield _arrow_column(batch, path, column)
+      yield pa.RecordBatch.from_pylist([], schema=parquet.schema_arrow)
   except (pa.ArrowException, OSError) as e:
     raise _arrow_error(path, "Parquet", e) from None
 
 
-def _arrow(path: str, column: Column):
+def _parquet(path: str, column: Column):
+  for batch in _parquet_batches(path, [column.name]):
+    yield _arrow_column(batch, path, column)
+
+
+def _arrow_batches(path: str):
+  """Record batches of an Arrow IPC file or stream, at most BATCH rows each (one empty batch
+  for a file with none)."""
   import pyarrow as pa
   try:
     source = pa.memory_map(path)
@@ -200,8 +211,29 @@ def _arrow(path: str, column: Column):
     for batch in batches:
       empty = False
       for start in range(0, batch.num_rows, BATCH):
-        yield _arrow_column(batch.slice(start, BATCH), path, column)
+        yield batch.slice(start, BATCH)
     if empty:
-      yield []
+      yield pa.RecordBatch.from_pylist([])
   except (pa.ArrowException, OSError) as e:
     raise _arrow_error(path, "Arrow", e) from None
+
+
+def _arrow(path: str, column: Column):
+  for batch in _arrow_batches(path):
+    yield _arrow_column(batch, path, column) if batch.num_columns else []
+
+
+def read_records(path: str) -> Iterator[dict]:
+  """Every row of one JSON-lines, Parquet or Arrow file as a dict (nested lists and structs as
+  lists and dicts): what chat and preference data are made of."""
+  fmt = file_format(path)
+  if fmt == "jsonl":
+    for lineno, row in _jsonl_rows(path):
+      if not isinstance(row, dict):
+        raise DataError(f"{path}:{lineno}: a row must be a JSON object, not {type(row).__name__}")
+      yield row
+  elif fmt in ("parquet", "arrow"):
+    for batch in _parquet_batches(path) if fmt == "parquet" else _arrow_batches(path):
+      yield from batch.to_pylist()
+  else:
+    raise DataError(f"{path} holds text documents, not rows: give JSON lines, Parquet or Arrow rows")

@@ -104,3 +104,8 @@ def read_documents(source: str, text_key: str = "text", tokens_key: str | None =
   if not docs:
     raise DataError(f"data source {source!r} holds no non-empty documents")
   return docs
+
+
+def set_name(path: str) -> str:
+  """An eval set's name for a path: its file or folder name without suffixes."""
+  return os.path.basename(path.rstrip("/")).split(".")[0] or path

@@ -14,7 +14,7 @@ from jaxpar.data import copy_tokenizer_files
 from jaxpar.errors import CheckpointError
 from jaxpar.models.lora import low_rank_delta
 from jaxpar.runtime import Runtime
-from jaxpar.saved_run import SavedRun
+from jaxpar.weights import SavedRun
 
 
 def merged_weights(params: dict, scale: float) -> dict:

@@ -19,14 +19,14 @@ from safetensors.numpy import load_file, save_file
 
 from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import MeshConfig, replace
-from jaxpar.convert.hf import lookup
+from jaxpar.weights import lookup
 from jaxpar.data import copy_tokenizer_files
 from jaxpar.errors import CheckpointError
-from jaxpar.finetune.base import split_weights
+from jaxpar.weights import split_weights
 from jaxpar.models import get_family
 from jaxpar.models.config import PROJECTIONS
 from jaxpar.runtime import Runtime
-from jaxpar.saved_run import SavedRun
+from jaxpar.weights import SavedRun
 
 _PREFIX = "base_model.model."
 

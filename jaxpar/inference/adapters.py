@@ -16,13 +16,13 @@ alpha / rank is folded into its B, and it is zero on projections it does not ada
 import jax
 import numpy as np
 
-from jaxpar.convert.hf import lookup
+from jaxpar.weights import lookup
 from jaxpar.errors import CheckpointError
-from jaxpar.finetune.base import same_network, split_weights
-from jaxpar.finetune.partition import join
+from jaxpar.weights import same_network, split_weights
+from jaxpar.weights import join
 from jaxpar.models.config import LoRAConfig
 from jaxpar.runtime import Runtime
-from jaxpar.saved_run import SavedRun
+from jaxpar.weights import SavedRun
 
 
 def _trained(run, name: str, path) -> tuple[dict, LoRAConfig]:

@@ -107,8 +107,8 @@ def chat_turns(ns, tokenizer):
   """For --chat: (user text -> prompt token ids, rendered with the run's chat template up to
   where the assistant answers; the stop settings that end the answer at the template's end of
   turn: its token when it is one, else its text)."""
-  from jaxpar.finetune.sft_batches import chat_renderer
-  from jaxpar.saved_run import SavedRun
+  from jaxpar.data.chat_batches import chat_renderer
+  from jaxpar.weights import SavedRun
   with SavedRun(ns.checkpoint) as run:
     data = run.config.data
   if not data.chat_template and not tokenizer.chat_template:
@@ -193,7 +193,7 @@ def adapter_paths(items, base_name: str) -> dict:
 
 def cmd_serve(ns):
   from jaxpar.inference.server import serve
-  from jaxpar.saved_run import run_name
+  from jaxpar.weights import run_name
   name = ns.model_name or run_name(ns.checkpoint)
   adapters = adapter_paths(ns.adapter, name)
   # Every program compiled before the first request: serving never pauses to compile.

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxpar.errors import ConfigError
 from jaxpar.inference import processing
+from jaxpar.inference.adapters import stacked_adapters
 from jaxpar.inference.decode_batch import DecodeBatch, DecodeCalls
 from jaxpar.inference.pages import PagePool, page_table_rows, table_widths
 from jaxpar.inference.prefix_cache import PrefixSharing
@@ -34,6 +35,7 @@ from jaxpar.inference.sampling import GREEDY, RequestError, SamplingParams
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import caches, kv_cache, kv_reach, local_window
 from jaxpar.models.kv_quant import KVQuantization
+from jaxpar.weights import open_run
 
 DEFAULT_CHUNKS = (16, 64, 256)
 
@@ -112,15 +114,23 @@ class Engine(DecodeCalls):
     self.sharing = PrefixSharing(self.pool, self.stats, prefix_caching and self.local_window is None)
 
   @classmethod
+  def from_run(cls, run, *, tokenizer=None, adapters: dict | None = None, **options) -> "Engine":
+    """An engine over a loaded saved run (jaxpar.open_run) with its tokenizer; `adapters`
+    ({name: adapter checkpoint}) are served beside the base, batched together."""
+    run.model  # noqa: B018  (raises, naming the fix, when the run is not loaded)
+    runtime, params = stacked_adapters(run, adapters) if adapters else (run.runtime, run.params)
+    return cls(runtime, params, tokenizer or run.tokenizer, model_state=run.model_state,
+               adapters=tuple(adapters or ()), **options)
+
+  @classmethod
   def from_checkpoint(cls, path, *, mesh=None, devices=None, step: int | None = None, tokenizer=None,
                       **options) -> "Engine":
     """An engine for a saved run (a train run's, or `jaxpar convert hf-to-jaxpar`'s) on `mesh`
     (a MeshConfig or a dict of axis sizes; default: data parallel, every device holding the
     whole model, which suits models that fit one device; larger ones set `tensor`), with the
     tokenizer that goes with it."""
-    from jaxpar.saved_run import open_run
     with open_run(path, mesh or {"data": -1, "fsdp": 1}, step, devices=devices) as run:
-      return run.engine(tokenizer=tokenizer, **options)
+      return cls.from_run(run, tokenizer=tokenizer, **options)
 
   # -- construction ------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxpar.inference import grammar
 from jaxpar.inference import openai_api as api
+from jaxpar.inference.chat import TemplateError, render_chat
 from jaxpar.inference.sampling import RequestError, SamplingParams
 
 
@@ -216,7 +217,6 @@ def chat_prompt(server, body) -> list[int]:
   """A chat's prompt ids: the model's template rendered, encoded with special tokens only if
   add_special_tokens (vLLM's default: no, the template writes them), and never with a second
   BOS when the template already wrote one."""
-  from jaxpar.inference.chat import TemplateError, render_chat
   tokenizer = server.engine.tokenizer
   if not getattr(tokenizer, "chat_template", None):
     raise api.APIError(400, f"model {server.model_name!r} has no chat template: use /v1/completions, or add a "

@@ -17,9 +17,11 @@ import logging
 import threading
 import time
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from jaxpar.cluster.preemption import stop_on_signals
 from jaxpar.inference import handlers
 from jaxpar.inference import openai_api as api
 from jaxpar.inference.metrics import CONTENT_TYPE, ServingMetrics
@@ -210,9 +212,6 @@ async def _json(request: Request):
 def serve(engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64,
           grace_s: float = 30.0, log_level: str = "info"):
   """Serve until SIGTERM / Ctrl-C (uvicorn stops taking requests and drains)."""
-  import uvicorn
-
-  from jaxpar.cluster.preemption import stop_on_signals
   app = build_app(engine, model_name=model_name, max_queue=max_queue, grace_s=grace_s)
   # After draining, uvicorn re-raises the signal to the handler that was there before it;
   # ours only records it, so a drained server exits 0 instead of dying by the signal.

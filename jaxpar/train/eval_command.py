@@ -40,7 +40,7 @@ def evaluate_saved_run(path, sources=None, *, step=None, mesh=None, steps=None, 
   """{set: {"loss", "perplexity", "bits_per_byte", "tokens"}} of a saved run (jaxpar.open_run)."""
   from jaxpar.errors import ConfigError
   from jaxpar.mesh import logical_to_sharding
-  from jaxpar.saved_run import SavedRun
+  from jaxpar.weights import SavedRun
   from jaxpar.train.evaluator import Evaluator
   with SavedRun(path, step) as run:
     if not sources and not run.config.eval_sets():

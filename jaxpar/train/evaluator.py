@@ -1,6 +1,6 @@
 """Evaluation on held-out text: loss, perplexity and bits per byte of named eval sets.
 
-The eval step is the train step's objective without gradients (step.make_objective), jitted
+The eval step is the language-model loss without gradients (objectives/lm.py: lm_loss), jitted
 once with the train step's shardings (parameters, model state, batch), so it runs on every
 mesh and parallelism the train step does, and a checkpoint evaluated on its own mesh gives
 the number training logged at that step. Each set is read in order (EvalBatches), the same
@@ -18,15 +18,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.data import EvalBatches, byte_lengths, eval_streams
-from jaxpar.train.step import make_objective
+from jaxpar.objectives.lm import lm_loss
 
 _SUMS = ("ce_sum", "tokens", "bytes")
 
 
 def make_eval_step(graphdef, *, logits_chunk_len: int = 0, load_balance: bool = True):
   """(params, model_state, batch) -> {"ce_sum", "tokens", "bytes"} over the batch."""
-  objective = make_objective(graphdef, z_loss=0.0, logits_chunk_len=logits_chunk_len,
-                             load_balance=load_balance)
+  objective = lm_loss(graphdef, z_loss=0.0, logits_chunk_len=logits_chunk_len, load_balance=load_balance)
 
   def eval_step(params, model_state, batch):
     _, (sums, _) = objective(params, model_state, batch)

@@ -17,7 +17,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
+from jaxpar.inference import Engine, SamplingParams
 from jaxpar.train.scoring import Scorer
+from jaxpar.weights import open_run
 
 
 @register_model("jaxpar")
@@ -29,7 +31,6 @@ class JaxparLM(TemplateLM):
   def __init__(self, pretrained=None, *, run=None, step=None, mesh=None, batch_size=8, max_gen_toks=256, **_):
     super().__init__()
     if run is None:
-      from jaxpar.saved_run import open_run
       run = open_run(pretrained, mesh, None if step is None else int(step))
     self.run = run
     self.tokenizer = run.tokenizer
@@ -85,7 +86,6 @@ class JaxparLM(TemplateLM):
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
     """Greedy (or sampled, when a task asks) completions through the inference engine, cut at
     the task's stop strings and at eos."""
-    from jaxpar.inference import SamplingParams
     eos = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
     prompts, settings, stops = [], [], []
     for context, gen_kwargs in (request.args for request in requests):
@@ -102,7 +102,7 @@ class JaxparLM(TemplateLM):
   def engine(self):
     """The generation engine, built (and compiled) on first use."""
     if self._engine is None:
-      self._engine = self.run.engine(slots=self._batch_size)
+      self._engine = Engine.from_run(self.run, slots=self._batch_size)
     return self._engine
 
 

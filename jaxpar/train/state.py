@@ -4,10 +4,7 @@ from typing import Any
 
 from flax import struct
 
-from jaxpar.finetune.partition import join
-
-# TrainState.frozen's key for full-model DPO's reference weights (jaxpar/finetune/dpo.py).
-REFERENCE = "dpo_reference"
+from jaxpar.objectives import policy_weights
 
 
 @struct.dataclass
@@ -15,9 +12,9 @@ class TrainState:
   """step: int32 scalar; params: what the optimizer updates (nnx.Param leaves);
   opt_state: the optimizer's state; model_state: every other model variable (router
   biases, statistics), changed only by the model's own forward pass, never decayed;
-  frozen: the weights that do not train (with adapters, model.lora: the base model; for DPO
-  without adapters: {REFERENCE: the reference model}; else empty), read by every step but
-  neither updated nor saved in checkpoints."""
+  frozen: the weights that do not train, by name (jaxpar/train/frozen.py): the base model
+  under adapters (model.lora), the networks the objective keeps (DPO's reference); read by
+  every step but neither updated nor saved in checkpoints."""
   step: Any
   params: Any
   opt_state: Any
@@ -25,9 +22,9 @@ class TrainState:
   frozen: Any = struct.field(default_factory=dict)
 
   def weights(self) -> dict:
-    """Every model parameter (the trained and the frozen): what the model is merged with."""
-    base = {k: v for k, v in self.frozen.items() if k != REFERENCE}  # a reference is another model
-    return join(self.params, base) if base else self.params
+    """Every parameter of the policy (the trained and the base under them): what the model is
+    merged with. A kept network (a reference) is another model."""
+    return policy_weights(self.params, self.frozen)
 
   def items(self) -> dict:
     """As a dict of the four fields (what the checkpointer saves and restores)."""

@@ -1,22 +1,13 @@
-"""One training step: objective, gradients (optionally accumulated over microbatches), update.
-
-The objective is cross-entropy + z-loss + the model's auxiliary losses. Everything a
-microbatch reports is a token-weighted sum (`sums`), so accumulation is a plain tree sum
-and the step divides by the token count once, whatever keys the model adds. When the mesh
-splits the sequence (context parallelism), the step puts each batch in zig-zag order once,
-before the model: every array of the batch moves together, and the sums do not depend
-on the order.
+"""One training step: an objective's loss, gradients (optionally accumulated over microbatches),
+update. Everything a microbatch reports is a summed value (`sums`), so accumulation is a
+plain tree sum and the step divides by the token count once, whatever keys the objective
+or the model add.
 """
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
-from jaxpar.finetune.partition import join
-from jaxpar.train.loss import causal_lm_loss, fused_lm_loss
-from jaxpar.mesh import num_shards
-from jaxpar.pallas_kernels import zigzag
 from jaxpar.train.state import TrainState
 
 
@@ -28,49 +19,10 @@ def _split_microbatches(batch, count: int):
   return jax.tree.map(split, batch)
 
 
-def make_objective(graphdef, *, z_loss: float, logits_chunk_len: int = 0, load_balance: bool = True):
-  """(params, model_state, batch, frozen=None) -> (objective, (sums, new model_state)): what
-  training differentiates and evaluation reports. `frozen`: weights the model needs that are
-  not differentiated (the base under adapters, TrainState.frozen).
-
-  sums: {"ce_sum", "z_sum", "tokens"} plus, for each auxiliary loss or metric the model
-  returns, its value x tokens under "loss/NAME" or "metric/NAME".
-  logits_chunk_len > 0: the fused chunked loss (never holds all logits); 0: plain logits.
-  load_balance: zig-zag order over the devices that split the length (if any).
-  """
-  def objective(params, model_state, batch, frozen=None):
-    model = nnx.merge(graphdef, join(params, frozen) if frozen else params, model_state)
-    shards = num_shards("length")
-    balanced = load_balance and shards > 1
-    if balanced:
-      batch = jax.tree.map(lambda x: zigzag(x, shards), batch)
-    inputs = (batch["inputs"], batch["positions"], batch["segment_ids"])
-    if logits_chunk_len:
-      hidden, aux = model.hidden_states(*inputs, zigzag=balanced)
-      total, sums = fused_lm_loss(hidden, model.output_projection(), batch["targets"],
-                                  batch["loss_mask"], z_loss, logits_chunk_len, model.cfg.final_logit_soft_cap)
-    else:
-      logits, aux = model(*inputs, zigzag=balanced)
-      total, sums = causal_lm_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
-    tokens = sums["tokens"]
-    for name, value in aux["losses"].items():
-      total = total + tokens * value
-      sums[f"loss/{name}"] = tokens * value
-    for name, value in aux["metrics"].items():
-      sums[f"metric/{name}"] = tokens * value
-    return total, (sums, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
-
-  return objective
-
-
-def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_len: int = 0,
-                   load_balance: bool = True, objective=None):
-  """(params, batch, model_state, frozen) -> (summed grads of params, sums, new model_state);
-  `make_objective` says what the sums hold. `objective`: another with the same contract
-  (DPO's, jaxpar/finetune/dpo.py) instead of the language-model loss."""
-  objective = objective or make_objective(graphdef, z_loss=z_loss, logits_chunk_len=logits_chunk_len,
-                                          load_balance=load_balance)
-  grad_fn = jax.grad(objective, has_aux=True)
+def make_gradients(loss, *, microbatches: int):
+  """(params, batch, model_state, frozen) -> (summed grads of params, sums, new model_state) of
+  an objective's `loss` (jaxpar/objectives/base.py says what it returns)."""
+  grad_fn = jax.grad(loss, has_aux=True)
 
   def gradients(params, batch, model_state=None, frozen=None):
     model_state = {} if model_state is None else model_state
@@ -93,10 +45,8 @@ def make_gradients(graphdef, *, z_loss: float, microbatches: int, logits_chunk_l
   return gradients
 
 
-def make_train_step(graphdef, optimizer, schedule, *, z_loss: float, microbatches: int,
-                    logits_chunk_len: int, load_balance: bool = True, objective=None):
-  gradients = make_gradients(graphdef, z_loss=z_loss, microbatches=microbatches,
-                             logits_chunk_len=logits_chunk_len, load_balance=load_balance, objective=objective)
+def make_train_step(loss, optimizer, schedule, *, microbatches: int):
+  gradients = make_gradients(loss, microbatches=microbatches)
 
   def train_step(state: TrainState, batch):
     grads, sums, model_state = gradients(state.params, batch, state.model_state, state.frozen)

@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from rich.console import Console
 
 from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
-from jaxpar.config import Config, checkpoint_dir, from_dict
-from jaxpar.data import TrainBatches, copy_tokenizer_files, load_tokenizer
+from jaxpar.config import Config, checkpoint_dir
+from jaxpar.data import copy_tokenizer_files, load_tokenizer
 from jaxpar.train.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.train.evaluator import Evaluator, flat_metrics, jit_eval_step
@@ -22,10 +22,11 @@ from jaxpar.train.optim import (learning_rate_schedule, make_optimizer, opt_stat
 from jaxpar.cluster.preemption import stop_on_signals
 from jaxpar.cluster.run_lock import hold_run_dirs
 from jaxpar.errors import ConfigError
-from jaxpar.finetune.base import load_base, split_weights
 from jaxpar.runtime import Runtime, with_shardings
-from jaxpar.saved_run import SavedRun, relayout, saved_layer_order
-from jaxpar.train.state import REFERENCE, TrainState
+from jaxpar.objectives import get_objective
+from jaxpar.train.frozen import FrozenWeights
+from jaxpar.train.state import TrainState
+from jaxpar.weights import SavedRun
 from jaxpar.train.step import make_train_step
 from jaxpar.cluster.xla_flags import compiler_options
 
@@ -51,17 +52,16 @@ class Trainer:
                         "its checkpoint, or train adapters over it (model.lora: QLoRA)")
     self.runtime = Runtime.from_config(config, devices)
     self.runtime.plan.check_training(config.model, config.data, config.train, self.rules)
+    self.objective = get_objective(config.train.objective)(config, self.runtime)
+    self.frozen = FrozenWeights(self.runtime, self.objective)
     self.console = console or Console()
     # Under model.lora the optimizer sees the adapters only: the base is TrainState.frozen.
-    self.optimizer = make_optimizer(config.train, self._trainable(self.runtime.decay_mask),
-                                    self._trainable(self.runtime.axis_names))
+    self.optimizer = make_optimizer(config.train, self.frozen.trainable(self.runtime.decay_mask),
+                                    self.frozen.trainable(self.runtime.axis_names))
     self.schedule = learning_rate_schedule(config.train)
     self.state_shardings = self._state_shardings()
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
-    step = make_train_step(self.graphdef, self.optimizer, self.schedule,
-                           z_loss=config.train.z_loss, microbatches=config.train.microbatches,
-                           logits_chunk_len=config.train.logits_chunk_len,
-                           load_balance=self.runtime.plan.load_balance, objective=self._objective())
+    step = make_train_step(self.objective.loss(), self.optimizer, self.schedule, microbatches=config.train.microbatches)
     batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
     self.xla_options, self.xla_notes = compiler_options(config.mesh.xla_flags, self.mesh.devices.flat)
     self._eval_step = None  # built with the first evaluator
@@ -78,56 +78,22 @@ class Trainer:
     """The mesh and logical rules that tracing model code needs."""
     return self.runtime.context()
 
-  def _objective(self):
-    """The objective train.objective names (None: the language-model loss)."""
-    cfg = self.config
-    if (cfg.train.objective == "dpo") != (cfg.data.format == "preference"):
-      raise ConfigError(f"train.objective={cfg.train.objective} with data.format={cfg.data.format}: DPO trains on "
-                        "preference pairs and only on them; set both (train.objective=dpo data.format=preference) "
-                        "or neither")
-    if cfg.train.objective == "lm":
-      return None
-    if self.runtime.adapter_mask is not None and cfg.train.dpo_reference is not None:
-      raise ConfigError(f"train.dpo_reference={cfg.train.dpo_reference} with model.lora: the reference is the base "
-                        "with the adapters off; drop train.dpo_reference, or model.lora for full-model DPO")
-    from jaxpar.finetune.dpo import make_dpo_objective
-    return make_dpo_objective(self.graphdef, cfg.train.dpo_beta)
-
-  def _trainable(self, tree: dict) -> dict:
-    """The part of a params-shaped tree that trains (all of it, or the adapters)."""
-    return split_weights(self.runtime, tree)[0]
-
   @property
   def optimizer_bytes_per_param(self) -> float:
     """Optimizer-state bytes per parameter (AdamW in float32: 8; SGD with momentum: 4)."""
-    abstract_opt = jax.eval_shape(self.optimizer.init, self._trainable(self.runtime.abstract_params))
+    abstract_opt = jax.eval_shape(self.optimizer.init, self.frozen.trainable(self.runtime.abstract_params))
     return state_bytes_per_param(abstract_opt, self.num_params)
 
-  @property
-  def _full_dpo(self) -> bool:
-    """DPO without adapters: TrainState.frozen holds the reference model."""
-    return self.config.train.objective == "dpo" and self.runtime.adapter_mask is None
-
-  def _frozen(self) -> dict:
-    """TrainState.frozen, from where it lives (it is never saved): the base under adapters,
-    full-model DPO's reference, else nothing."""
-    if self._full_dpo:
-      from jaxpar.finetune.dpo import reference_weights
-      return {REFERENCE: reference_weights(self.runtime, self.config.train.dpo_reference)}
-    return load_base(self.runtime) if self.runtime.adapter_mask is not None else {}
-
   def _state_shardings(self) -> TrainState:
-    params, frozen = split_weights(self.runtime, self.runtime.param_shardings)
-    frozen = {REFERENCE: params} if self._full_dpo else frozen
-    abstract = self._trainable(self.runtime.abstract_params)
+    params, frozen = self.frozen.split(self.runtime.param_shardings)
+    abstract = self.frozen.trainable(self.runtime.abstract_params)
     opt = opt_state_shardings(jax.eval_shape(self.optimizer.init, abstract), abstract, params, self.mesh)
     return TrainState(step=NamedSharding(self.mesh, PartitionSpec()), params=params, opt_state=opt,
                       model_state=self.runtime.model_state_shardings, frozen=frozen)
 
   def _create_state(self, with_frozen=True) -> TrainState:
     params, model_state = self.runtime.create()
-    params, frozen = split_weights(self.runtime, params)
-    frozen = {REFERENCE: params} if self._full_dpo else frozen
+    params, frozen = self.frozen.split(params)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params),
                       model_state=model_state, frozen=frozen if with_frozen else {})
 
@@ -139,33 +105,28 @@ class Trainer:
 
   def init_state(self) -> TrainState:
     """A fresh state; under model.lora, fresh adapters over the base model.lora.base names;
-    for full-model DPO, the reference's weights and a copy of them that trains."""
-    if self.runtime.adapter_mask is None and not self._full_dpo:
+    with networks the objective keeps (a reference), those read from their sources, and the
+    policy starting as one of them where the objective says."""
+    if not self.frozen.any:
       with self.context():
         return jax.jit(self._create_state, out_shardings=self.state_shardings)()
     with self.context():
       state = jax.jit(lambda: self._create_state(with_frozen=False),
                       out_shardings=self.state_shardings.replace(frozen={}))()
-    state = state.replace(frozen=self._frozen())
-    if self._full_dpo:  # the policy starts as the reference (its own buffers: the step donates them)
-      state = state.replace(params=jax.tree.map(jnp.copy, state.frozen[REFERENCE]))
-    return state
+    state = state.replace(frozen=self.frozen.load())
+    start = self.frozen.starting_policy(state.frozen)
+    return state if start is None else state.replace(params=start)
 
   def tokenizer(self):
     return load_tokenizer(self.config.data.tokenizer)
 
-  def batches(self, tokenizer=None) -> TrainBatches:
+  def batches(self, tokenizer=None):
+    """The objective's endless global batches (TrainBatches for `lm`), on the batch sharding."""
     tokenizer = tokenizer or self.tokenizer()
     if tokenizer.vocab_size > self.config.model.vocab_size:
       raise ConfigError(f"model.vocab_size={self.config.model.vocab_size} is smaller than the "
                        f"tokenizer's {tokenizer.vocab_size} tokens: raise model.vocab_size")
-    if self.config.data.format == "chat":
-      from jaxpar.finetune.sft_batches import ChatBatches
-      return ChatBatches(self.config.data, tokenizer, self.batch_sharding)
-    if self.config.data.format == "preference":
-      from jaxpar.finetune.preference_batches import PreferenceBatches
-      return PreferenceBatches(self.config.data, tokenizer, self.batch_sharding)
-    return TrainBatches(self.config.data, tokenizer, self.batch_sharding)
+    return self.objective.batches(tokenizer, self.batch_sharding)
 
   def evaluator(self, tokenizer=None, sources=None, **options) -> Evaluator:
     """The config's eval sets on this trainer's mesh and shardings (jaxpar/train/evaluator.py);
@@ -239,26 +200,22 @@ class Trainer:
 
   def _start_state(self, checkpointer, batches, restore) -> TrainState:
     if restore is not None:
-      with SavedRun(restore) as source:
-        if self.runtime.adapter_mask is not None and source.config.model.lora is None:
-          raise ConfigError(f"--restore {restore}: that checkpoint has no adapters; to train adapters "
-                            f"over it, set model.lora.base={restore} instead")
-        if self._full_dpo and source.config.train.objective != "dpo":
-          raise ConfigError(f"--restore {restore} with full-model DPO: the policy starts from its reference; "
-                            f"set train.dpo_reference={restore} instead")
-        items, data_state = source.restore_train_state(self.abstract_state().items(), self.runtime.layer_order())
-        where = source.path
+      source = SavedRun(restore)
+      start = self.objective.policy_start
+      if start is not None and source.config.train.objective != self.config.train.objective:
+        source.close()
+        raise ConfigError(f"--restore {restore} with train.objective={self.config.train.objective}: the policy "
+                          f"starts from objective.{start}; set objective.{start}={restore} instead")
     elif checkpointer is not None and checkpointer.latest_step() is not None:
-      items, data_state = checkpointer.restore(self.abstract_state().items())
-      where = checkpointer.path(int(items["step"]))
-      if (where / "config").is_dir():  # maybe another stage count or schedule: its layers in its order
-        saved = from_dict(checkpointer.saved_config(int(items["step"])), check_paths=False)
-        items = relayout(items, saved_layer_order(saved), self.runtime.layer_order())
+      source = SavedRun(checkpointer.directory, checkpointer.latest_step())
     else:
       return self.init_state()
+    with source:
+      items, data_state = source.restore_train_state(self.runtime, self.abstract_state().items())
+      where = source.path
     state = TrainState(**items)
-    if self.runtime.adapter_mask is not None or self._full_dpo:  # the base or reference: from its own place
-      state = state.replace(frozen=self._frozen())
+    if self.frozen.any:  # the base or a kept network: from its own place
+      state = state.replace(frozen=self.frozen.load())
     if state.opt_state is None:  # a params-only checkpoint (an imported model): fine-tune it
       with self.context():
         opt_state = jax.jit(self.optimizer.init,
@@ -341,7 +298,7 @@ class Trainer:
 
 
 def _data_state(batches) -> dict | None:
-  """The iterator's resumable state, when it has one (TrainBatches does; a plain iterator not)."""
+  """The iterator's resumable state, when it has one (the objectives' batches do; a plain iterator not)."""
   return batches.get_state() if hasattr(batches, "get_state") else None
 
 

@@ -9,12 +9,12 @@ over each answer's tokens under the policy (pi) and a frozen reference (ref):
 The reference runs in the same step under stop_gradient. Under model.lora it is the base
 model with the adapters off (all adapter weights zero, so no second copy of the base is
 held). Without adapters it is a frozen copy of the weights training started from
-(train.dpo_reference, else the seeded init), held in TrainState.frozen[REFERENCE] and, like
-a LoRA base, read again from its source on resume rather than saved. Computing it in the step
-costs one more forward pass per step (and, without adapters, a second copy of the weights,
-sharded as they are); precomputing every pair's reference log-probabilities once would
+(objective.reference, else the seeded init), kept beside the policy (TrainState.frozen) and,
+like a LoRA base, read again from its source on resume rather than saved. Computing it in the
+step costs one more forward pass per step (and, without adapters, a second copy of the
+weights, sharded as they are); precomputing every pair's reference log-probabilities once would
 instead need a pass over the data before training and per-example values that the data
-order, resumption and every mesh must carry along. The step keeps those as for any run. Metrics per pair: `loss`,
+order, resumption and every mesh must carry along. Metrics per pair: `loss`,
 `reward_margin` (the margin above), `reward_accuracy` (the share of pairs with margin > 0),
 `chosen_reward` and `rejected_reward` (beta * the policy-minus-reference log-ratio of each).
 
@@ -24,16 +24,20 @@ small beta lets the policy drift far from the reference before the loss saturate
 one keeps it close.
 
 A batch holds data.global_batch_size pairs as twice as many rows: every chosen answer
-first, then the rejected ones in the same order (DPOBatches).
+first, then the rejected ones in the same order (jaxpar/data/preference_batches.py).
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from pydantic import Field
 
-from jaxpar.errors import CheckpointError
-from jaxpar.finetune.partition import join
-from jaxpar.train.state import REFERENCE
+from jaxpar.data.preference_batches import PreferenceBatches
+from jaxpar.errors import ConfigError
+from jaxpar.objectives.base import BASE, Objective, Options, policy_weights, register_objective
+from jaxpar.trees import join
+
+REFERENCE = "reference"  # TrainState.frozen's key for the reference network (without adapters)
 
 
 def answer_logprobs(model, batch):
@@ -56,33 +60,19 @@ def dpo_loss(policy, reference, beta: float):
   return -jax.nn.log_sigmoid(margin), margin, chosen, rejected
 
 
-def reference_weights(runtime, path) -> dict:
-  """Full-model DPO's reference: checkpoint `path`'s weights, or (None) the model's init from
-  its seed, placed on the runtime's shardings."""
-  if path is None:
-    with runtime.context():
-      return jax.jit(lambda: runtime.create()[0], out_shardings=runtime.param_shardings)()
-  from jaxpar.finetune.base import same_network
-  from jaxpar.saved_run import SavedRun
-  with SavedRun(path) as source:
-    if source.config.model.lora is not None or not same_network(runtime.model_config, source.config.model):
-      raise CheckpointError(f"train.dpo_reference={path} holds another model (or adapters): give a checkpoint "
-                            "of this config's model section (merge adapters first: `jaxpar lora merge`)")
-    return source.read_params(runtime.abstract_targets()[0])
-
-
 def make_dpo_objective(graphdef, beta: float):
   """(trained weights, model_state, batch, frozen) -> (summed loss, (sums, model_state)), as
-  step.make_objective's contract: the step divides the sums by "tokens", here the pairs.
-  frozen: the base under adapters, or {REFERENCE: the reference model} without them."""
+  the objective protocol says: the step divides the sums by "tokens", here the pairs.
+  frozen: the base under adapters, or the reference network without them."""
   def objective(params, model_state, batch, frozen=None):
     frozen = frozen or {}
-    reference_model = frozen.get(REFERENCE)
-    model = nnx.merge(graphdef, params if reference_model is not None else join(params, frozen), model_state)
+    model = nnx.merge(graphdef, policy_weights(params, frozen), model_state)
     policy = answer_logprobs(model, batch)
-    if reference_model is None:  # adapters: the base with them off
-      reference_model = join(jax.tree.map(jnp.zeros_like, params), frozen)
-    reference = jax.lax.stop_gradient(answer_logprobs(nnx.merge(graphdef, reference_model, model_state), batch))
+    if REFERENCE in frozen:
+      reference_weights = frozen[REFERENCE]
+    else:  # adapters: the base with them off
+      reference_weights = join(jax.tree.map(jnp.zeros_like, params), frozen[BASE])
+    reference = jax.lax.stop_gradient(answer_logprobs(nnx.merge(graphdef, reference_weights, model_state), batch))
     loss, margin, chosen, rejected = dpo_loss(policy, reference, beta)
     total = jnp.sum(loss)
     sums = {"ce_sum": total, "z_sum": jnp.zeros(()), "tokens": jnp.asarray(loss.shape[0], jnp.float32),
@@ -92,3 +82,36 @@ def make_dpo_objective(graphdef, beta: float):
     return total, (sums, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
 
   return objective
+
+
+class DPOOptions(Options):
+  beta: float = Field(0.1, gt=0)
+  # Without adapters: the checkpoint whose weights are the reference and where the policy
+  # starts (None: the model's init from train.seed). With them the reference is the base.
+  reference: str | None = None
+
+
+@register_objective
+class DPO(Objective):
+  name = "dpo"
+  formats = ("preference",)
+  Options = DPOOptions
+
+  def check(self):
+    super().check()
+    if self.adapters and self.options.reference is not None:
+      raise ConfigError(f"objective.reference={self.options.reference} with model.lora: the reference is the "
+                        "base with the adapters off; drop objective.reference, or model.lora for full-model DPO")
+
+  def batches(self, tokenizer, sharding):
+    return PreferenceBatches(self.config.data, tokenizer, sharding)
+
+  def loss(self):
+    return make_dpo_objective(self.runtime.graphdef, self.options.beta)
+
+  def kept_networks(self):
+    return {} if self.adapters else {REFERENCE: self.options.reference}
+
+  @property
+  def policy_start(self):
+    return None if self.adapters else REFERENCE

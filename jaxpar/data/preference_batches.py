@@ -1,4 +1,4 @@
-"""Preference pairs for DPO (jaxpar/finetune/dpo.py): JSON lines of `prompt`, `chosen`, `rejected`.
+"""Preference pairs for DPO (jaxpar/objectives/dpo.py): rows of `prompt`, `chosen`, `rejected`.
 
 `prompt` is text, or a list of {role, content} messages rendered with the chat template up to
 the assistant's turn (data.chat_template, else the tokenizer's); each answer is text, followed
@@ -12,10 +12,10 @@ import functools
 
 import numpy as np
 
+from jaxpar.data.chat import tokenize_pieces
+from jaxpar.data.chat_batches import chat_renderer, pack_examples, read_rows
 from jaxpar.data.loader import KEYS, _globalize, _process_rows
 from jaxpar.errors import DataError
-from jaxpar.finetune.chat_data import tokenize_pieces
-from jaxpar.finetune.sft_batches import chat_renderer, pack_examples, read_rows
 
 
 def pair_rows(row: dict, renderer, tokenizer, seq_len: int) -> dict:

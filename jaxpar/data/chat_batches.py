@@ -1,4 +1,5 @@
-"""Fine-tuning batches: examples packed whole into rows, with segment ids and loss weights.
+"""Chat fine-tuning batches (data.format=chat): examples packed whole into rows, with segment ids
+and loss weights.
 
 Packing is first-fit: each example (its tokens, shuffled once by data.shuffle_seed) goes into
 the first row with room for it, else a new row; examples are never split, and one longer
@@ -14,14 +15,14 @@ next row, as TrainBatches' is the next sample.
 """
 
 import functools
-import json
 
 import numpy as np
 
+from jaxpar.data.chat import ChatRenderer, example_tokens
 from jaxpar.data.loader import KEYS, _globalize, _process_rows
+from jaxpar.data.readers import read_records
 from jaxpar.data.sources import bundled_path, source_files
 from jaxpar.errors import DataError
-from jaxpar.finetune.chat_data import ChatRenderer, example_tokens
 
 
 def pack_examples(examples, seq_len: int) -> tuple[dict, int]:
@@ -55,18 +56,9 @@ def pack_examples(examples, seq_len: int) -> tuple[dict, int]:
 
 
 def read_rows(spec: str) -> list[dict]:
-  """The JSON-lines rows of a data source (a .jsonl file, a folder or a glob of them)."""
-  rows = []
-  for path in source_files(spec):
-    if not path.endswith(".jsonl"):
-      raise DataError(f"data.format=chat reads JSON lines (.jsonl); {path} is not one")
-    with open(path) as f:
-      for number, line in enumerate(f, start=1):
-        if line.strip():
-          try:
-            rows.append(json.loads(line))
-          except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{number} is not valid JSON ({e.msg})") from None
+  """The rows of a data source: JSON lines (compressed too), Parquet or Arrow files, a folder
+  (a `datasets` one included) or a glob of them, read as pre-training data is."""
+  rows = [row for path in source_files(spec) for row in read_records(path)]
   if not rows:
     raise DataError(f"data.source={spec!r} holds no rows")
   return rows

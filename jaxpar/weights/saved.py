@@ -3,12 +3,13 @@
     run = jaxpar.open_run("runs/tiny")            # a run dir, its checkpoints/ dir, or one step dir
     print(run.step, run.config.model.num_layers)
     logits, _ = run.model(tokens)                 # the NNX module with the saved weights
-    engine = run.engine(slots=4)                  # generation with the run's tokenizer
-    text = engine.generate(["The "])[0].text
+    engine = Engine.from_run(run, slots=4)        # jaxpar.inference: generation with its tokenizer
 
 The path is resolved, Orbax opened (read only) and the step chosen once; the saved config is
 validated (keys that moved since are migrated) and the tokenizer found beside the weights.
 `load` restores the weights onto the mesh asked for, each device reading only its shards.
+Training resumes, fine-tuning reads its base, inference and export open weights: all here,
+and this layer imports none of them.
 """
 
 from pathlib import Path
@@ -19,7 +20,9 @@ from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import MeshConfig, from_dict
 from jaxpar.data import load_tokenizer
 from jaxpar.errors import CheckpointError
-from jaxpar.finetune.partition import join
+from jaxpar.weights.frozen import same_network, split_weights
+from jaxpar.weights.quantize import quantize_params
+from jaxpar.trees import join
 from jaxpar.models.pipeline import reorder_layers, same_order
 from jaxpar.models.transformer import PIPELINED_GROUP
 from jaxpar.runtime import Runtime
@@ -128,7 +131,6 @@ class SavedRun:
     if self.config.model.lora is None:
       saved = self.runtime.restore(self._checkpoints, self.step)
     else:  # an adapter checkpoint: its adapters here, the base weights where model.lora.base says
-      from jaxpar.finetune.base import load_base
       saved = (join(self.read_adapters(self.runtime), load_base(self.runtime)),
                self._checkpoints.restore_item("model_state", self.runtime.abstract_targets()[1], self.step))
     self.params, self.model_state = relayout(saved, self.layer_order, self.runtime.layer_order())
@@ -136,7 +138,6 @@ class SavedRun:
 
   def read_adapters(self, runtime) -> dict:
     """An adapter checkpoint's adapters alone, placed on `runtime` (one with its model.lora)."""
-    from jaxpar.finetune.base import split_weights
     targets = split_weights(runtime, runtime.abstract_targets()[0])[0]
     return self._checkpoints.restore_item("params", targets, self.step)
 
@@ -156,29 +157,20 @@ class SavedRun:
       raise CheckpointError("this saved run is not loaded yet: call .load(mesh) or use jaxpar.open_run")
     return self.runtime.merge(self.params, self.model_state)
 
-  def engine(self, *, tokenizer=None, adapters: dict | None = None, **options):
-    """A generation engine (jaxpar.inference.Engine) over the loaded weights; `adapters`
-    ({name: adapter checkpoint}) are served beside the base, batched together."""
-    from jaxpar.inference import Engine
-    self.model  # noqa: B018  (the loaded check)
-    runtime, params = self.runtime, self.params
-    if adapters:
-      from jaxpar.inference.adapters import stacked_adapters
-      runtime, params = stacked_adapters(self, adapters)
-    return Engine(runtime, params, tokenizer or self.tokenizer, model_state=self.model_state,
-                  adapters=tuple(adapters or ()), **options)
-
-  def restore_train_state(self, abstract_state: dict, layer_order=None) -> tuple[dict, dict]:
-    """(train state items placed per `abstract_state`'s shardings, in `layer_order` (the
-    target runtime's), data iterator state): to continue training from this step (a
-    params-only checkpoint gives opt_state None)."""
+  def restore_train_state(self, runtime, abstract_state: dict) -> tuple[dict, dict]:
+    """(train state items placed per `abstract_state`'s shardings, in `runtime`'s layer order,
+    data iterator state): to continue training from this step, on any mesh (a params-only
+    checkpoint gives opt_state None). Every resume goes through here: a run's own, `--restore`."""
     quantization = self.config.model.quantization
     if quantization is not None:
       raise CheckpointError(f"checkpoint {self.path} is quantized (model.quantization.mode={quantization.mode}): "
                             "quantized weights are for inference; train from the float checkpoint it was "
                             "quantized from")
+    if runtime.adapter_mask is not None and self.config.model.lora is None:
+      raise CheckpointError(f"--restore {self.directory}: that checkpoint has no adapters; to train adapters "
+                            f"over it, set model.lora.base={self.directory} instead")
     items, data_state = self._checkpoints.restore(abstract_state, self.step)
-    return relayout(items, self.layer_order, layer_order), data_state
+    return relayout(items, self.layer_order, runtime.layer_order()), data_state
 
   def close(self):
     self._checkpoints.close()
@@ -194,3 +186,51 @@ def open_run(path, mesh=None, step: int | None = None, *, devices=None) -> Saved
   """Open a saved run and restore its weights onto `mesh` (see `SavedRun.load`); `step`
   defaults to the latest complete one."""
   return SavedRun(path, step).load(mesh, devices)
+
+
+def load_base(runtime) -> dict:
+  """The base weights of an adapted model (model.lora.base: a checkpoint; None: the model's
+  init from its seed, which tests and benchmarks use), placed on the runtime's shardings. The
+  trainer and `SavedRun.load` both get the base from here."""
+  _, shardings = split_weights(runtime, runtime.param_shardings)
+  path = runtime.model_config.lora.base
+  if path is None:
+    with runtime.context():
+      return jax.jit(lambda: split_weights(runtime, runtime.create()[0])[1], out_shardings=shardings)()
+  with SavedRun(path) as source:
+    if source.config.model.lora is not None:
+      raise CheckpointError(f"model.lora.base={path} holds adapters itself: merge them into a base first "
+                            f"(`jaxpar lora merge {path} OUT`) and point model.lora.base at OUT")
+    ours = runtime.model_config
+    if ours.quantization is not None and source.config.model.quantization is None:
+      return _quantized_base(runtime, source, shardings)  # QLoRA over a float checkpoint
+    if not same_network(ours, source.config.model):
+      raise CheckpointError(f"model.lora.base={path} was saved with a different model section: copy its "
+                            f"model section ({source.path}/config) into this config and add `lora:` to it")
+    _, targets = split_weights(runtime, runtime.abstract_targets()[0])
+    return source.read_params(targets)
+
+
+def _quantized_base(runtime, source, shardings) -> dict:
+  """A float base checkpoint, read and quantized as model.quantization says (QLoRA)."""
+  plain = runtime.model_config.model_copy(update={"lora": None, "quantization": None})
+  if not same_network(plain, source.config.model.model_copy(update={"quantization": None})):
+    raise CheckpointError(f"model.lora.base={source.directory} was saved with a different model section: copy "
+                          "its model section into this config and add `lora:` and `quantization:` to it")
+  floats = Runtime(plain, runtime.mesh_config, runtime.mesh.devices.flat, seed=runtime.seed)
+  params = source.read_params(floats.abstract_targets()[0])
+  return quantize_params(params, runtime, shardings)
+
+
+def read_network(runtime, path, key: str) -> dict:
+  """The parameters of checkpoint `path` (None: the model's init from its seed), which must
+  hold this runtime's network without adapters, placed on its shardings. `key` names the
+  config key that gave the path, for the error."""
+  if path is None:
+    with runtime.context():
+      return jax.jit(lambda: runtime.create()[0], out_shardings=runtime.param_shardings)()
+  with SavedRun(path) as source:
+    if source.config.model.lora is not None or not same_network(runtime.model_config, source.config.model):
+      raise CheckpointError(f"{key}={path} holds another model (or adapters): give a checkpoint "
+                            "of this config's model section (merge adapters first: `jaxpar lora merge`)")
+    return source.read_params(runtime.abstract_targets()[0])

@@ -1,7 +1,6 @@
-"""Split a nested parameter dict into what trains and what stays frozen, and join them back.
-
-A model with adapters (model.lora) trains only its adapters: the train state's `params` hold
-those, its `frozen` the base weights, so the optimizer state, the gradients and the
+"""Nested parameter dicts: split what trains from what stays frozen, join them back, look up a
+path. A model with adapters (model.lora) trains only its adapters: the train state's `params`
+hold those, its `frozen` the base weights, so the optimizer state, the gradients and the
 checkpoints cover the adapters alone. `mask` is a tree of bools shaped like the params
 (Runtime.adapter_mask): True for an adapter leaf.
 """
@@ -30,3 +29,12 @@ def join(a: dict, b: dict) -> dict:
   for key, value in b.items():
     out[key] = join(out[key], value) if key in out else value
   return out
+
+
+def lookup(tree, path):
+  """The leaf or subtree of nested dicts at `path`, or None where the path is absent."""
+  for key in path:
+    if not isinstance(tree, dict) or key not in tree:
+      return None
+    tree = tree[key]
+  return tree

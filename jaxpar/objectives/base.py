@@ -1,0 +1,114 @@
+"""The objective protocol and its registry: what a training objective brings to the trainer.
+
+An objective is a registered class. The trainer names none: it asks the one that
+`train.objective` names for
+- its batches (`batches`: an endless iterator of global batches, from any data source the
+  readers take, with `get_state`/`set_state` to resume where it stopped);
+- its loss and metrics (`loss`: a function of the trained weights, the model state, a batch
+  and the frozen weights, returning the summed loss and a dict of sums that the step divides
+  by `sums["tokens"]`; "ce_sum" is reported as `loss`, "metric/NAME" and "loss/NAME" as NAME);
+- what it keeps beside the policy (`kept_networks`: copies of the network, e.g. DPO's
+  reference, read from a checkpoint or the seeded init, never trained or saved;
+  `policy_start`: the kept network the policy starts as);
+- its options (`Options`, the config's `objective:` section) and checks (`check`), run
+  before anything compiles.
+Objectives that generate (reinforcement learning's rollouts, distillation's teacher) do so
+inside `batches`, from the trainer's runtime and the weights `batches` is handed each step.
+"""
+
+import logging
+from typing import ClassVar
+
+from jaxpar.errors import ConfigError
+from jaxpar.models.config import Frozen
+from jaxpar.trees import join
+
+_log = logging.getLogger(__name__)
+BASE = "base"  # TrainState.frozen's key for the base weights under adapters (model.lora)
+
+
+def policy_weights(params: dict, frozen: dict | None) -> dict:
+  """The policy's whole weights: the trained ones, joined with the base under adapters."""
+  return join(params, frozen[BASE]) if frozen and BASE in frozen else params
+
+
+class Options(Frozen):
+  """An objective's keys (the config's `objective:` section); none by default."""
+
+
+class Objective:
+  name: ClassVar[str]
+  formats: ClassVar[tuple[str, ...]]  # the data.format values it trains on
+  Options: ClassVar[type[Options]] = Options
+
+  def __init__(self, config, runtime):
+    self.config, self.runtime = config, runtime
+    self.options = config.objective
+    self.check()
+
+  def check(self):
+    """One-line ConfigErrors for what this objective cannot train, before anything compiles."""
+    fmt = self.config.data.format
+    if fmt not in self.formats:
+      readers = [n for n, cls in OBJECTIVES.items() if fmt in cls.formats]
+      raise ConfigError(f"train.objective={self.name} trains on data.format={'|'.join(self.formats)} rows, not "
+                        f"data.format={fmt}: set data.format={self.formats[0]}"
+                        + (f", or train.objective={readers[0]} for {fmt} rows" if readers else ""))
+
+  @property
+  def adapters(self) -> bool:
+    return self.runtime.adapter_mask is not None
+
+  def batches(self, tokenizer, sharding):
+    raise NotImplementedError
+
+  def loss(self):
+    raise NotImplementedError
+
+  def kept_networks(self) -> dict[str, str | None]:
+    """{name: checkpoint path (None: the model's seeded init)} of whole networks kept beside
+    the policy in TrainState.frozen; none by default."""
+    return {}
+
+  policy_start: str | None = None  # a kept network the fresh policy copies (a class or instance attribute)
+
+
+OBJECTIVES: dict[str, type[Objective]] = {}
+
+
+def register_objective(cls: type[Objective]) -> type[Objective]:
+  """Class decorator: make `cls` the objective `train.objective=cls.name` selects."""
+  if cls.name in OBJECTIVES and OBJECTIVES[cls.name] is not cls:
+    raise ValueError(f"objective {cls.name!r} is registered twice")
+  OBJECTIVES[cls.name] = cls
+  return cls
+
+
+def get_objective(name: str) -> type[Objective]:
+  if name not in OBJECTIVES:
+    raise ConfigError(f"train.objective={name!r} is not a registered objective; choose one of {sorted(OBJECTIVES)}")
+  return OBJECTIVES[name]
+
+
+# Keys that configs written before objectives were plug-ins kept under `train`.
+_MOVED = {"dpo_beta": "beta", "dpo_reference": "reference"}
+
+
+def migrate_objective_keys(tree: dict) -> dict:
+  """A config tree with the old `train.dpo_beta` / `train.dpo_reference` moved to the objective
+  section, and chat rows trained with the old `lm` objective given `sft` (one note each).
+  Saved checkpoints' configs restore through this."""
+  train, data = dict(tree.get("train") or {}), tree.get("data") or {}
+  objective = dict(tree.get("objective") or {})
+  moved = [k for k in _MOVED if k in train]
+  for old in moved:
+    value = train.pop(old)
+    if train.get("objective") == "dpo":  # another objective never read these keys
+      objective.setdefault(_MOVED[old], value)
+    _log.warning("train.%s is deprecated: it moved to objective.%s", old, _MOVED[old])
+  if data.get("format") == "chat" and train.get("objective", "lm") == "lm":
+    train["objective"] = "sft"
+    _log.warning("data.format=chat trains with train.objective=sft now (set it; lm reads text)")
+  elif not moved:
+    return tree
+  return {**tree, "train": train, "objective": objective}
