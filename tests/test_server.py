@@ -294,3 +294,39 @@ def test_metrics_parse_as_prometheus_text_and_move_with_the_traffic(server):
   assert moved("jaxpar_prefix_cache_hits_total") == shared
   assert moved("jaxpar_prefix_cache_queries_total") == 2 * (first.usage.prompt_tokens - 1)
   assert moved("jaxpar_prefill_tokens_total") == 2 * (first.usage.prompt_tokens - 1) - shared
+
+
+@pytest.mark.slow
+def test_cli_serve_speculative_gives_the_plain_greedy_tokens(checkpoint, reference):
+  """`jaxpar serve --speculative draft=PATH,k=3` (the model as its own draft): the openai
+  client gets exactly the plain engine's greedy text, streamed or not."""
+  port = _free_port()
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  child = subprocess.Popen([sys.executable, "-m", "jaxpar", "serve", "--checkpoint", str(checkpoint), "--port",
+                            str(port), "--slots", "2", "--speculative", f"draft={checkpoint},k=3"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  try:
+    deadline = time.monotonic() + 240
+    while True:
+      assert child.poll() is None and time.monotonic() < deadline, child.stdout.read()
+      try:
+        if _raw(port, "GET", "/health")[0] == 200:
+          break
+      except OSError:
+        time.sleep(0.3)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    for prompt in ("the quick", "a fox"):
+      want = _expected(reference, prompt, 20).text
+      got = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0)
+      assert got.choices[0].text == want
+      stream = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True)
+      assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    refused = _raw(port, "POST", "/v1/completions",
+                   json.dumps({"model": MODEL_NAME, "prompt": "the", "max_tokens": 2, "logprobs": 1}))
+    assert refused[0] == 400 and "speculative" in refused[1]["error"]["message"]
+  finally:
+    child.send_signal(signal.SIGTERM)
+    try:
+      child.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+      child.kill()

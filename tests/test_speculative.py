@@ -1,5 +1,6 @@
-"""Speculative decoding: greedy output is exactly the target's, and sampled output follows
-the target's distribution (chi-square tests with fixed seeds, tiny vocabularies)."""
+"""Speculative decoding, a mode of the engine: greedy output is exactly the target's, also with
+requests arriving mid-round and rows preempted, and sampled output follows the target's
+distribution (chi-square tests with fixed seeds, tiny vocabularies)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,8 @@ import pytest
 from jaxpar.config import MeshConfig, ModelConfig
 from jaxpar.data import ByteTokenizer
 from jaxpar.inference import Engine, SamplingParams
-from jaxpar.inference.speculative import SpeculativeDecoder, verify
+from jaxpar.errors import ConfigError, UserError
+from jaxpar.inference.speculative import DraftModel, verify
 from jaxpar.runtime import Runtime
 from tests.helpers import SMALL_MODEL
 
@@ -46,38 +48,72 @@ def test_verify_outputs_follow_the_target_distribution():
   assert 0 < accepted.mean() < k  # some proposals kept, some rejected: both paths ran
 
 
-def _engine(vocab, seed, **model):
+def _engine(vocab, seed, slots=8, num_pages=None, draft=None, **model):
   config = ModelConfig(**{**SMALL_MODEL, "max_seq_len": 64, "vocab_size": vocab, **model})
   runtime = Runtime(config, MeshConfig(fsdp=1), jax.devices()[:1], seed=seed)
   params, model_state = runtime.init()
-  return Engine(runtime, params, ByteTokenizer(), model_state=model_state, slots=8, page_size=8,
-                prefill_chunks=(8,))
+  return Engine(runtime, params, ByteTokenizer(), model_state=model_state, slots=slots, page_size=8,
+                prefill_chunks=(8,), num_pages=num_pages, speculative=draft)
 
 
-def test_greedy_speculative_equals_target_alone():
-  target = _engine(512, 0)
-  prompts = [[1, 2, 3], list(range(40, 60)), [7] * 9]
-  settings = SamplingParams(max_tokens=15, stop_token_ids=())
-  alone = [r.tokens for r in target.generate(prompts, settings)]
-  for draft, expect_all in ((_engine(512, 1, num_layers=1), False), (target, True)):
-    decoder = SpeculativeDecoder(target, draft, k=3)
-    assert [r.tokens for r in decoder.generate(prompts, settings)] == alone
-    stats = decoder.stats
-    assert stats.tokens == 3 * 15 and stats.tokens_per_target_step >= 1
-    assert (stats.acceptance_rate == 1.0) == expect_all, stats
-  assert target.pool.free == target.pool.num_pages
+PROMPTS = [[1, 2, 3], list(range(40, 60)), [7] * 9]
+GREEDY_15 = SamplingParams(max_tokens=15, stop_token_ids=())
+
+
+@pytest.fixture(scope="module")
+def plain():
+  """The target's own greedy tokens for PROMPTS (no draft)."""
+  return [r.tokens for r in _engine(512, 0).generate(PROMPTS, GREEDY_15)]
+
+
+def test_greedy_speculative_equals_target_alone(plain):
+  """A weak draft (some proposals rejected) and the target as its own draft (all kept)."""
+  for draft, expect_all in ((_engine(512, 1, num_layers=1), False), (_engine(512, 0), True)):
+    target = _engine(512, 0, draft=DraftModel(draft, k=3))
+    done = target.generate(PROMPTS, GREEDY_15)
+    assert [r.tokens for r in done] == plain
+    proposed, accepted = (target.stats[f"speculative_{x}"] for x in ("proposed", "accepted"))
+    assert (accepted == proposed) == expect_all and accepted <= proposed, target.stats
+    assert sum(r.draft_accepted for r in done) == accepted and sum(r.draft_proposed for r in done) == proposed
+    # Every proposal kept: 4 tokens per target pass (ceil(15 / 4) passes a prompt), else 1.
+    assert target.stats["speculative_rounds"] == (3 * 4 if expect_all else 3 * 15)
+    assert target.pool.free == target.pool.num_pages and draft.pool.free == draft.pool.num_pages
+
+
+def test_speculative_rounds_join_continuous_batching(plain):
+  """Requests that arrive while others decode, and a pool so small that rows are preempted
+  and recomputed, still get exactly the target's greedy tokens."""
+  draft = _engine(512, 1, num_layers=1)
+  target = _engine(512, 0, slots=3, num_pages=9, draft=DraftModel(draft, k=3))
+  first = target.submit(PROMPTS[0], GREEDY_15)
+  for _ in range(2):
+    target.step()
+  later = [target.submit(p, GREEDY_15) for p in PROMPTS[1:]]
+  while target.has_work:
+    target.step()
+  assert [r.completion().tokens for r in (first, *later)] == plain
+  assert target.stats["preemptions"] > 0
+  assert draft.pool.free == draft.pool.num_pages
+
+
+def test_speculative_refuses_what_it_cannot_do():
+  with pytest.raises(ConfigError, match="share a vocabulary"):
+    _engine(512, 0, draft=DraftModel(_engine(256, 1), k=2))
+  target = _engine(512, 0, draft=DraftModel(_engine(512, 1, num_layers=1), k=2))
+  with pytest.raises(UserError, match="reports no log-probabilities"):
+    target.submit([1, 2], SamplingParams(max_tokens=3, logprobs=True))
 
 
 @pytest.mark.slow
 def test_sampled_speculative_matches_the_target_distribution():
   vocab = 16
-  target, draft = _engine(vocab, 0), _engine(vocab, 5, num_layers=1)
+  draft = _engine(vocab, 5, num_layers=1)
+  target = _engine(vocab, 0, draft=DraftModel(draft, k=2))
   prompt = [3, 1, 4]
-  decoder = SpeculativeDecoder(target, draft, k=2)
   draws = []
   for start in range(0, 640, 8):
-    results = decoder.generate([prompt] * 8, [SamplingParams(max_tokens=2, temperature=1.0, seed=start + i,
-                                                             stop_token_ids=()) for i in range(8)])
+    results = target.generate([prompt] * 8, [SamplingParams(max_tokens=2, temperature=1.0, seed=start + i,
+                                                            stop_token_ids=()) for i in range(8)])
     draws += [r.tokens for r in results]
   draws = np.asarray(draws)
   # Exact target distributions: p(t1 | prompt) and the marginal of t2.
@@ -87,4 +123,4 @@ def test_sampled_speculative_matches_the_target_distribution():
   for column, probs in ((0, p1), (1, p1 @ p2_given)):
     statistic, df = _chi2(np.bincount(draws[:, column], minlength=vocab), probs / probs.sum())
     assert statistic < CHI2_999[df], (column, statistic)
-  assert 0 < decoder.stats.acceptance_rate < 1
+  assert 0 < target.stats["speculative_accepted"] < target.stats["speculative_proposed"]

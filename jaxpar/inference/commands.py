@@ -42,6 +42,9 @@ def add_engine_args(parser):
   parser.add_argument("--decode-burst", type=int, default=1, metavar="K",
                       help="decode steps per device call while no request needs the host between "
                       "tokens: fewer round trips, tokens streamed K at a time (default 1)")
+  parser.add_argument("--speculative", metavar="draft=PATH,k=K",
+                      help="speculative decoding: the checkpoint at PATH (a smaller model on the same tokenizer) "
+                      "proposes K tokens (default 4) that the model checks in one pass; the same greedy tokens")
 
 
 def add_sampling_args(parser):
@@ -67,9 +70,26 @@ def mesh_sizes(items) -> dict:
   return sizes
 
 
+def speculative_options(text: str) -> dict:
+  """`draft=PATH,k=4` -> {"draft": PATH, "k": 4}."""
+  options = dict(item.partition("=")[::2] for item in text.split(","))
+  if set(options) - {"draft", "k"} or not options.get("draft") or not options.get("k", "4").isdigit():
+    raise ConfigError(f"--speculative {text!r}: write draft=PATH[,k=K], e.g. --speculative draft=runs/small,k=4")
+  return {"draft": options["draft"], "k": int(options.get("k", 4))}
+
+
 def build_engine(ns, echo=None, **options):
   from jaxpar.inference import Engine
-  return Engine.from_checkpoint(ns.checkpoint, mesh=mesh_sizes(ns.mesh) or None, slots=ns.slots,
+  from jaxpar.inference.speculative import DraftModel
+  mesh = mesh_sizes(ns.mesh) or None
+  if ns.speculative:
+    spec = speculative_options(ns.speculative)
+    if echo:
+      echo(f"loading the speculative draft {spec['draft']}")
+    draft = Engine.from_checkpoint(spec["draft"], mesh=mesh, slots=ns.slots, max_seq_len=ns.max_seq_len,
+                                   page_size=ns.page_size, prefix_caching=False)
+    options["speculative"] = DraftModel(draft, spec["k"])
+  return Engine.from_checkpoint(ns.checkpoint, mesh=mesh, slots=ns.slots,
                                 max_seq_len=ns.max_seq_len, page_size=ns.page_size,
                                 num_pages=ns.num_pages, kv_cache=ns.kv_cache, prefix_caching=ns.prefix_caching,
                                 decode_burst=ns.decode_burst, echo=echo, **options)

@@ -27,11 +27,13 @@ from jaxpar.errors import ConfigError
 from jaxpar.inference import processing
 from jaxpar.inference.adapters import stacked_adapters
 from jaxpar.inference.decode_batch import DecodeBatch, DecodeCalls
+from jaxpar.inference.intake import RequestIntake
 from jaxpar.inference.pages import PagePool, page_table_rows, table_widths
 from jaxpar.inference.prefix_cache import PrefixSharing
 from jaxpar.inference.programs import Programs, burst_kind, program_key
-from jaxpar.inference.requests import Completion, Request, TokenEvent, check_tokens
-from jaxpar.inference.sampling import GREEDY, RequestError, SamplingParams
+from jaxpar.inference.requests import Completion, Request, TokenEvent
+from jaxpar.inference.sampling import GREEDY, SamplingParams
+from jaxpar.inference.speculative import TARGET_PROGRAM, DraftModel, SpeculativeCalls
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import caches, kv_cache, kv_reach, local_window
 from jaxpar.models.kv_quant import KVQuantization
@@ -40,7 +42,7 @@ from jaxpar.weights import open_run
 DEFAULT_CHUNKS = (16, 64, 256)
 
 
-class Engine(DecodeCalls):
+class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
   """Generate from a model on a device mesh (`Engine.from_checkpoint` to load one).
 
   slots: sequences decoded together; max_seq_len: longest prompt + completion (default the
@@ -64,6 +66,9 @@ class Engine(DecodeCalls):
   the device's next step; the same tokens, streamed as they come.
   adapters: the names of the LoRA adapters stacked in `params` (model.lora.stacked, slots 1..n;
   `adapters.py` builds them); a request names one (`submit(..., adapter=NAME)`) or gets the base.
+  speculative: a draft (`speculative.DraftModel`) whose proposals every decoding row checks,
+  k at a time, instead of single decode steps (greedy tokens are the same; sampled ones follow
+  the same distribution).
   """
 
   def __init__(self, runtime, params, tokenizer, *, model_state=None, slots: int = 8,
@@ -71,7 +76,7 @@ class Engine(DecodeCalls):
                prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
                kv_cache: str | None = None, echo=None, compile_extras: bool = False,
                prefix_caching: bool = True, adapters: tuple[str, ...] = (), decode_burst: int = 1,
-               run_ahead: bool = True):
+               run_ahead: bool = True, speculative: DraftModel | None = None):
     cfg = runtime.model_config
     self.adapters = tuple(adapters)  # one name per stacked adapter (adapters.py builds both)
     if decode_burst < 1:
@@ -109,6 +114,10 @@ class Engine(DecodeCalls):
     self.waiting: collections.deque[Request] = collections.deque()
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self.programs = Programs(runtime, params, self.model_state, self.cache, self.kv_quantization)
+    self.draft = speculative
+    if speculative is not None:
+      speculative.bind(self)
+      self.programs.compile("speculate", slots, speculative.k + 1, self.pages_per_seq, TARGET_PROGRAM)
     self._compile_all(echo or (lambda text: None), compile_extras)
     self.stats = collections.Counter()
     self.sharing = PrefixSharing(self.pool, self.stats, prefix_caching and self.local_window is None)
@@ -174,54 +183,6 @@ class Engine(DecodeCalls):
       rows = (*rows[:4], np.asarray(picked, np.int32), *rows[4:])
     return self.programs.run(kind, self.params, self.model_state, self.cache, *rows)
 
-  # -- requests ----------------------------------------------------------------------
-
-  def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
-    """Text -> prompt token ids, with the special tokens (BOS) the tokenizer adds to prompts as
-    `transformers` does; token ids pass as they are."""
-    if isinstance(prompt, str):
-      return self.tokenizer.encode_prompt(prompt, add_special_tokens)
-    return [int(t) for t in prompt]
-
-  def make_request(self, prompt, sampling: SamplingParams = GREEDY, on_event=None,
-                   adapter: str | None = None) -> Request:
-    """A checked Request for a prompt (text or token ids), not yet queued; `adapter`: the name
-    of a stacked adapter to generate with (None: the base)."""
-    if adapter is not None and adapter not in self.adapters:
-      raise RequestError("model", f"no adapter {adapter!r} is served: choose one of {list(self.adapters)} "
-                         "or none for the base model")
-    stops = sampling.stop_token_ids
-    if stops is None:
-      stops = () if self.tokenizer is None else (self.tokenizer.eos_id,)
-    ids = self.encode(prompt)
-    check_tokens(ids, sampling, stops, self.runtime.model_config.vocab_size, self.max_seq_len)
-    request = Request(ids, sampling, tuple(stops), on_event)
-    request.adapter = 0 if adapter is None else self.adapters.index(adapter) + 1
-    return request
-
-  def submit(self, prompt, sampling: SamplingParams = GREEDY, on_event=None, adapter: str | None = None) -> Request:
-    """Queue a prompt (text or token ids); thread-safe. on_event(TokenEvent) is called from
-    the thread that runs `step`."""
-    request = self.make_request(prompt, sampling, on_event, adapter)
-    self.enqueue(request)
-    return request
-
-  def enqueue(self, request: Request):
-    """Queue a request made by `make_request` (thread-safe)."""
-    self._inbox.put(request)
-
-  def cancel(self, request: Request):
-    """Stop a request at the next step boundary (thread-safe); it ends "cancelled"."""
-    request.cancelled = True
-
-  @property
-  def pending(self) -> int:
-    return self._inbox.qsize() + len(self.waiting)
-
-  @property
-  def has_work(self) -> bool:
-    return not self._inbox.empty() or bool(self.waiting) or any(self.slots)
-
   # -- one step ----------------------------------------------------------------------
 
   def step(self) -> list:
@@ -245,7 +206,7 @@ class Engine(DecodeCalls):
     for request in [r for r in self.slots if r is not None and not r.prefilling and not r.sampling.max_tokens]:
       events.append(self._end(request, "length"))  # max_tokens 0: the prompt was all it wanted
     if any(r is not None and not r.prefilling for r in self.slots):
-      events += self._decode()
+      events += self._speculate() if self.draft is not None else self._decode()
     return events
 
   def _grow(self, request: Request, tokens: int) -> bool:
@@ -260,7 +221,7 @@ class Engine(DecodeCalls):
     """Pages for `tokens` positions of `request`, preempting the newest other requests."""
     while not self._grow(request, tokens):
       newest = max((r for r in self.slots if r is not None and r is not request), key=lambda r: r.arrival)
-      self.pool.release(newest.pages)  # recomputed later with the same tokens (its cached blocks kept)
+      self._release(newest)  # recomputed later with the same tokens (its cached blocks kept)
       newest.cached = newest.published = 0
       newest.looked_up = False
       self.slots[self.slots.index(newest)] = None
@@ -298,8 +259,8 @@ class Engine(DecodeCalls):
       count = min(chunk, len(request.context) - 1 - start)
       tokens[i, :count] = request.context[start:start + count]
       positions[i, :count] = np.arange(start, start + count)
-      # A request's slot names its tail page in a quantized cache (the speculative decoder's
-      # rows are not in slots: they use their row order, which is their slot order there).
+      # A request's slot names its tail page in a quantized cache (a speculative draft's
+      # copies are in no slot: their row is their target's slot).
       tails[i] = self.slots.index(request) if request in self.slots else request.row
       request.cached += count
       self.stats["prefill_tokens"] += count
@@ -324,7 +285,7 @@ class Engine(DecodeCalls):
       ended.append(self._inbox.get())
     for request in ended:
       request.finish_reason = "error"
-      self.pool.release(request.pages)
+      self._release(request)
     self.slots = [None] * len(self.slots)
     self.waiting.clear()
     self._ahead = None
@@ -332,8 +293,14 @@ class Engine(DecodeCalls):
       self.cache = self._empty_cache(*self._cache_layout)
     return ended
 
-  def _free(self, request: Request):
+  def _release(self, request: Request):
+    """Hand back the pages of a request (and its draft's, when decoding speculatively)."""
     self.pool.release(request.pages)
+    if self.draft is not None:
+      self.draft.forget(request)
+
+  def _free(self, request: Request):
+    self._release(request)
     if request in self.slots:
       self.slots[self.slots.index(request)] = None
     elif request in self.waiting:

@@ -14,7 +14,8 @@ class Completion:
   """A finished request. finish_reason: "stop" (a stop token or string, or the constraint
   complete), "length" (max_tokens or the context limit) or "cancelled". logprobs: each
   token's; top_logprobs: each token's most likely alternatives [(token, logprob)];
-  prompt_logprobs / prompt_top_logprobs: the same for the prompt (None at position 0)."""
+  prompt_logprobs / prompt_top_logprobs: the same for the prompt (None at position 0).
+  draft_proposed / draft_accepted: speculative decoding's draft tokens for it, and those kept."""
   prompt_tokens: list[int]
   tokens: list[int]
   text: str
@@ -23,6 +24,8 @@ class Completion:
   top_logprobs: list[list[tuple[int, float]]] | None = None
   prompt_logprobs: list[float | None] | None = None
   prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+  draft_proposed: int = 0
+  draft_accepted: int = 0
 
 
 @dataclasses.dataclass
@@ -112,7 +115,8 @@ class Request:
     self.finish_reason: str | None = None
     self.cancelled = False
     self.arrival = time.monotonic()
-    self.row = 0  # its row when a speculative decoder runs it outside the engine's slots
+    self.row = 0  # its row when it runs outside an engine's slots (a speculative draft's copy)
+    self.proposed = self.accepted = 0  # speculative decoding: draft tokens proposed for it, kept
     self.adapter = 0  # its stacked LoRA adapter (0: the base; Engine.adapters)
 
   @property
@@ -137,7 +141,7 @@ class Request:
     return Completion(self.prompt, list(self.generated), self.text, self.finish_reason,
                       list(self.logprobs) if sampling.logprobs else None,
                       list(self.top_logprobs) if sampling.logprobs and sampling.top_logprobs else None,
-                      self.prompt_logprobs, self.prompt_top_logprobs)
+                      self.prompt_logprobs, self.prompt_top_logprobs, self.proposed, self.accepted)
 
   def record_prompt_logprob(self, position: int, logprob: float, top: list[tuple[int, float]]):
     """The prompt token at `position` (>= 1) scored by the prefill (`processing.FILL_LOGPROBS`)."""

@@ -1,5 +1,6 @@
-"""Speculative decoding (Leviathan et al., 2023; Chen et al., 2023): a small draft model
-that shares the tokenizer proposes k tokens, the target checks them in one forward pass.
+"""Speculative decoding (Leviathan et al., 2023; Chen et al., 2023), a mode of the engine: a
+draft proposes k tokens for every decoding row, the target checks them in one forward pass,
+inside continuous batching (requests come and go between rounds as between decode steps).
 
 Each proposed token x is kept with probability min(1, p(x) / q(x)) (p: target, q: draft,
 both after temperature / top-k / top-p); at the first rejection the token is drawn from
@@ -7,13 +8,15 @@ max(0, p - q) renormalised, and when all k are kept one more comes from the targ
 distribution. The output then follows the target's distribution exactly; greedy rows (one-
 hot p and q) give exactly the target's greedy tokens.
 
-Both engines keep their own paged caches. Positions past what was accepted hold stale keys
-and values, never read (attention stops at each query's position) and overwritten next round.
-A round is two compiled programs: the draft's k proposals (a loop on the device), and the
-target's pass with the acceptance test.
+A draft is a source of proposals behind one interface (`DraftModel`: a smaller model on the
+same tokenizer). The draft model keeps its own paged cache: a request's context is prefilled
+into it when the request first decodes, then each round feeds what it lacks (the last token,
+and the one before it when every proposal was kept) and proposes k. Positions past what was
+accepted hold stale keys and values in both caches, never read (attention stops at each
+query's position) and overwritten next round. A round is two compiled programs: the draft's
+k proposals (a loop on the device), and the target's pass with the acceptance test.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -21,29 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxpar.errors import UserError
+from jaxpar.errors import ConfigError
 from jaxpar.inference.pages import page_table_rows
 from jaxpar.inference.programs import Kind, settings_extra, settings_struct
-from jaxpar.inference.requests import Completion, Request
-from jaxpar.inference.sampling import GREEDY, SamplingParams, filtered_probs, row_arrays, row_keys
+from jaxpar.inference.requests import Request
+from jaxpar.inference.sampling import filtered_probs, row_arrays, row_keys
 
 _PROPOSE, _ACCEPT, _RESIDUAL = 1, 2, 3  # key streams, apart from the engines' own sampling (0)
-
-
-@dataclasses.dataclass
-class SpeculativeStats:
-  rounds: int = 0  # target forward passes, counted per sequence
-  proposed: int = 0
-  accepted: int = 0
-  tokens: int = 0  # tokens generated (stops and limits applied)
-
-  @property
-  def acceptance_rate(self) -> float:
-    return self.accepted / max(self.proposed, 1)
-
-  @property
-  def tokens_per_target_step(self) -> float:
-    return self.tokens / max(self.rounds, 1)
 
 
 def _propose(logits, settings, positions):
@@ -100,7 +87,7 @@ def _target_extra(batch, length, vocab):
           jax.ShapeDtypeStruct((batch, length - 1), jnp.int32))
 
 
-_TARGET_PROGRAM = Kind(_target_round, _target_extra, ("rows", "rows"))
+TARGET_PROGRAM = Kind(_target_round, _target_extra, ("rows", "rows"))
 
 
 def verify(target_probs, draft_probs, proposed, settings, positions):
@@ -123,110 +110,124 @@ def verify(target_probs, draft_probs, proposed, settings, positions):
   return accepted, token.astype(jnp.int32)
 
 
-class SpeculativeDecoder:
-  """Generate with `target`, `draft` proposing `k` tokens per target pass. Both are Engines
-  on the same tokenizer, used only by this decoder while it runs."""
+class DraftModel:
+  """Proposals from `engine`, a smaller model on the target's tokenizer, `k` per round. Its
+  engine serves only this draft (its cache holds the target's requests by their slot)."""
 
-  def __init__(self, target, draft, k: int = 4):
+  def __init__(self, engine, k: int = 4):
     if k < 1:
-      raise UserError(f"k={k}: the draft must propose at least one token")
+      raise ConfigError(f"speculative k={k}: the draft must propose at least one token")
+    self.engine, self.k = engine, k
+    self.shadows: dict[int, Request] = {}  # target request id -> the draft's copy of it
+
+  def bind(self, target):
+    """Check the pair and compile the proposal program for the target's slots."""
+    draft, k = self.engine, self.k
     if target.runtime.model_config.vocab_size != draft.runtime.model_config.vocab_size:
-      raise UserError("the draft and target models must share a vocabulary (and tokenizer)")
+      raise ConfigError("the speculative draft and the target must share a vocabulary (and tokenizer)")
     for engine in (target, draft):
       if engine.local_window is not None and k + 1 > engine.local_window:
-        raise UserError(f"k={k}: a round writes k + 1 positions, more than the local layers' window "
-                        f"({engine.local_window}) keeps; use k < {engine.local_window}")
+        raise ConfigError(f"speculative k={k}: a round writes k + 1 positions, more than the local layers' window "
+                          f"({engine.local_window}) keeps; use k < {engine.local_window}")
     if target.adapters or draft.adapters:
-      raise UserError("speculative decoding does not serve stacked adapters: merge the adapter "
-                      "(`jaxpar lora merge`) and use the merged model as the target")
-    self.target, self.draft, self.k = target, draft, k
+      raise ConfigError("speculative decoding does not serve stacked adapters: merge the adapter "
+                        "(`jaxpar lora merge`) and use the merged model as the target")
+    if len(draft.slots) < len(target.slots) or draft.max_seq_len < target.max_seq_len:
+      raise ConfigError(f"the draft engine needs the target's {len(target.slots)} slots and context "
+                        f"{target.max_seq_len} (it has {len(draft.slots)} and {draft.max_seq_len})")
     self.batch = len(target.slots)
-    target.programs.compile("speculate", self.batch, k + 1, target.pages_per_seq, _TARGET_PROGRAM)
     draft.programs.compile("propose", self.batch, 2, draft.pages_per_seq, _draft_program(k))
-    self.stats = SpeculativeStats()
 
-  def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] = GREEDY) -> list[Completion]:
-    """Like Engine.generate; prompts run `target.slots` at a time."""
-    settings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-    if any(s.logprobs for s in settings):
-      raise UserError("logprobs are not reported with speculative decoding: drop logprobs or the draft")
-    done = []
-    for start in range(0, len(prompts), self.batch):
-      done += self._generate_batch(prompts[start:start + self.batch], settings[start:start + self.batch])
-    return done
-
-  def _generate_batch(self, prompts, settings):
-    requests = [self.target.make_request(p, s) for p, s in zip(prompts, settings)]
-    drafts = [Request(r.prompt, r.sampling, tuple(r.stop_token_ids)) for r in requests]
-    for row, (request, draft) in enumerate(zip(requests, drafts)):
-      request.row = draft.row = row
-    for engine, group in ((self.target, requests), (self.draft, drafts)):
-      for request in group:
-        while request.prefilling:
-          engine.prefill([request])
-    rows = row_arrays([r.sampling for r in requests] + [None] * (self.batch - len(requests)))
-    try:
-      while any(r.finish_reason is None for r in requests):
-        self._round(requests, drafts, rows)
-    finally:
-      for engine, group in ((self.target, requests), (self.draft, drafts)):
-        for request in group:
-          engine.pool.release(request.pages)
-    return [r.completion() for r in requests]
-
-  def _round(self, requests, drafts, settings):
-    k, live = self.k, [r.finish_reason is None for r in requests]
-    starts = [len(r.context) for r in requests]  # n: the next token goes to position n
-    for engine, group, extra in ((self.target, requests, k), (self.draft, drafts, k)):
-      for request, n, alive in zip(group, starts, live):
-        if alive and not engine.pool.grow(request.pages, n + extra):
-          raise RuntimeError("the KV page pool is too small for speculative decoding: raise num_pages")
-    proposed, draft_probs = self._draft(drafts, live, starts, settings)
-    tokens = np.zeros((self.batch, k + 1), np.int32)
-    positions = np.full((self.batch, k + 1), -1, np.int32)
-    for i, (request, n) in enumerate(zip(requests, starts)):
-      if live[i]:
-        tokens[i] = [request.context[-1], *proposed[i]]
-        positions[i] = np.arange(n - 1, n + k)
-    target = self.target
-    table = page_table_rows([r.pages for r in requests] + [[]] * (self.batch - len(requests)), target.pages_per_seq,
-                            target.pool.num_pages)
-    accepted, bonus, target.cache = target.programs.run(
-        "speculate", target.params, target.model_state, target.cache, tokens, positions, table,
-        np.arange(self.batch, dtype=np.int32), settings, draft_probs, proposed)
-    accepted, bonus = np.asarray(accepted), np.asarray(bonus)
-    self.stats.rounds += sum(live)
-    for i, (request, draft, n) in enumerate(zip(requests, drafts, starts)):
-      if not live[i]:
-        continue
-      self.stats.proposed += k
-      self.stats.accepted += int(accepted[i])
-      for token in [*proposed[i, :accepted[i]], bonus[i]]:
-        request.accept(int(token), 0.0, self.target.tokenizer.decode, self.target.max_seq_len)
-        self.stats.tokens += 1
-        if request.finish_reason is not None:
-          break
-      # Valid cache prefixes: the target wrote the last token and all k proposals, the draft
-      # all but the last proposal; beyond what was accepted both are stale.
-      request.cached = len(request.context) - 1
-      draft.cached = min(n + k - 1, len(request.context) - 1)
-      draft.generated = list(request.generated)
-
-  def _draft(self, drafts, live, starts, settings):
-    """k proposals per live row [B, k] (host), and the draft's distributions they came from."""
-    draft = self.draft
-    table = page_table_rows([d.pages for d in drafts] + [[]] * (self.batch - len(drafts)), draft.pages_per_seq,
-                            draft.pool.num_pages)
-    # Catch up: feed what the draft's cache lacks (the last token, and the one before it
-    # when every proposal was accepted last round).
+  def propose(self, rows, starts, settings):
+    """k proposals [B, k] (host) for each row (a target Request or None), and the draft's
+    distributions they came from [B, k, V] (device); `starts`: where each row's next token goes."""
+    draft, k = self.engine, self.k
     tokens = np.zeros((self.batch, 2), np.int32)
     positions = np.full((self.batch, 2), -1, np.int32)
-    for i, (request, n) in enumerate(zip(drafts, starts)):
-      if live[i]:
-        feed = request.context[request.cached:n]
-        tokens[i, 2 - len(feed):] = feed
-        positions[i, 2 - len(feed):] = np.arange(n - len(feed), n)
+    shadows = []
+    for i, (request, n) in enumerate(zip(rows, starts)):
+      shadow = None if request is None else self._admit(request, i)
+      shadows.append(shadow)
+      if shadow is None:
+        continue
+      if not draft.pool.grow(shadow.pages, n + k):
+        raise RuntimeError("the draft's KV page pool is too small for speculative decoding: raise its num_pages")
+      feed = request.context[shadow.cached:n]  # what the draft's cache lacks
+      tokens[i, 2 - len(feed):] = feed
+      positions[i, 2 - len(feed):] = np.arange(n - len(feed), n)
+    table = page_table_rows([s.pages if s else [] for s in shadows], draft.pages_per_seq, draft.pool.num_pages)
     proposed, probs, draft.cache = draft.programs.run(
         "propose", draft.params, draft.model_state, draft.cache, tokens, positions, table,
         np.arange(self.batch, dtype=np.int32), settings)
     return np.asarray(proposed), probs
+
+  def _admit(self, request: Request, row: int) -> Request:
+    """The draft's copy of `request`, its context but the last token prefilled on first use."""
+    shadow = self.shadows.get(request.id)
+    if shadow is None:
+      shadow = Request(list(request.context), request.sampling, tuple(request.stop_token_ids))
+      shadow.row = row  # the tail page it writes in a quantized cache
+      while shadow.prefilling:
+        self.engine.prefill([shadow])
+      self.shadows[request.id] = shadow
+    return shadow
+
+  def advance(self, request: Request, start: int):
+    """After a round that started at position `start`: the draft wrote every proposal but the
+    last, valid as far as the target kept them."""
+    shadow = self.shadows[request.id]
+    shadow.cached = min(start + self.k - 1, request.length - 1)
+    shadow.generated = request.context[len(shadow.prompt):]
+
+  def forget(self, request: Request):
+    """Free the draft's pages of a request that ended or was preempted."""
+    shadow = self.shadows.pop(request.id, None)
+    if shadow is not None:
+      self.engine.pool.release(shadow.pages)
+
+
+class SpeculativeCalls:
+  """The engine's speculative rounds (`Engine` inherits them; `self.draft` proposes)."""
+
+  def _speculate(self) -> list:
+    """One round for every slot ready to decode: pages for k more positions each (the newest
+    requests preempted if need be), the draft's proposals, the target's check, the tokens
+    kept turned into events."""
+    k = self.draft.k
+    for request in sorted((r for r in self.slots if r is not None and not r.prefilling), key=lambda r: r.arrival):
+      if request in self.slots:  # not preempted by an older request's growth
+        self._reserve(request, request.length + k)
+    rows = [r if r is not None and not r.prefilling else None for r in self.slots]
+    starts = [0 if r is None else r.length for r in rows]
+    settings = row_arrays([r.sampling if r else None for r in rows])
+    proposed, draft_probs = self.draft.propose(rows, starts, settings)
+    tokens = np.zeros((len(rows), k + 1), np.int32)
+    positions = np.full((len(rows), k + 1), -1, np.int32)
+    for i, (request, n) in enumerate(zip(rows, starts)):
+      if request is not None:
+        tokens[i] = [request.last_token, *proposed[i]]
+        at = np.arange(n - 1, n + k)
+        positions[i] = np.where(at < self.max_seq_len, at, -1)  # past the context: written nowhere
+    table = page_table_rows([r.pages if r else [] for r in rows], self.pages_per_seq, self.pool.num_pages)
+    accepted, bonus, self.cache = self._run("speculate", tokens, positions, table,
+                                            np.arange(len(rows), dtype=np.int32), settings, draft_probs, proposed)
+    accepted, bonus = np.asarray(accepted).tolist(), np.asarray(bonus).tolist()
+    events = []
+    for i, (request, n) in enumerate(zip(rows, starts)):
+      if request is None:
+        continue
+      request.proposed += k
+      request.accepted += accepted[i]
+      self.stats["speculative_rounds"] += 1
+      for token in [*proposed[i, :accepted[i]].tolist(), bonus[i]]:
+        request.cached = request.length
+        self.sharing.publish(request)
+        events.append(self._deliver(request, request.accept(token, 0.0, self.tokenizer.decode, self.max_seq_len)))
+        if request.finish_reason is not None:
+          self._free(request)
+          break
+      else:
+        self.draft.advance(request, n)
+    self.stats["speculative_proposed"] += k * sum(r is not None for r in rows)
+    self.stats["speculative_accepted"] += sum(a for a, r in zip(accepted, rows) if r is not None)
+    return events
