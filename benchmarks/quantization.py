@@ -34,7 +34,8 @@ import numpy as np
 from jaxpar.config import load_config, replace
 from jaxpar.data.sources import read_documents
 from jaxpar.data.tokenizer import ByteTokenizer
-from jaxpar.train.evaluate import logits, perplexity, split_heldout, token_windows
+from jaxpar.data.heldout import split_heldout, token_windows
+from jaxpar.train.evaluator import perplexity
 from jaxpar.models import kv_quant
 from jaxpar.convert.quantize import quantization_section
 from jaxpar.weights import quantize_params, quantized_kernels
@@ -64,7 +65,7 @@ def _projection_bytes(runtime, params):
 
 def _logits(runtime, params, tokens, kv_quantization=None):
   with runtime.context():
-    return np.asarray(jax.jit(lambda p, t: logits(runtime.merge(p), t, kv_quantization))(params, tokens))
+    return np.asarray(jax.jit(lambda p, t: runtime.merge(p)(t, kv_quantization=kv_quantization)[0])(params, tokens))
 
 
 def _train(steps):

@@ -81,9 +81,10 @@ class Transformer(nnx.Module):
       self.unembed = nnx.Param(fan_in()(rngs.params(), (cfg.embed_dim, cfg.vocab_size), param_dtype),
                                out_sharding=("embed", "vocab"))
 
-  def __call__(self, tokens, positions=None, segment_ids=None, *, zigzag=False):
-    """-> (logits [B, L, vocab] in the compute dtype, aux {"losses", "metrics"})."""
-    x, aux = self.hidden_states(tokens, positions, segment_ids, zigzag=zigzag)
+  def __call__(self, tokens, positions=None, segment_ids=None, kv_quantization=None, *, zigzag=False):
+    """-> (logits [B, L, vocab] in the compute dtype, aux {"losses", "metrics"}); the
+    arguments are `hidden_states`'."""
+    x, aux = self.hidden_states(tokens, positions, segment_ids, kv_quantization, zigzag=zigzag)
     return constrain(self.logits(x), ("batch", "length", "act_vocab")), aux
 
   def logits(self, hidden):

@@ -15,11 +15,12 @@ import pytest
 from jaxpar.config import load_config, replace
 from jaxpar.data.sources import read_documents
 from jaxpar.data.tokenizer import ByteTokenizer
-from jaxpar.train.evaluate import logits, perplexity, split_heldout, token_windows
+from jaxpar.data.heldout import split_heldout, token_windows
 from jaxpar.models.kv_quant import KVQuantization
 from jaxpar.convert.quantize import quantization_section
 from jaxpar.weights import quantize_params
 from jaxpar.runtime import Runtime
+from jaxpar.train.evaluator import perplexity
 from jaxpar.train.trainer import Trainer
 
 STEPS, HELDOUT_DOCUMENTS, WINDOWS = 100, 2, 16  # the last two chapters: ~24k bytes
@@ -45,7 +46,7 @@ def trained(tmp_path_factory):
 
 def _logits(runtime, params, tokens):
   with runtime.context():
-    return np.asarray(jax.jit(lambda p, t: logits(runtime.merge(p), t))(params, tokens))
+    return np.asarray(jax.jit(lambda p, t: runtime.merge(p)(t)[0])(params, tokens))
 
 
 def test_the_float_model_learned_something(trained):

@@ -12,7 +12,6 @@ from jaxpar.data import ByteTokenizer
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.models.kv_quant import KVQuantization
 from jaxpar.runtime import Runtime
-from jaxpar.train.evaluate import logits as forward_logits
 from tests.helpers import SMALL_MODEL
 
 WINDOW, PAGE, LENGTH = 8, 4, 64
@@ -33,7 +32,7 @@ def run():
 
 def _logits(runtime, params, tokens, kv_quantization=None):
   with runtime.context():
-    return np.asarray(jax.jit(lambda p, t: forward_logits(runtime.merge(p), t, kv_quantization))(params, tokens))
+    return np.asarray(jax.jit(lambda p, t: runtime.merge(p)(t, kv_quantization=kv_quantization)[0])(params, tokens))
 
 
 def test_sinks_change_the_model(run):

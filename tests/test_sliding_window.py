@@ -19,7 +19,6 @@ from jaxpar.models.kv_quant import KVQuantization
 from jaxpar.pallas_kernels import unzigzag, zigzag
 from jaxpar.parallel import ParallelConfig
 from jaxpar.runtime import Runtime
-from jaxpar.train.evaluate import logits as forward_logits
 from tests.helpers import SMALL_MODEL
 
 WINDOW, PAGE, LENGTH = 12, 4, 128
@@ -37,7 +36,7 @@ def run():
 
 def _logits(runtime, params, tokens, kv_quantization=None):
   with runtime.context():
-    run = jax.jit(lambda p, t: forward_logits(runtime.merge(p), t, kv_quantization))
+    run = jax.jit(lambda p, t: runtime.merge(p)(t, kv_quantization=kv_quantization)[0])
     return np.asarray(run(params, tokens))
 
 

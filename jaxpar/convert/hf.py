@@ -29,7 +29,7 @@ from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models import family_names, get_family
 from jaxpar.models.transformer import layer_groups
 from jaxpar.runtime import Runtime
-from jaxpar.weights import SavedRun
+from jaxpar.weights import SavedRun, lookup
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _log = logging.getLogger(__name__)

@@ -13,7 +13,8 @@ from jaxpar.pallas_kernels import zigzag
 from jaxpar.train.loss import causal_lm_loss, fused_lm_loss
 
 
-def lm_loss(graphdef, *, z_loss: float, logits_chunk_len: int = 0, load_balance: bool = True):
+def lm_loss(graphdef, *, z_loss: float, logits_chunk_len: int = 0, load_balance: bool = True,
+            kv_quantization=None):
   """(params, model_state, batch, frozen=None) -> (objective, (sums, new model_state)): what
   training differentiates and evaluation reports. `frozen`: TrainState.frozen (the base under
   adapters is part of the model; nothing else is read).
@@ -23,6 +24,8 @@ def lm_loss(graphdef, *, z_loss: float, logits_chunk_len: int = 0, load_balance:
   logits_chunk_len > 0: the fused chunked loss (never holds all logits); 0: plain logits.
   load_balance: zig-zag order over the devices that split the length (if any): every array
   of the batch moves together, once, before the model, and the sums do not depend on the order.
+  kv_quantization (a kv_quant.KVQuantization): attend as through that quantized KV cache
+  (evaluating a cache's quality).
   """
   def objective(params, model_state, batch, frozen=None):
     model = nnx.merge(graphdef, policy_weights(params, frozen), model_state)
@@ -32,11 +35,11 @@ def lm_loss(graphdef, *, z_loss: float, logits_chunk_len: int = 0, load_balance:
       batch = jax.tree.map(lambda x: zigzag(x, shards), batch)
     inputs = (batch["inputs"], batch["positions"], batch["segment_ids"])
     if logits_chunk_len:
-      hidden, aux = model.hidden_states(*inputs, zigzag=balanced)
+      hidden, aux = model.hidden_states(*inputs, kv_quantization, zigzag=balanced)
       total, sums = fused_lm_loss(hidden, model.output_projection(), batch["targets"],
                                   batch["loss_mask"], z_loss, logits_chunk_len, model.cfg.final_logit_soft_cap)
     else:
-      logits, aux = model(*inputs, zigzag=balanced)
+      logits, aux = model(*inputs, kv_quantization, zigzag=balanced)
       total, sums = causal_lm_loss(logits, batch["targets"], batch["loss_mask"], z_loss)
     tokens = sums["tokens"]
     for name, value in aux["losses"].items():

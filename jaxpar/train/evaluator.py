@@ -16,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.data import EvalBatches, byte_lengths, eval_streams
 from jaxpar.objectives.lm import lm_loss
@@ -23,14 +24,16 @@ from jaxpar.objectives.lm import lm_loss
 _SUMS = ("ce_sum", "tokens", "bytes")
 
 
-def make_eval_step(graphdef, *, logits_chunk_len: int = 0, load_balance: bool = True):
-  """(params, model_state, batch) -> {"ce_sum", "tokens", "bytes"} over the batch."""
-  objective = lm_loss(graphdef, z_loss=0.0, logits_chunk_len=logits_chunk_len, load_balance=load_balance)
+def make_eval_step(graphdef, *, logits_chunk_len: int = 0, load_balance: bool = True, kv_quantization=None):
+  """(params, model_state, batch) -> {"ce_sum", "tokens", "bytes"} over the batch (no
+  "target_bytes" in the batch: bytes 0); kv_quantization: attending as through that cache."""
+  objective = lm_loss(graphdef, z_loss=0.0, logits_chunk_len=logits_chunk_len, load_balance=load_balance,
+                      kv_quantization=kv_quantization)
 
   def eval_step(params, model_state, batch):
     _, (sums, _) = objective(params, model_state, batch)
     return {"ce_sum": sums["ce_sum"], "tokens": sums["tokens"],
-            "bytes": jnp.sum(batch["target_bytes"].astype(jnp.float32))}
+            "bytes": jnp.sum(batch.get("target_bytes", jnp.zeros(())).astype(jnp.float32))}
   return eval_step
 
 
@@ -85,3 +88,20 @@ class Evaluator:
 def flat_metrics(results: dict) -> dict[str, float]:
   """{"eval/NAME/loss": ..., ...}: how results go into metrics records."""
   return {f"eval/{name}/{key}": value for name, r in results.items() for key, value in r.items()}
+
+
+def perplexity(runtime, params, windows, *, batch_size: int = 8, kv_quantization=None) -> float:
+  """exp(mean next-token cross-entropy) of the model over held-out `windows` [N, L + 1]
+  (data/heldout.py), by the same eval step as the named sets; kv_quantization (a
+  kv_quant.KVQuantization): attending as through that quantized KV cache."""
+  step = jax.jit(make_eval_step(runtime.graphdef, kv_quantization=kv_quantization))
+  totals = {"ce_sum": 0.0, "tokens": 0.0}
+  with runtime.context():
+    for start in range(0, len(windows), batch_size):
+      rows = windows[start:start + batch_size]
+      # Unpacked windows: no segments, a token's position is its index (as a cache holds them).
+      batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:], "segment_ids": None, "positions": None,
+               "loss_mask": np.ones(rows[:, 1:].shape, np.float32)}
+      sums = step(params, {}, batch)
+      totals = {k: totals[k] + float(sums[k]) for k in totals}
+  return math.exp(totals["ce_sum"] / totals["tokens"])
