@@ -12,7 +12,7 @@ import typing
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxpar.inference.sampling import TOP_LOGPROBS
+from jaxpar.inference.sampling import BOUNDS
 
 IGNORED_HEADER = "x-jaxpar-ignored-fields"
 
@@ -60,20 +60,20 @@ class StructuredOutputs(_Lenient):
 
 class _Common(_Lenient):
   model: str | None = None  # as vLLM: the served model when left out
-  temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default: sampling
-  top_p: float = Field(1.0, gt=0, le=1)
-  top_k: int = Field(0, ge=-1)  # vLLM: 0 or -1 is off
+  temperature: float = BOUNDS["temperature"].field(1.0)  # OpenAI's default: sampling
+  top_p: float = BOUNDS["top_p"].field(1.0)
+  top_k: int = BOUNDS["top_k"].field(0)  # vLLM
   seed: int | None = None
   stop: str | list[str] | None = None
   stop_token_ids: list[int] | None = None  # vLLM: ends the text after one of these (as well as EOS)
   ignore_eos: bool = False  # vLLM: run on past the end-of-text token
-  min_tokens: int = Field(0, ge=0)  # vLLM
+  min_tokens: int = BOUNDS["min_tokens"].field(0)  # vLLM
   stream: bool = False
   stream_options: StreamOptions | None = None
-  n: int = Field(1, ge=1, le=64)
-  presence_penalty: float = Field(0.0, ge=-2, le=2)
-  frequency_penalty: float = Field(0.0, ge=-2, le=2)
-  repetition_penalty: float = Field(1.0, gt=0, le=2)  # vLLM
+  n: int = BOUNDS["n"].field(1)
+  presence_penalty: float = BOUNDS["presence_penalty"].field(0.0)
+  frequency_penalty: float = BOUNDS["frequency_penalty"].field(0.0)
+  repetition_penalty: float = BOUNDS["repetition_penalty"].field(1.0)  # vLLM
   logit_bias: dict[int, float] | None = None
   user: str | None = None
   add_special_tokens: bool | None = None  # vLLM; default: True for completions, False for chat
@@ -115,8 +115,8 @@ class _Common(_Lenient):
 
 class CompletionRequest(_Common):
   prompt: str | list[str] | list[int] | list[list[int]]
-  max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions; 0 with echo scores the prompt
-  logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+  max_tokens: int | None = BOUNDS["max_tokens"].field(16)  # OpenAI's default; 0 with echo scores the prompt
+  logprobs: int | None = BOUNDS["top_logprobs"].field(None)
   echo: bool = False
   suffix: str | None = None
   best_of: int | None = None
@@ -143,10 +143,11 @@ class ChatMessage(_Lenient):
 
 class ChatRequest(_Common):
   messages: list[ChatMessage] = Field(min_length=1)
+  # A chat answer has at least one token (OpenAI's rule for both names).
   max_tokens: int | None = Field(None, ge=1)
   max_completion_tokens: int | None = Field(None, ge=1)
   logprobs: bool = False
-  top_logprobs: int | None = Field(None, ge=0, le=TOP_LOGPROBS)
+  top_logprobs: int | None = BOUNDS["top_logprobs"].field(None)
   add_generation_prompt: bool = True  # vLLM: end the prompt where the assistant's answer starts
 
   def checks(self):

@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from pydantic import Field
 
 from jaxpar.errors import UserError
 
@@ -23,6 +24,50 @@ class RequestError(UserError):
   def __init__(self, field: str, message: str):
     super().__init__(message)
     self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+  """The values a request setting may take: [low, high] (None: unbounded; low_open: low
+  itself excluded), and what a special value means."""
+  low: float | None = None
+  high: float | None = None
+  low_open: bool = False
+  meaning: str = ""
+
+  def holds(self, value) -> bool:
+    above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+    return above and (self.high is None or value <= self.high)
+
+  def rule(self) -> str:
+    if self.high is None:
+      text = f"must be {'>' if self.low_open else '>='} {self.low}"
+    else:
+      text = f"must be in {'(' if self.low_open else '['}{self.low}, {self.high}]"
+    return f"{text} ({self.meaning})" if self.meaning else text
+
+  def field(self, default):
+    """A pydantic Field with these bounds (the HTTP request models, openai_api.py)."""
+    ends = {"gt" if self.low_open else "ge": self.low, "le": self.high}
+    return Field(default, **{k: v for k, v in ends.items() if v is not None})
+
+
+# Every bound on a request's settings, in one place: SamplingParams checks them for the Python
+# API and the CLI, and the HTTP request models state them from here (OpenAI's and vLLM's ranges).
+BOUNDS = {
+  "max_tokens": Bound(0, meaning="0: score the prompt only"),
+  "temperature": Bound(0, 2, meaning="0: greedy"),
+  "top_k": Bound(-1, meaning="0 or -1: off"),
+  "top_p": Bound(0, 1, low_open=True),
+  "top_logprobs": Bound(0, TOP_LOGPROBS),
+  "prompt_logprobs": Bound(0, TOP_LOGPROBS),
+  "min_tokens": Bound(0),
+  "presence_penalty": Bound(-2, 2),
+  "frequency_penalty": Bound(-2, 2),
+  "repetition_penalty": Bound(0, 2, low_open=True, meaning="1: off"),
+  "logit_bias": Bound(-100, 100),
+  "n": Bound(1, 64),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,21 +104,13 @@ class SamplingParams:
   constraint: object = None
 
   def __post_init__(self):
-    checks = (("max_tokens", self.max_tokens >= 0, "must be >= 0 (0: score the prompt only)"),
-              ("temperature", self.temperature >= 0, "must be >= 0 (0: greedy)"),
-              ("top_k", self.top_k >= 0, "must be >= 0 (0: off)"),
-              ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-              ("top_logprobs", 0 <= self.top_logprobs <= TOP_LOGPROBS, f"must be in [0, {TOP_LOGPROBS}]"),
-              ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= TOP_LOGPROBS,
-               f"must be in [0, {TOP_LOGPROBS}]"),
-              ("min_tokens", 0 <= self.min_tokens <= max(self.max_tokens, 0), "must be in [0, max_tokens]"),
-              ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-              ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-              ("repetition_penalty", 0 < self.repetition_penalty <= 2, "must be in (0, 2] (1: off)"),
-              ("logit_bias", all(-100 <= b <= 100 for _, b in self.logit_bias), "values must be in [-100, 100]"))
-    for field, ok, rule in checks:
-      if not ok:
-        raise RequestError(field, f"{field}={getattr(self, field)!r} {rule}")
+    for field, bound in BOUNDS.items():
+      value = getattr(self, field, None)
+      values = [b for _, b in value] if field == "logit_bias" else [] if value is None else [value]
+      if not all(bound.holds(v) for v in values):
+        raise RequestError(field, f"{field}={value!r} {'values ' if field == 'logit_bias' else ''}{bound.rule()}")
+    if self.min_tokens > self.max_tokens:
+      raise RequestError("min_tokens", f"min_tokens={self.min_tokens} must be at most max_tokens={self.max_tokens}")
 
   @property
   def penalized(self) -> bool:
