@@ -1,7 +1,8 @@
 """The `model` section of a config: the architecture a family builds.
 
-Plain pydantic (no jaxpar imports), so a model family can extend it with its own fields
-by subclassing `ModelConfig` and naming the subclass in its registry entry.
+Plain pydantic (of jaxpar, only the activation table's names), so a model family can
+extend it with its own fields by subclassing `ModelConfig` and naming the subclass in its
+registry entry.
 """
 
 import fnmatch
@@ -9,6 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer,
                       model_validator)
+
+from jaxpar.models.activations import check_activation
 
 
 class Frozen(BaseModel):
@@ -176,7 +179,8 @@ class ModelConfig(Frozen):
   # RMSNorms multiply by (1 + scale), their scale starting at 0: Gemma's layout, so checkpoints
   # (and bf16 scales near 1) are stored as Gemma stores them.
   norm_unit_offset: bool = False
-  mlp_activation: Literal["silu", "gelu_tanh"] = "silu"  # the gated MLP's: SwiGLU or GeGLU (Gemma)
+  # The gated MLP's (models/activations.py): silu (SwiGLU), gelu_tanh (GeGLU, Gemma).
+  mlp_activation: Annotated[str, AfterValidator(check_activation)] = "silu"
   # Per-layer differences, cycled over the layers by absolute index: layer i is entry
   # i % len. E.g. Gemma 3: five {sliding_window: 1024, rope_theta: 10000, rope_scaling: null}
   # then one {}. Empty: every layer as above.

@@ -9,7 +9,7 @@ skips) is not converted: an import has model.mtp_depth 0, an export has no MTP l
 (num_nextn_predict_layers 0)."""
 
 from jaxpar.errors import ConfigError
-from jaxpar.models import llama_hf
+from jaxpar.models import activations, llama_hf
 from jaxpar.models.deepseek_config import DeepSeekConfig, MLAConfig
 from jaxpar.models.moe_config import MoEConfig
 from jaxpar.models.registry import HFMapping
@@ -42,9 +42,9 @@ EXPERTS = (
 
 
 def config_from_hf(hf: dict) -> DeepSeekConfig:
-  if hf.get("attention_bias") or hf.get("hidden_act", "silu") != "silu":
-    raise ConfigError(f"deepseek_v3 with attention_bias={hf.get('attention_bias')}, hidden_act="
-                      f"{hf.get('hidden_act')!r} is not supported: jaxpar's MLA and experts are bias-free silu")
+  activations.from_hf(hf, "deepseek_v3", ("silu",))
+  if hf.get("attention_bias"):
+    raise ConfigError("deepseek_v3 with attention_bias=True is not supported: jaxpar's MLA is bias-free")
   if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
     raise ConfigError(f"deepseek with topk_method={hf.get('topk_method')!r}, scoring_func="
                       f"{hf.get('scoring_func')!r} is not supported: jaxpar implements DeepSeek-V3's "

@@ -4,6 +4,7 @@
 `layer_types` become a `layer_pattern` (with Gemma 3's local RoPE on its sliding entries)."""
 
 from jaxpar.errors import ConfigError
+from jaxpar.models import activations
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.layer_pattern import Rope, layer_options
 from jaxpar.models.llama_hf import LAYER, TOP, rope_from_hf
@@ -17,7 +18,6 @@ _NORMS = (
 )
 # Llama's projections and q/k norms, Gemma's four layer norms.
 _LAYER = tuple(e for e in LAYER if e[0][0] in ("attn", "mlp") and e[2] != "heads_bias") + _NORMS
-_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 
 
 def _pattern(types: list[str]) -> list[str]:
@@ -39,10 +39,7 @@ def _ropes(hf: dict) -> tuple[tuple, tuple]:
 
 def config_from_hf(hf: dict) -> ModelConfig:
   kind = hf["model_type"]
-  act = hf.get("hidden_activation") or hf.get("hidden_act")
-  if act not in _ACTIVATIONS:
-    raise ConfigError(f"{kind} with hidden_activation={act!r} is not supported: jaxpar's Gemma MLP is GeGLU "
-                      "(gelu_pytorch_tanh)")
+  activations.from_hf(hf, kind, ("gelu_tanh",))
   if hf.get("attention_bias") or hf.get("use_bidirectional_attention"):
     raise ConfigError(f"{kind} with attention_bias or use_bidirectional_attention is not supported")
   (theta, scaling), (local_theta, local_scaling) = _ropes(hf)
@@ -97,7 +94,7 @@ def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
       "model_type": kind, "vocab_size": cfg.vocab_size, "hidden_size": cfg.embed_dim,
       "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
       "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-      "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": cfg.max_seq_len,
+      "hidden_activation": activations.hf_name(cfg.mlp_activation), "max_position_embeddings": cfg.max_seq_len,
       "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope, "tie_word_embeddings": cfg.tie_embeddings,
       "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
       "sliding_window": min(windows) if windows else cfg.max_seq_len,

@@ -10,12 +10,11 @@ FLOPs per token count only the experts a token visits (models/flops.py); HF impo
 export in models/gpt_oss_hf.py.
 """
 
-from typing import Literal
 
 from jaxpar.models import gpt_oss_hf
 from jaxpar.models.config import LayerKind, RopeScaling
 from jaxpar.models.flops import moe_train_flops_per_token
-from jaxpar.models.moe_config import MoEConfig, MoEModelConfig
+from jaxpar.models.moe_config import ExpertActivation, MoEConfig, MoEModelConfig
 from jaxpar.models.registry import ModelFamily, register_family
 from jaxpar.models.transformer import Transformer
 
@@ -24,7 +23,7 @@ class GptOssMoEConfig(MoEConfig):
   """GPT-OSS's experts as defaults, so a config's `moe:` section keeps them."""
   router_bias: bool = True
   expert_bias: bool = True
-  activation: Literal["swiglu", "clamped_swiglu"] = "clamped_swiglu"
+  activation: ExpertActivation = "clamped_swiglu"
   balance_loss: float = 0.001
   router_z_loss: float = 0.0
 

@@ -8,7 +8,7 @@ router is a biased linear layer."""
 import functools
 
 from jaxpar.errors import ConfigError
-from jaxpar.models import llama_hf
+from jaxpar.models import activations, llama_hf
 from jaxpar.models.registry import HFMapping, get_family
 
 LAYER = llama_hf.ATTENTION + (
@@ -26,9 +26,9 @@ LAYER = llama_hf.ATTENTION + (
 
 
 def config_from_hf(hf: dict):
-  if hf.get("hidden_act", "silu") != "silu" or not hf.get("attention_bias", True):
-    raise ConfigError(f"gpt_oss with hidden_act={hf.get('hidden_act')!r}, attention_bias="
-                      f"{hf.get('attention_bias')} is not supported: jaxpar's GPT-OSS has silu experts and biases")
+  activations.from_hf(hf, "gpt_oss", ("clamped_swiglu",))
+  if not hf.get("attention_bias", True):
+    raise ConfigError("gpt_oss with attention_bias=False is not supported: jaxpar's GPT-OSS has attention biases")
   theta, scaling = llama_hf.rope_from_hf(hf)
   heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
   types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
@@ -64,7 +64,7 @@ def config_to_hf(cfg, dtype: str) -> dict:
   return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.embed_dim, "intermediate_size": m.expert_mlp_dim, "num_hidden_layers": cfg.num_layers,
           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-          "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+          "hidden_act": activations.hf_name(cfg.moe.activation), "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
           "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},
           "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": True,
           "num_local_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,

@@ -6,6 +6,7 @@ jaxpar/convert/hf.py."""
 import math
 
 from jaxpar.errors import ConfigError
+from jaxpar.models import activations
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.layer_pattern import Rope, layer_options
 from jaxpar.models.registry import HFMapping
@@ -73,9 +74,9 @@ def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
 
 def config_from_hf(hf: dict) -> ModelConfig:
   kind = hf["model_type"]
-  if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
-    raise ConfigError(f"{kind} with hidden_act={hf.get('hidden_act')!r}, mlp_bias={hf.get('mlp_bias')} "
-                     "is not supported: jaxpar's MLP is bias-free SwiGLU (silu)")
+  activations.from_hf(hf, kind, ("silu",))
+  if hf.get("mlp_bias"):
+    raise ConfigError(f"{kind} with mlp_bias={hf.get('mlp_bias')} is not supported: jaxpar's MLP is bias-free")
   if kind in ("llama", "mistral", "qwen3") and hf.get("attention_bias"):
     raise ConfigError(f"{kind} with attention_bias=true (o_proj bias too) is not supported")
   heads = hf["num_attention_heads"]
@@ -172,7 +173,7 @@ def decoder_config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.embed_dim, "intermediate_size": cfg.mlp_dim,
       "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": activations.hf_name(cfg.mlp_activation),
       "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
       "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
       "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,

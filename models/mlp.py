@@ -9,6 +9,7 @@ from jaxpar.mesh import constrain
 from jaxpar.mesh.length_chunks import length_spans, merge_length, split_length
 from jaxpar.models import lora
 from jaxpar.models.dense import dense, projection
+from jaxpar.models.activations import gated
 from jaxpar.models.init import fan_in
 from jaxpar.models.registry import register_block
 from jaxpar.models.stack import remat_policy
@@ -17,12 +18,11 @@ from jaxpar.models.stack import remat_policy
 # layer (not once per piece), still split over `tensor`.
 _GATHERED = {"gate": ("act_embed", "act_mlp"), "up": ("act_embed", "act_mlp"),
              "down": ("act_mlp", "act_embed")}
-# The gate's activation, by `model.mlp_activation`: gelu_tanh is GELU's tanh approximation.
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class MLP(nnx.Module):
-  """down(act(x @ gate) * (x @ up)): [B, L, embed] -> ([B, L, embed], {}); act: silu or gelu_tanh.
+  """down(glu(x @ gate, x @ up)): [B, L, embed] -> ([B, L, embed], {}); glu: `activation`'s
+  (models/activations.py: SwiGLU, GeGLU).
 
   Parameters: gate, up [embed, mlp]; down [mlp, embed] (QuantizedKernels under
   model.quantization; their adapters in `lora` under model.lora). No auxiliary outputs.
@@ -40,7 +40,7 @@ class MLP(nnx.Module):
     self.up = projection(init, rngs.params(), (embed_dim, mlp_dim), ("embed", "mlp"), **proj)
     self.down = projection(init, rngs.params(), (mlp_dim, embed_dim), ("mlp", "embed"), **proj)
     self.lora = lora.adapters(adapters, rngs, gate=self.gate, up=self.up, down=self.down)
-    self.dtype, self.activation = compute_dtype, ACTIVATIONS[activation]
+    self.dtype, self.glu = compute_dtype, gated(activation)
     self.chunks = chunks if quantization is None else 1
     # A piece keeps or recomputes its activations as the layer does.
     self.piece_policy = None if remat == "none" else remat_policy(remat)
@@ -63,7 +63,7 @@ class MLP(nnx.Module):
     adapter = lambda name: lora.adapter(self.lora, name)  # noqa: E731
     gate = checkpoint_name(dense(x, gate_kernel, dtype=self.dtype, adapter=adapter("gate")), "mlp_in")
     up = checkpoint_name(dense(x, up_kernel, dtype=self.dtype, adapter=adapter("up")), "mlp_in")
-    hidden = constrain(self.activation(gate) * up, ("batch", "length", "act_mlp"))
+    hidden = constrain(self.glu(gate, up), ("batch", "length", "act_mlp"))
     return checkpoint_name(dense(hidden, down_kernel, dtype=self.dtype, adapter=adapter("down")), "mlp_out")
 
 

@@ -6,18 +6,17 @@ compute (sorting, grouped matmuls, the all-to-all of expert parallelism) happens
 `jaxpar.pallas_kernels.moe.routed_experts`.
 """
 
-import functools
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.models import lora, router
 from jaxpar.models.dense import dense
+from jaxpar.models.activations import gated
 from jaxpar.models.init import fan_in
 from jaxpar.models.mlp import MLP
 from jaxpar.models.registry import register_block
-from jaxpar.pallas_kernels.moe import routed_experts, silu_glu
+from jaxpar.pallas_kernels.moe import routed_experts
 
 
 class RouterBias(nnx.Variable):
@@ -61,8 +60,7 @@ class MoE(nnx.Module):
       self.gate_bias, self.up_bias = bias((e, f), ("experts", "mlp")), bias((e, f), ("experts", "mlp"))
       self.down_bias = bias((e, d), ("experts", "embed"))
     self.expert_bias = m.expert_bias
-    self.glu = (functools.partial(clamped_swiglu, limit=m.swiglu_limit, alpha=m.swiglu_alpha)
-                if m.activation == "clamped_swiglu" else silu_glu)
+    self.glu = gated(m.activation, m)
     self.dtype = compute_dtype
 
   def __call__(self, x):
@@ -93,13 +91,6 @@ class MoE(nnx.Module):
     metrics = {"moe/load": load, "moe/imbalance": jnp.max(load) * m.num_experts,
                "moe/dropped": 1.0 - jnp.mean(kept.astype(jnp.float32))}
     return y, {"losses": losses, "metrics": metrics}
-
-
-def clamped_swiglu(gate, up, *, limit: float, alpha: float):
-  """GPT-OSS's expert activation: (up + 1) x gate x sigmoid(alpha x gate), with the gate
-  clamped above at `limit` and up to [-limit, limit]."""
-  gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-  return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
 register_block("feed_forward", "moe", MoE)

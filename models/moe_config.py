@@ -1,10 +1,17 @@
 """The `model` section of mixture-of-experts families: `ModelConfig` plus `model.moe`."""
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
+from jaxpar.models.activations import check_activation
 from jaxpar.models.config import Frozen, ModelConfig
+
+
+# models/activations.py: silu (SwiGLU), clamped_swiglu (GPT-OSS), ...; configs written before
+# the one table called silu "swiglu".
+ExpertActivation = Annotated[str, BeforeValidator(lambda v: "silu" if v == "swiglu" else v),
+                             AfterValidator(check_activation)]
 
 
 class MoEConfig(Frozen):
@@ -42,7 +49,7 @@ class MoEConfig(Frozen):
   # swiglu_alpha * gate).
   router_bias: bool = False
   expert_bias: bool = False
-  activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+  activation: ExpertActivation = "silu"
   swiglu_limit: float = Field(7.0, gt=0)
   swiglu_alpha: float = Field(1.702, gt=0)
 

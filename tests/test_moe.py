@@ -15,7 +15,7 @@ from flax import nnx
 from jaxpar.config import MeshConfig
 from jaxpar.mesh import build_mesh, resolve_rules
 from jaxpar.models import MoEConfig, router
-from jaxpar.models.moe import clamped_swiglu
+from jaxpar.models.activations import clamped_swiglu
 from jaxpar.pallas_kernels.moe import (grouped_ffn, grouped_ffn_reference, rank_within, routed_experts,
                                        routed_experts_reference, silu_glu, take_rows)
 
