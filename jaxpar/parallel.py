@@ -91,6 +91,19 @@ def _deep_copy(tree):
   return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in tree.items()}
 
 
+def parse_mesh_sizes(items, option: str = "mesh") -> dict[str, int]:
+  """Command-line mesh sizes, `mesh.tensor=8` or `tensor=8` -> {"tensor": 8} (one syntax for
+  every command that takes a mesh)."""
+  sizes = {}
+  for item in items or ():
+    key, _, value = item.partition("=")
+    axis = key.removeprefix("mesh.")
+    if axis not in AXES or not value.lstrip("-").isdigit():
+      raise ConfigError(f"{option} {item!r} is not a mesh size: write mesh.AXIS=SIZE with AXIS one of {list(AXES)}")
+    sizes[axis] = int(value)
+  return sizes
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelPlan:
   """Mesh axis sizes (-1: not known yet) with the parallel section."""
@@ -295,9 +308,15 @@ class ParallelPlan:
     self.check(model, data, train)
     self._check_batch_split(data.global_batch_size, train.microbatches, rules)
 
+  @staticmethod
+  def used_axes(rules) -> set[str]:
+    """The mesh axes that hold something under `rules`: those the rules name, and `stage`,
+    which the pipeline uses whatever the rules say."""
+    return {axis for _, axes in rules for axis in axes} | {"stage"}
+
   def check_rules(self, rules, rules_name):
     """Every mesh axis with devices must be used by some rule, else its devices repeat work."""
-    unused = [a for a in unused_mesh_axes(rules, self.sizes) if a != "stage"]  # the pipeline's
+    unused = [a for a in unused_mesh_axes(rules, self.sizes) if a not in self.used_axes(())]
     if unused:
       raise ConfigError(f"mesh.{unused[0]}={self.sizes[unused[0]]} but mesh.rules={rules_name!r} "
                         "never uses that axis: pick rules that do (e.g. fsdp_tp) or set it to 1")

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxpar.errors import ConfigError
 from jaxpar.mesh import current_execution_options
 from jaxpar.models.stack import run_layers
 
@@ -86,9 +85,6 @@ def run_group(layers, layer_fns, carry, inputs=None, *, scan: bool, unroll: int 
   options = current_execution_options().pipeline
   if options is None or not pipelined:
     return run_layers(layers, layer_fns, carry, inputs, scan=scan, unroll=unroll)
-  if not scan:
-    raise ConfigError("model.scan_layers=false with mesh.stage > 1: a pipeline runs stacked layers; "
-                      "set model.scan_layers=true")
   return run_pipelined(layers, layer_fns, carry, inputs, options, unroll=unroll)
 
 
@@ -109,19 +105,15 @@ def run_pipelined(layers, layer_fns, carry, inputs, options, *, unroll: int = 1)
   carry: a pytree whose every leaf has the batch as its leading axis (activations,
   positions, segment ids): each microbatch's carry streams through the stages whole.
   inputs: per layer (stored order), or None. Non-parameter variables of the layers (router
-  biases) are updated microbatch after microbatch, as gradient accumulation would.
+  biases) are updated microbatch after microbatch, as gradient accumulation would. The
+  parallel plan (jaxpar/parallel.py) checked before anything was traced that the layers are
+  scanned and split into whole stage x repeat groups of pattern units, and the batch into
+  the microbatches.
   """
   S, R, M, axis = options.stages, options.repeats, options.microbatches, options.axis
   graphdef, params, others = nnx.split(layers, nnx.Param, ...)
   count = jax.tree.leaves(params)[0].shape[0]
   K = count // (S * R)
-  period = len(layer_fns)
-  if count % (S * R) or K % period:
-    raise ConfigError(f"{count} pipelined layers do not split into {S} stages x {R} repeats of a "
-                      f"whole number of {period}-layer pattern units")
-  batch = jax.tree.leaves(carry)[0].shape[0]
-  if batch % M:
-    raise ConfigError(f"a batch of {batch} rows does not split into {M} pipeline microbatches")
   if inputs is None:
     inputs = jnp.zeros((count, 0))
   streams = jax.tree.map(lambda x: _microbatches(x, M), carry)

@@ -56,8 +56,7 @@ def layout_axes(config) -> tuple[str, ...]:
   """The mesh axes a layout may give devices to: those the parallel plan allows for this
   model that the config's rules use."""
   plan = config.plan()
-  used = {axis for _, axes in plan.rules(resolve_rules(config.mesh.rules)) for axis in axes}
-  used.add("stage")  # the pipeline's, whatever the rules say
+  used = plan.used_axes(plan.rules(resolve_rules(config.mesh.rules)))
   return tuple(a for a in plan.layout_axes(config.model, config.data.seq_len) if a in used)
 
 

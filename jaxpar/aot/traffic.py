@@ -99,7 +99,7 @@ def minimum_dcn_bytes(config, mesh, rules) -> dict[str, float]:
     stages, pieces = plan.stages, plan.microbatches
     iterations = pieces * plan.repeats + stages - 1
     batch_split = math.prod(mesh.shape[a] for a in dict(rules)["batch"] if a in mesh.shape)
-    positions = d.seq_len // mesh.shape["context"]
+    positions = d.seq_len // config.plan(mesh).size("context")
     step_rows = d.global_batch_size // micro // batch_split  # per device per accumulation step
     activations = step_rows // pieces * positions * m.embed_dim * compute
     parts["stage hand-offs"] = micro * 2 * iterations * activations

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from jaxpar.cluster import distributed
 from jaxpar.errors import ConfigError, DataError, UserError
+from jaxpar.parallel import parse_mesh_sizes
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 console = Console(soft_wrap=True)
@@ -57,19 +58,6 @@ def add_sampling_args(parser):
   parser.add_argument("--logprobs", action="store_true", help="report each token's log-probability")
 
 
-def mesh_sizes(items) -> dict:
-  """`mesh.tensor=8` arguments -> {"tensor": 8}."""
-  from jaxpar.config import MESH_AXES
-  sizes = {}
-  for item in items:
-    key, _, value = item.partition("=")
-    axis = key.removeprefix("mesh.")
-    if not key.startswith("mesh.") or axis not in MESH_AXES or not value.lstrip("-").isdigit():
-      raise ConfigError(f"{item!r} is not a mesh size: use mesh.AXIS=SIZE with AXIS one of {list(MESH_AXES)}")
-    sizes[axis] = int(value)
-  return sizes
-
-
 def speculative_options(text: str) -> dict:
   """`draft=PATH,k=4` -> {"draft": PATH, "k": 4}."""
   options = dict(item.partition("=")[::2] for item in text.split(","))
@@ -81,7 +69,7 @@ def speculative_options(text: str) -> dict:
 def build_engine(ns, echo=None, **options):
   from jaxpar.inference import Engine
   from jaxpar.inference.speculative import DraftModel
-  mesh = mesh_sizes(ns.mesh) or None
+  mesh = parse_mesh_sizes(ns.mesh) or None
   if ns.speculative:
     spec = speculative_options(ns.speculative)
     if echo:

@@ -6,6 +6,8 @@ import json
 
 from rich.console import Console
 
+from jaxpar.parallel import parse_mesh_sizes
+
 console = Console(soft_wrap=True)
 
 
@@ -13,14 +15,7 @@ def _mesh(run, overrides):
   """The mesh the run trained on (so the numbers match training's), `--mesh` overrides
   applied; FSDP over every device when the saved one does not fit the devices here."""
   from jaxpar.config import MeshConfig
-  from jaxpar.mesh.build import AXES
-  sizes = {}
-  for item in overrides or ():
-    axis, _, size = item.partition("=")
-    if axis not in AXES or not size.lstrip("-").isdigit():
-      from jaxpar.errors import ConfigError
-      raise ConfigError(f"--mesh {item!r}: write AXIS=SIZE with AXIS one of {', '.join(AXES)}")
-    sizes[axis] = int(size)
+  sizes = parse_mesh_sizes(overrides, "--mesh")
   saved = run.config.mesh
   if sizes:
     return saved.model_copy(update=sizes)
