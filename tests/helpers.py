@@ -61,3 +61,34 @@ def gradient_temp_bytes(config, num_devices: int) -> int:
     gradients = make_gradients(lm_loss(trainer.graphdef, z_loss=0.0, logits_chunk_len=128), microbatches=1)
     compiled = jax.jit(gradients).lower(params, batch).compile()
   return compiled.memory_analysis().temp_size_in_bytes
+
+
+def tensorboard_scalars(run_dir) -> dict[str, dict[int, float]]:
+  """What TensorBoard itself reads from a run's events: {tag: {step: value}}."""
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+  events.Reload()
+  return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+class counting_compiles:
+  """`with counting_compiles() as compiles:` -> the programs compiled inside: every backend
+  compile, and every compile served from the persistent compilation cache (a retrace that
+  the cache hides is still a recompile). The listeners are removed on exit."""
+
+  _COMPILED = "/jax/core/compile/backend_compile_duration"
+  _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+  def __enter__(self) -> list:
+    import jax
+    self.events = []
+    self._duration = lambda name, *_, **__: self.events.append(name) if name == self._COMPILED else None
+    self._event = lambda name, *_, **__: self.events.append(name) if name == self._CACHE_HIT else None
+    jax.monitoring.register_event_duration_secs_listener(self._duration)
+    jax.monitoring.register_event_listener(self._event)
+    return self.events
+
+  def __exit__(self, *exc):
+    import jax
+    jax.monitoring.unregister_event_duration_listener(self._duration)
+    jax.monitoring.unregister_event_listener(self._event)

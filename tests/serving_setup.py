@@ -89,12 +89,6 @@ def hf_logprobs(model, ids: list[int]) -> np.ndarray:
   return torch.log_softmax(logits, -1).numpy()
 
 
-def free_port() -> int:
-  with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    return probe.getsockname()[1]
-
-
 class RunningServer:
   """`build_app(engine)` under uvicorn on a thread, on 127.0.0.1; `client` is the official
   openai client (no retries)."""
@@ -104,15 +98,16 @@ class RunningServer:
     import uvicorn
 
     from jaxpar.inference.server import build_app
-    self.engine, self.model_name, self.port = engine, model_name, free_port()
+    self.engine, self.model_name = engine, model_name
     self.app = build_app(engine, model_name=model_name, **{"grace_s": 5, **options})
-    self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+    self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning"))
     self._thread = threading.Thread(target=self._server.run, daemon=True)
     self._thread.start()
     deadline = time.monotonic() + 60
     while not self._server.started:
       assert time.monotonic() < deadline, "the server did not start"
       time.sleep(0.05)
+    self.port = self._server.servers[0].sockets[0].getsockname()[1]  # port 0: the one it bound
     self.url = f"http://127.0.0.1:{self.port}"
     self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
@@ -140,3 +135,51 @@ class RunningServer:
   def close(self):
     self._server.should_exit = True
     self._thread.join(timeout=30)
+
+
+class CliServer:
+  """`jaxpar serve ARGS --port 0` in a child process: the port is the one it prints when it
+  has bound it (no free-port race); `output` collects everything it printed."""
+
+  def __init__(self, *args, env=None, timeout_s: float = 240):
+    import queue
+    import re
+    import subprocess
+    import sys
+    env = {**__import__("os").environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **(env or {})}
+    self.child = subprocess.Popen([sys.executable, "-m", "jaxpar", "serve", *map(str, args), "--port", "0"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    self.lines: queue.SimpleQueue = queue.SimpleQueue()
+    self.output = []
+    threading.Thread(target=lambda: [self.lines.put(line) for line in self.child.stdout] + [self.lines.put(None)],
+                     daemon=True).start()
+    deadline, self.port = time.monotonic() + timeout_s, None
+    while self.port is None:
+      line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+      assert line is not None, "".join(self.output)  # it exited before serving
+      self.output.append(line)
+      found = re.search(r" on http://127\.0\.0\.1:(\d+)/v1", line)
+      self.port = int(found[1]) if found else None
+    while True:  # bound, then listening once uvicorn has started
+      assert self.child.poll() is None and time.monotonic() < deadline, "".join(self.output)
+      try:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+          break
+      except OSError:
+        time.sleep(0.1)
+
+  def rest_of_output(self) -> str:
+    """Everything it printed, once it has exited."""
+    while (line := self.lines.get(timeout=60)) is not None:
+      self.output.append(line)
+    return "".join(self.output)
+
+  def stop(self):
+    import signal
+    import subprocess
+    if self.child.poll() is None:
+      self.child.send_signal(signal.SIGTERM)
+      try:
+        self.child.wait(timeout=60)
+      except subprocess.TimeoutExpired:
+        self.child.kill()

@@ -136,13 +136,28 @@ def test_keep_last_and_every_and_config_is_readable(tmp_path):
     assert checkpoints.saved_config()["model"]["embed_dim"] == TINY["embed_dim"]
 
 
-def test_save_every_minutes(tmp_path):
+def test_save_every_minutes(tmp_path, monkeypatch):
+  """Orbax's manager stamps each step with datetime.now: a fake clock moves it, no sleeping."""
+  import datetime
+
+  from orbax.checkpoint import checkpoint_manager
+  start = datetime.datetime.now(tz=datetime.timezone.utc)
+  elapsed = {"s": 0.0}
+
+  class Clock(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+      return start + datetime.timedelta(seconds=elapsed["s"])
+
+  monkeypatch.setattr(checkpoint_manager, "datetime", type("datetime", (), {
+      "datetime": Clock, "timezone": datetime.timezone, "timedelta": datetime.timedelta}))
   options = CheckpointConfig(every_steps=None, every_minutes=1 / 60)
   with Checkpointer(tmp_path, options) as checkpoints:
     assert checkpoints.save(1, _tiny_state(1.0))  # nothing saved yet: save now
     checkpoints.wait()
+    elapsed["s"] = 0.9
     assert not checkpoints.save(2, _tiny_state(2.0))
-    time.sleep(1.1)
+    elapsed["s"] = 1.0
     assert checkpoints.save(3, _tiny_state(3.0))
 
 

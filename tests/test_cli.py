@@ -36,11 +36,10 @@ def test_options_after_overrides_first_screen_resume_and_step_times(tmp_path):
   assert f"resumed from step 8 ({tmp_path}/run/checkpoints/8)" in again.stdout
   records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == list(range(1, 11))
-  # The first step after each start has no time (it compiles); every other one is a real step,
-  # none a fraction of the others (reading metrics one step late once made one ~1/15th).
+  # The first step after each start has no time (it compiles); every other one has one
+  # (test_train.py checks with a fake clock that each is the gap between completions).
   assert "step_time_s" not in records[0] and "step_time_s" not in records[8]
-  times = sorted(r["step_time_s"] for r in records if "step_time_s" in r)
-  assert len(times) == 8 and times[0] > times[len(times) // 2] / 4, times
+  assert sum("step_time_s" in r for r in records) == 8
 
 
 def test_unknown_option_is_still_an_error():

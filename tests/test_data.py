@@ -118,17 +118,12 @@ def test_sources_txt_jsonl_folder_and_errors(tmp_path):
     read_documents(str(tmp_path / "empty"))
 
 
-def test_bundled_corpus_is_real_prose_and_packs_fast():
-  import time
-
+def test_bundled_corpus_is_real_prose_and_packs():
   docs = read_documents("bundled")
   assert len(docs) == 166
   assert docs[0].startswith("Pride and Prejudice\n\nChapter 1\n\nIt is a truth universally")
-  t0 = time.perf_counter()
-  stream = pack_documents(docs, BYTE)
-  seconds = time.perf_counter() - t0
+  stream = pack_documents(docs, BYTE)  # its speed: benchmarks/data.py
   assert stream.num_tokens == sum(len(d.encode()) for d in docs) + len(docs)
-  assert seconds < 5.0, f"byte-packing 2 MB took {seconds:.1f}s: vectorise it"
 
 
 # -- packing ------------------------------------------------------------------------

@@ -78,15 +78,19 @@ def _wait(condition):
 
 
 def test_a_silent_peer_is_named_and_a_finished_one_is_not():
+  """Heartbeats driven by hand on a fake clock (no threads, no sleeps)."""
   store, failures = FakeStore(), {}
   watches = _watches(store, 3, 0.5, failures)
-  for watch in watches:
-    watch.start()
-  time.sleep(0.4)
+  for t in (0.0, 0.1, 0.2, 0.3, 0.4):
+    for watch in watches:
+      watch.beat(t)
   watches[2].stop()               # finished normally: nobody waits for it
-  watches[1]._stopped.set()       # dies: no more heartbeats, no goodbye
-  assert _wait(lambda: 0 in failures)
-  watches[0].stop()
+  # Process 1 dies: no more heartbeats, no goodbye. Process 0 last saw its key change at
+  # 0.5 (its beat of 0.4); quiet for the 0.5 s timeout is no failure yet, past it is.
+  for t in (0.5, 0.6, 0.8, 1.0):
+    watches[0].beat(t)
+  assert not failures
+  watches[0].beat(1.1)
   assert failures[0].startswith("process 1 stopped responding: no heartbeat for 0.5 s"), failures
   assert 2 not in failures and 1 not in failures
 

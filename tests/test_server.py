@@ -5,11 +5,8 @@ leaves mid-stream, an engine failure mid-stream, and SIGTERM; correct answers af
 import concurrent.futures
 import http.client
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -23,6 +20,7 @@ from jaxpar.inference import Engine
 from jaxpar.inference.server import build_app
 from jaxpar.runtime import Runtime
 from tests.helpers import SMALL_MODEL
+from tests.serving_setup import CliServer
 from tests.test_data import _train_hf_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -30,12 +28,6 @@ uvicorn = pytest.importorskip("uvicorn")
 
 TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
 MODEL_NAME = "tiny-test"
-
-
-def _free_port():
-  with socket.socket() as probe:
-    probe.bind(("127.0.0.1", 0))
-    return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +64,15 @@ def reference(checkpoint):
 def server(checkpoint):
   """An in-process server (uvicorn on a thread) on 127.0.0.1: max 4 waiting requests."""
   engine = _engine(checkpoint)
-  port = _free_port()
   app = build_app(engine, model_name=MODEL_NAME, max_queue=4, grace_s=5)
-  instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+  instance = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
   thread = threading.Thread(target=instance.run, daemon=True)
   thread.start()
   deadline = time.monotonic() + 60
   while not instance.started:
     assert time.monotonic() < deadline, "the server did not start"
     time.sleep(0.05)
+  port = instance.servers[0].sockets[0].getsockname()[1]  # port 0: the one it bound
   client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
   yield engine, port, client
   instance.should_exit = True
@@ -168,9 +160,12 @@ def test_malformed_requests_get_openai_errors(server):
   assert _raw(port, "GET", "/health")[1]["status"] == "ok"
 
 
-def test_full_queue_is_429_and_disconnect_frees_the_slot(server):
+def test_full_queue_is_429_and_disconnect_frees_the_slot(server, monkeypatch):
+  """The engine is held still while 10 requests arrive: the queue (4) takes the first four,
+  the other six get 429 whatever the timing; let go, the four finish."""
   engine, port, client = server
-  outcomes = []
+  outcomes, gate, real_step = [], threading.Event(), engine.step
+  monkeypatch.setattr(engine, "step", lambda: gate.wait(120) and real_step())
 
   def long_request():
     try:
@@ -181,9 +176,14 @@ def test_full_queue_is_429_and_disconnect_frees_the_slot(server):
   threads = [threading.Thread(target=long_request) for _ in range(10)]
   for thread in threads:
     thread.start()
+  deadline = time.monotonic() + 60
+  while (outcomes.count(429) < 6 or engine.pending < 4) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  gate.set()
   for thread in threads:
     thread.join(timeout=120)
-  assert 429 in outcomes and "ok" in outcomes, outcomes
+  monkeypatch.setattr(engine, "step", real_step)
+  assert sorted(outcomes, key=str) == [429] * 6 + ["ok"] * 4, outcomes
   # A client reads one streamed chunk and hangs up: its slot and pages come back.
   connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
   connection.request("POST", "/v1/completions", body=json.dumps(
@@ -219,33 +219,20 @@ def test_engine_failure_mid_stream_reaches_the_client_then_the_server_recovers(s
 
 @pytest.mark.slow
 def test_cli_serve_drains_on_sigterm_and_exits_0(checkpoint):
-  port = _free_port()
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-  child = subprocess.Popen([sys.executable, "-m", "jaxpar", "serve", "--checkpoint", str(checkpoint),
-                            "--port", str(port), "--slots", "2"],  # the model id: the run's name
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  served = CliServer("--checkpoint", checkpoint, "--slots", "2")  # the model id: the run's name
   try:
-    deadline = time.monotonic() + 180
-    while True:
-      assert child.poll() is None and time.monotonic() < deadline, child.stdout.read()
-      try:
-        if _raw(port, "GET", "/health")[0] == 200:
-          break
-      except OSError:
-        time.sleep(0.3)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
     assert [m.id for m in client.models.list()] == [MODEL_NAME]
     stream = client.completions.create(model=MODEL_NAME, prompt="the", max_tokens=40, temperature=0, stream=True)
     first = next(iter(stream))
-    child.send_signal(signal.SIGTERM)
+    served.child.send_signal(signal.SIGTERM)
     rest = list(stream)  # the request in flight still finishes
     assert first.choices and rest and rest[-1].choices[0].finish_reason in ("stop", "length")
-    assert child.wait(timeout=60) == 0
+    assert served.child.wait(timeout=60) == 0
   finally:
-    if child.poll() is None:
-      child.kill()
-  output = child.stdout.read()
-  assert "serving 'tiny-test' on http://127.0.0.1" in output
+    served.stop()
+  assert f"serving 'tiny-test' on http://127.0.0.1:{served.port}/v1" in served.rest_of_output()
 
 
 def test_a_run_is_named_by_its_run_directory(checkpoint, tmp_path):
@@ -300,33 +287,18 @@ def test_metrics_parse_as_prometheus_text_and_move_with_the_traffic(server):
 def test_cli_serve_speculative_gives_the_plain_greedy_tokens(checkpoint, reference):
   """`jaxpar serve --speculative draft=PATH,k=3` (the model as its own draft): the openai
   client gets exactly the plain engine's greedy text, streamed or not."""
-  port = _free_port()
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-  child = subprocess.Popen([sys.executable, "-m", "jaxpar", "serve", "--checkpoint", str(checkpoint), "--port",
-                            str(port), "--slots", "2", "--speculative", f"draft={checkpoint},k=3"],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  served = CliServer("--checkpoint", checkpoint, "--slots", "2", "--speculative", f"draft={checkpoint},k=3")
   try:
-    deadline = time.monotonic() + 240
-    while True:
-      assert child.poll() is None and time.monotonic() < deadline, child.stdout.read()
-      try:
-        if _raw(port, "GET", "/health")[0] == 200:
-          break
-      except OSError:
-        time.sleep(0.3)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
     for prompt in ("the quick", "a fox"):
       want = _expected(reference, prompt, 20).text
       got = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0)
       assert got.choices[0].text == want
       stream = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True)
       assert "".join(c.choices[0].text for c in stream if c.choices) == want
-    refused = _raw(port, "POST", "/v1/completions",
+    refused = _raw(served.port, "POST", "/v1/completions",
                    json.dumps({"model": MODEL_NAME, "prompt": "the", "max_tokens": 2, "logprobs": 1}))
     assert refused[0] == 400 and "speculative" in refused[1]["error"]["message"]
   finally:
-    child.send_signal(signal.SIGTERM)
-    try:
-      child.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-      child.kill()
+    served.stop()

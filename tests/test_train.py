@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from jaxpar.objectives.lm import lm_loss
+from jaxpar.train.metrics import StepClock
 from jaxpar.train.step import make_gradients
 from jaxpar.train.trainer import Trainer
-from tests.helpers import small_config, synthetic_batch
+from tests.helpers import small_config, synthetic_batch, tensorboard_scalars
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,9 @@ def test_metrics_jsonl_and_tensorboard_written(trained):
   records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in records] == list(range(1, 41))
   assert {"loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "mfu"} <= set(records[-1])
-  assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+  scalars = tensorboard_scalars(run_dir)  # as TensorBoard reads them
+  assert sorted(scalars["train/loss"]) == list(range(1, 41))
+  assert scalars["train/loss"][40] == pytest.approx(records[-1]["loss"], rel=1e-6)
   assert 0 < result.summary["mfu"] < 1 and result.summary["tokens_per_s"] > 0
 
 
@@ -109,3 +112,18 @@ def test_cli_train_bad_mesh_exits_2_with_one_line(tmp_path):
   # The subprocess inherits the 8 simulated devices from conftest's XLA_FLAGS.
   assert "error: mesh fsdp=3 needs 3 devices but 8 are available" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+def test_step_times_are_the_gaps_between_completions_however_late_they_are_read():
+  """The loop reads each step's metrics one step late; a step's time is still the gap between
+  its completion and the previous one's (a fake clock stamps each completion)."""
+  ticks = iter([1.0, 3.0, 4.5, 10.0, 10.5])
+  clock = StepClock(clock=lambda: next(ticks))
+  for step in (1, 2, 3):
+    clock.watch(step, jax.numpy.ones(()))
+  assert clock.step_time(1) is None  # the first step compiles
+  clock.pause_after(3)  # an evaluation ran after step 3
+  for step in (4, 5):
+    clock.watch(step, jax.numpy.ones(()))
+  assert [clock.step_time(s) for s in (2, 3, 4, 5)] == [2.0, 1.5, None, 0.5]
+  clock.close()

@@ -27,6 +27,8 @@ class PeerWatch:
     self.on_failure = on_failure  # called with one line; expected not to return
     self._stopped = threading.Event()
     self._thread = threading.Thread(target=self._run, name="jaxpar-peer-watch", daemon=True)
+    self._beats, self._last_reached = 0, None
+    self._seen: dict[int, tuple[str, float]] = {}  # peer -> (its value, when it last changed)
 
   def start(self):
     if self.num_processes > 1:
@@ -47,25 +49,29 @@ class PeerWatch:
     self.client.key_value_set(f"{_PREFIX}{self.process_id}", value, allow_overwrite=True)
 
   def _run(self):
-    beats, last_reached = 0, time.monotonic()
-    seen: dict[int, tuple[str, float]] = {}  # peer -> (its value, when it last changed)
     while not self._stopped.wait(self.interval):
-      now = time.monotonic()
-      try:
-        beats += 1
-        self._publish(f"alive {beats}")
-        values = dict(self.client.key_value_dir_get(_PREFIX))
-        last_reached = now
-      except Exception as e:  # noqa: BLE001  any RPC error: retry until the timeout
-        if now - last_reached > self.timeout and not self._stopped.is_set():
-          first = str(e).splitlines()[0] if str(e) else type(e).__name__
-          self.on_failure(f"lost the coordination service (on process 0) for {self.timeout:g} s "
-                          f"({first}); the job stops: restart all processes")
-        continue
-      problem = self._check(values, seen, now)
-      if problem and not self._stopped.is_set():
-        self.on_failure(f"{problem}; the job stops: restart all processes, they resume from "
-                        "the last complete checkpoint")
+      self.beat(time.monotonic())
+
+  def beat(self, now: float):
+    """One heartbeat at time `now` (seconds on a monotonic clock): bump this process's key,
+    read everyone's, and stop the job over a peer that failed or went quiet."""
+    if self._last_reached is None:
+      self._last_reached = now
+    try:
+      self._beats += 1
+      self._publish(f"alive {self._beats}")
+      values = dict(self.client.key_value_dir_get(_PREFIX))
+      self._last_reached = now
+    except Exception as e:  # noqa: BLE001  any RPC error: retry until the timeout
+      if now - self._last_reached > self.timeout and not self._stopped.is_set():
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        self.on_failure(f"lost the coordination service (on process 0) for {self.timeout:g} s "
+                        f"({first}); the job stops: restart all processes")
+      return
+    problem = self._check(values, self._seen, now)
+    if problem and not self._stopped.is_set():
+      self.on_failure(f"{problem}; the job stops: restart all processes, they resume from "
+                      "the last complete checkpoint")
 
   def _check(self, values: dict, seen: dict, now: float) -> str | None:
     for peer in range(self.num_processes):

@@ -208,9 +208,10 @@ def cmd_serve(ns):
   engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True,
                         adapters=adapters)
   served = ", ".join(repr(n) for n in (name, *adapters))
-  notes.print(f"serving {served} on http://{ns.host}:{ns.port}/v1 ({ns.slots} slots, context "
-              f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
-  serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s)
+  announce = lambda url: notes.print(f"serving {served} on {url} ({ns.slots} slots, context "  # noqa: E731
+                                     f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
+  serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s,
+        announce=announce)
 
 
 def add_parsers(commands):
@@ -239,7 +240,7 @@ def add_parsers(commands):
       "and /health, driven by the continuous-batching engine. SIGTERM drains and exits 0.")
   add_engine_args(serve)
   serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-  serve.add_argument("--port", type=int, default=8000)
+  serve.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one, printed)")
   serve.add_argument("--model-name", help="the model id clients send (default: the run's name, e.g. tiny for runs/tiny)")
   serve.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                      help="also serve this LoRA adapter checkpoint (trained over the base) as model NAME; "

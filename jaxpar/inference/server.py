@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -210,10 +211,18 @@ async def _json(request: Request):
 
 
 def serve(engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64,
-          grace_s: float = 30.0, log_level: str = "info"):
-  """Serve until SIGTERM / Ctrl-C (uvicorn stops taking requests and drains)."""
+          grace_s: float = 30.0, log_level: str = "info", announce=None):
+  """Serve until SIGTERM / Ctrl-C (uvicorn stops taking requests and drains). The socket is
+  bound first, so port 0 takes a free port with no race; announce(url) is called with the
+  address bound, before the first request."""
   app = build_app(engine, model_name=model_name, max_queue=max_queue, grace_s=grace_s)
+  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+  sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+  sock.bind((host, port))
+  if announce is not None:
+    announce(f"http://{host}:{sock.getsockname()[1]}/v1")
+  server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace_s + 5))
   # After draining, uvicorn re-raises the signal to the handler that was there before it;
   # ours only records it, so a drained server exits 0 instead of dying by the signal.
   with stop_on_signals():
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace_s + 5)
+    server.run(sockets=[sock])

@@ -119,7 +119,8 @@ class StepClock:
   consecutive completions. The first step of a run has none: it includes compiling.
   """
 
-  def __init__(self):
+  def __init__(self, clock=time.perf_counter):
+    self._clock = clock
     self._pending = queue.Queue()
     self._finished: dict[int, float] = {}
     self._paused: set[int] = set()  # steps followed by other work (an evaluation)
@@ -135,7 +136,7 @@ class StepClock:
       except Exception:  # noqa: BLE001  the loop's own read of these outputs reports the error
         pass
       with self._ready:
-        self._finished[step] = time.perf_counter()
+        self._finished[step] = self._clock()
         self._ready.notify_all()
 
   def watch(self, step: int, outputs):
