@@ -1,7 +1,6 @@
 """The kernels compile for real TPU chips (libtpu, inside shard_map on a multi-device
 topology mesh) and lower for CUDA (Triton), forward and backward, without hardware."""
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,6 @@ from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gp
 from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
 
 AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 
 def _topology_mesh(name):
@@ -32,7 +30,6 @@ def _train_grads(seg, **options):
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 @pytest.mark.parametrize("topology,head_dim,group", [
     ("v5e:2x2", 128, 4), ("v5p:2x2x1", 128, 4), ("v6e:2x2", 128, 4),
     # The largest tiles: head_dim 256 x 8 query heads per kv head, on the smaller VMEMs.
@@ -94,7 +91,6 @@ def test_gpu_decode_lowers_for_cuda():
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_tpu_paged_decode_reads_its_layer_of_the_stacked_cache_in_place():
   """Through the door with the engine's stacked cache and a layer index, the TPU decode
   kernel fetches that layer's pages from the stack: no copy of the layer's pages (8 MiB per
@@ -114,7 +110,6 @@ def test_tpu_paged_decode_reads_its_layer_of_the_stacked_cache_in_place():
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_tpu_windowed_paged_decode_compiles_on_the_window_pages():
   """Through the door with a sliding window, the TPU decode kernel's grid walks only the
   pages the window spans (3 of a 16-page table), not the whole table."""

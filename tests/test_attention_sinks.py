@@ -20,7 +20,7 @@ from jaxpar.pallas_kernels.attention.decode_tpu import paged_decode_attention_tp
 from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
 from jaxpar.pallas_kernels.attention.flash_tpu import flash_attention_tpu
 from jaxpar.pallas_kernels.attention.reference import decode_attention_reference, gather_pages
-from tests.test_attention_compile import HAS_LIBTPU, _export_cuda, _topology_mesh
+from tests.test_attention_compile import _export_cuda, _topology_mesh
 from tests.test_decode_attention import paged_inputs
 
 AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
@@ -135,7 +135,6 @@ def test_sinks_of_the_wrong_shape_are_a_one_line_error():
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_tpu_kernels_with_sinks_compile():
   mesh = _topology_mesh("v5e:2x2")
   sds = lambda shape, dtype, spec: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))

@@ -20,8 +20,8 @@ from jaxpar.pallas_kernels.attention.decode_tpu import paged_decode_attention_tp
 from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
 from jaxpar.pallas_kernels.attention.flash_tpu import flash_attention_tpu
 from jaxpar.pallas_kernels.attention.reference import decode_attention_reference
-from test_attention import assert_matches_reference
-from test_attention_compile import HAS_LIBTPU, _export_cuda, _topology_mesh, _train_grads
+from tests.test_attention import assert_matches_reference
+from tests.test_attention_compile import _export_cuda, _topology_mesh, _train_grads
 
 
 def split_inputs(q_len=200, heads=4, kv_heads=4, head_dim=192, value_dim=128, dtype=jnp.float32):
@@ -104,7 +104,6 @@ def test_latent_decode_through_the_door_on_a_tensor_mesh():
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_split_dims_compile_for_tpu():
   """MLA's training shapes (q/k 192, v 128) through the flash door, forward and backward,
   and the absorbed decode over one 576-wide latent page array (512 latent + 64 rope) with

@@ -2,10 +2,10 @@
 matches hand computation, say DOES NOT FIT for weights that cannot fit, count collectives
 per loop trip, and see the DCN collectives of a multi-slice mesh."""
 
-import importlib.util
 import json
 import re
 
+import jax
 import pytest
 
 from jaxpar.aot import hlo
@@ -18,7 +18,6 @@ from jaxpar.config import load_config
 from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 
 @pytest.mark.parametrize("name,libtpu_name", [
@@ -40,7 +39,6 @@ FSDP_MODEL = dict(vocab_size=1024, embed_dim=256, num_layers=2, num_heads=2, num
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_fsdp_argument_bytes_match_hand_computation():
   config = small_config(model=FSDP_MODEL, mesh={"fsdp": 4}, data={"seq_len": 128})
   chip, devices = topology_devices("v5e-4")
@@ -72,7 +70,6 @@ OFFLOADED = ("decoder_layer_input", "qkv_proj", "out_proj")
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_offloaded_activations_live_in_host_memory_not_hbm():
   # Eight scanned layers (compile time is flat in depth): at one layer the host-transfer
   # staging buffers outweigh the one layer's activations they move out of HBM.
@@ -94,7 +91,6 @@ def test_offloaded_activations_live_in_host_memory_not_hbm():
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_weights_that_cannot_fit_are_reported_as_not_fitting():
   # 1.1B f32 params replicated (plain DP): 13 GiB of params + Adam, plus grads > 16 GiB.
   model = dict(vocab_size=131072, embed_dim=4096, num_layers=1, num_heads=32, num_kv_heads=8,
@@ -122,7 +118,6 @@ def _compile_tiny(layers, topology="v6e-4", num_slices=1, **mesh):
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_collectives_are_counted_per_loop_trip():
   # Scanned layers compile to one loop body whatever the depth: 8 more layers must add
   # 8 x (one layer's gathers), which only trip-count weighting sees.
@@ -135,7 +130,6 @@ def test_collectives_are_counted_per_loop_trip():
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_multi_slice_reports_dcn_collectives():
   report = _compile_tiny(2, "v5e-4", 2, data=2)
   assert report["devices"] == 8 and report["dcn_axis"] == "data"
@@ -145,7 +139,6 @@ def test_multi_slice_reports_dcn_collectives():
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_stage_over_dcn_sends_only_hand_offs_and_the_stage_split_weights_across_slices():
   report = _compile_tiny(4, "v5e-4", 2, stage=2, dcn_axis="stage")
   assert report["dcn_axis"] == "stage" and report["mesh"] == {"stage": 2, "fsdp": 4}
@@ -252,7 +245,6 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_cli_compile_prints_verdict_and_saves(tmp_path, capsys):
   assert main(["compile", "tiny", "data.global_batch_size=8", "--topology", "v5e-4",
                "--save", str(tmp_path)]) == 0
@@ -262,7 +254,8 @@ def test_cli_compile_prints_verdict_and_saves(tmp_path, capsys):
   for phase in ("describing TPU topology v5e-4", "building the model", "lowering the train step",
                 "compiling for v5e-4 (4 chips) (XLA)", "analysing the compiled program"):
     assert re.search(rf"^{re.escape(phase)}.*: [0-9.]+ (s|ms|µs)$", out, re.M), (phase, out)
-  assert "0.00B params" not in out and "853.1K params" in out
+  params = Trainer(load_config("tiny", ["data.global_batch_size=8"]), devices=jax.devices()[:1]).num_params
+  assert f"{count(params)} params" in out and params > 0
   assert re.search(r"estimated step [1-9][0-9.]* (µs|ms)", out), out
   assert not re.search(r"\(0\.\d+x\)", out), out  # never a ratio under 1 against a minimum
   report = json.loads((tmp_path / "report.json").read_text())
@@ -285,7 +278,6 @@ def test_cli_compile_without_topology_says_how_to_give_one(capsys):
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_cli_compiles_the_generation_programs_of_an_8b_config(capsys):
   # One layer of llama3-8b; the benchmark (README) compiles all of them.
   assert main(["compile", "llama3-8b", "model.num_layers=1", "mesh.fsdp=1", "mesh.tensor=8", "--inference",

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import small_config
+from tests.helpers import small_config
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.errors import ConfigError
 from jaxpar.data.preference_batches import pair_rows

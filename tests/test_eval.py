@@ -20,7 +20,7 @@ from jaxpar.runtime import Runtime
 from jaxpar.train.eval_command import evaluate_saved_run
 from jaxpar.train.evaluator import Evaluator
 from jaxpar.train.trainer import Trainer
-from tests.helpers import small_config
+from tests.helpers import small_config, tensorboard_scalars
 from tests.test_data import _train_hf_tokenizer
 
 ROOT = Path(__file__).parent.parent
@@ -52,8 +52,10 @@ def test_eval_loss_falls_and_goes_to_jsonl_tensorboard_and_summary(trained):
   assert records[12]["eval/heldout/loss"] == evals[12]
   assert records[12]["eval/heldout/perplexity"] == pytest.approx(math.exp(evals[12]))
   assert "step_time_s" not in records[9] and "step_time_s" in records[10]  # the eval is not step time
-  events = b"".join(p.read_bytes() for p in (run_dir / "tensorboard").glob("events.out.tfevents.*"))
-  assert b"eval/heldout/bits_per_byte" in events and b"train/loss" in events
+  scalars = tensorboard_scalars(run_dir)
+  assert scalars["eval/heldout/loss"][12] == pytest.approx(evals[12], rel=1e-6)
+  assert scalars["eval/heldout/bits_per_byte"][12] == pytest.approx(records[12]["eval/heldout/bits_per_byte"], rel=1e-6)
+  assert sorted(scalars["train/loss"]) == list(range(1, 13))
   assert result.summary["eval_step"] == 12 and result.summary["eval"]["eval/heldout/loss"] == evals[12]
 
 

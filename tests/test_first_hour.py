@@ -4,7 +4,6 @@ rate, training a quantized checkpoint, a mesh bigger than the devices, an HF mod
 tokenizer), no warning for a batch of one, and byte-level models exported with a tokenizer
 that `transformers` loads and that encodes as jaxpar's does."""
 
-import importlib.util
 import logging
 import os
 import subprocess
@@ -20,7 +19,6 @@ from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.runtime import Runtime
 from tests.helpers import small_config
 
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 TEXTS = ["Hello, world!", "  two  spaces\n\ttab", "naïve café 日本語 🙂", "<|endoftext|> is text here", ""]
 
 
@@ -40,7 +38,6 @@ def test_import_jaxpar_is_quiet_on_a_host_without_accelerators(code):
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_two_topology_compiles_at_once_on_one_host():
   """libtpu's lockfile let only one process describe a topology; a host with no TPU has
   nothing to share, so the second must work too (no ALLOW_MULTIPLE_LIBTPU_LOAD given)."""

@@ -62,12 +62,27 @@ def test_converted_model_generates_what_transformers_does(converted):
   assert (root / "back" / "tokenizer.json").read_bytes() == (root / "hf" / "tokenizer.json").read_bytes()
 
 
+def _hf_greedy(model, tokenizer, prompt: str, count: int) -> tuple[list[int], list[float]]:
+  """transformers' greedy tokens after `prompt` (bos first, as tokenizer_config.json asks; cut
+  at eos) and each one's log-probability."""
+  ids = [tokenizer.token_to_id("<s>")] + tokenizer.encode(prompt, add_special_tokens=False).ids
+  with torch.no_grad():
+    out = model.generate(torch.tensor([ids]), max_new_tokens=count, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, eos_token_id=model.config.eos_token_id, pad_token_id=0)
+  tokens = out.sequences[0, len(ids):].tolist()
+  logprobs = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(out.scores, tokens)]
+  if tokens and tokens[-1] == model.config.eos_token_id:
+    tokens, logprobs = tokens[:-1], logprobs[:-1]
+  return tokens, logprobs
+
+
 def test_cli_generate_streams_and_writes_jsonl(converted, tmp_path, capsys):
-  root, _, _ = converted
+  root, model, tokenizer = converted
   common = ["generate", "--checkpoint", str(root / "jaxpar"), "--slots", "2", "--max-tokens", "6"]
   assert main([*common, "--prompt", "the dog"]) == 0
   streamed = capsys.readouterr().out
-  assert streamed.startswith("the dog") and len(streamed.strip()) > len("the dog")
+  want, _ = _hf_greedy(model, tokenizer, "the dog", 6)
+  assert streamed == "the dog" + tokenizer.decode(want) + "\n"  # greedy by default: transformers' text
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text('{"prompt": "the fox", "temperature": 0.9, "seed": 3}\nthe lazy dog\n')
   assert main([*common, "--prompts-file", str(prompts), "--output", str(tmp_path / "out.jsonl"), "--logprobs"]) == 0
@@ -75,7 +90,9 @@ def test_cli_generate_streams_and_writes_jsonl(converted, tmp_path, capsys):
   assert [r["prompt"] for r in rows] == ["the fox", "the lazy dog"]
   assert all(len(r["logprobs"]) == len(r["tokens"]) <= 6 and r["finish_reason"] in ("stop", "length")
              for r in rows)
-  assert np.all(np.asarray(rows[1]["logprobs"]) <= 0)
+  tokens, logprobs = _hf_greedy(model, tokenizer, "the lazy dog", 6)
+  assert rows[1]["tokens"] == tokens and rows[1]["text"] == tokenizer.decode(tokens)
+  np.testing.assert_allclose(rows[1]["logprobs"], logprobs, atol=1e-4)
 
 
 def test_cli_generate_bad_input_is_one_line(converted, capsys):

@@ -141,13 +141,22 @@ def test_sharded_safetensors_and_bfloat16_via_cli(tmp_path):
 
 
 def test_imported_checkpoint_fine_tunes(tmp_path):
-  _random_hf_model(FAMILIES["qwen2"](), tmp_path / "hf")
+  model = _random_hf_model(FAMILIES["qwen2"](), tmp_path / "hf")
   imported = hf_to_jaxpar(tmp_path / "hf", tmp_path / "jaxpar")
   config = replace(imported, data={"seq_len": 32, "global_batch_size": 8},
-                   train={"steps": 2, "warmup_steps": 1, "log_every": 0, "run_dir": str(tmp_path / "run")})
-  result = Trainer(config).fit(restore=tmp_path / "jaxpar", show_progress=False)
-  assert [h["step"] for h in result.history] == [1, 2]  # params from HF, a fresh optimizer
-  assert np.isfinite(result.summary["final_loss"])
+                   train={"steps": 3, "warmup_steps": 1, "log_every": 0, "run_dir": str(tmp_path / "run")})
+  # One unpacked batch of random tokens, every step: transformers scores the same rows.
+  tokens = np.random.default_rng(0).integers(0, SMALL["vocab_size"], (8, 33)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((8, 32), np.int32),
+           "positions": np.broadcast_to(np.arange(32, dtype=np.int32), (8, 32)), "loss_mask": np.ones((8, 32), np.float32)}
+  result = Trainer(config).fit(batches=iter([batch] * 3), restore=tmp_path / "jaxpar", show_progress=False)
+  assert [h["step"] for h in result.history] == [1, 2, 3]  # params from HF, a fresh optimizer
+  with torch.no_grad():
+    logits = model(torch.tensor(batch["inputs"], dtype=torch.long)).logits.double()
+  want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           torch.tensor(batch["targets"], dtype=torch.long).reshape(-1))
+  assert result.history[0]["loss"] == pytest.approx(float(want), rel=1e-4)  # the first step scores the HF weights
+  assert result.history[2]["loss"] < result.history[0]["loss"]  # step 1 warms up from a zero rate
 
 
 def test_moe_configs_map_both_ways_and_unmappable_ones_are_clear_errors():

@@ -63,19 +63,31 @@ def _shapes(hlo, kind):
   return re.findall(rf"= (\S+) {kind}(?:-start)?\(", hlo)
 
 
+# What each strategy's compiled step moves: (one device's K/V block, a whole sequence's K/V,
+# how attention crosses the context devices, the residual stream gathered over `tensor`).
+# K/V: rows x tokens per device x kv heads per device x 16; the sequence is 32 tokens.
+MOVES = {
+  "c4_ring": (r"f32\[\d+,8,2,16\]", r"f32\[\d+,32,2,16\]", "ring", None),
+  "c4_all_gather_microbatched": (r"f32\[\d+,8,2,16\]", r"f32\[\d+,32,2,16\]", "all_gather", None),
+  "c2_f2_t2_ring_sp_remat_mlp2": (r"f32\[\d+,16,1,16\]", r"f32\[\d+,32,1,16\]", "ring", r"f32\[\d+,16,64\]"),
+  "f4_t2_sp": (r"f32\[\d+,16,1,16\]", r"f32\[\d+,32,1,16\]", None, r"f32\[\d+,32,64\]"),
+}
+
+
 def test_ring_passes_kv_blocks_and_all_gather_gathers_them(strategy):
   name, (_, _, hlo) = strategy
-  if "c4" not in name:
-    return
-  # K/V of one device: its rows x 8 tokens (32 over context 4) x 2 kv heads x 16; whole: 32 tokens.
-  block, whole = re.compile(r"f32\[\d+,8,2,16\]"), re.compile(r"f32\[\d+,32,2,16\]")
+  block, whole, crossing, residual = (None if x is None else re.compile(x) for x in MOVES[name])
   permuted = [s for s in _shapes(hlo, "collective-permute") if block.match(s)]
   gathered = [s for s in _shapes(hlo, "all-gather") if whole.match(s)]
-  if "ring" in name:
+  if crossing == "ring":
     assert permuted and not gathered, (permuted, gathered)
-  else:
+  elif crossing == "all_gather":
     assert gathered and not permuted, (permuted, gathered)
     assert any(block.match(s) for s in _shapes(hlo, "reduce-scatter"))  # dK, dV
+  else:  # no context axis: K/V never leave their device
+    assert not permuted and not gathered, (permuted, gathered)
+  if residual is not None:  # sequence parallelism gathers the residual stream before its matmuls
+    assert any(residual.match(s) for s in _shapes(hlo, "all-gather")), name
 
 
 def _temp_bytes(context):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import small_config, synthetic_batch
+from tests.helpers import counting_compiles, small_config, synthetic_batch
 from jaxpar.checkpoint import Checkpointer
 from jaxpar.cli import main
 from jaxpar.convert.hf import hf_to_jaxpar, jaxpar_to_hf
@@ -190,11 +190,9 @@ def test_adapters_and_base_decode_together(base, trained, peft_adapter):
       engine.step()
     return [r.generated for r in requests]
   assert served([0, 1, 2, 3]) == expected
-  compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda name, *_, **__: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
-  for order in ([3, 2, 0, 1], [2, 2, 0]):
-    assert served(order) == [expected[i] for i in order]
+  with counting_compiles() as compiles:
+    for order in ([3, 2, 0, 1], [2, 2, 0]):
+      assert served(order) == [expected[i] for i in order]
   assert compiles == []
   # Over HTTP: /v1/models lists the adapters, `model` picks one.
   server = RunningServer(engine, "base")

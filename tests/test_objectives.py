@@ -7,7 +7,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from helpers import small_config
+from tests.helpers import small_config
 from jaxpar.config import from_dict
 from jaxpar.errors import ConfigError
 from jaxpar.objectives import OBJECTIVES

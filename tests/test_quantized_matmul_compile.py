@@ -2,7 +2,6 @@
 shard_map with tensor-parallel weights) and lower for CUDA (Triton) through jax.export,
 forward only, without hardware."""
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +14,6 @@ from jaxpar.pallas_kernels import QuantizedWeight, quantize_weight
 from jaxpar.pallas_kernels.matmul.gpu import quantized_matmul_gpu
 
 AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 MODES = [("int8", None, False), ("int4", 128, True), ("int4", 32, False), ("w8a8", None, False)]
 
 
@@ -24,7 +22,6 @@ def _abstract_weight(k, n, mode, group, zero_point):
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v6e:2x2"])
 def test_tpu_kernels_compile_tensor_parallel(topology):
   """Batch over data, weights split over tensor: the MLP's column-parallel up projection and
@@ -72,7 +69,6 @@ def test_gpu_kernels_lower_for_cuda(mode, group, zero_point):
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_tpu_quantized_model_forward_compiles():
   """A whole int4 model (QuantizedKernel projections, logical names -> shard_map specs) on
   v6e, fsdp 2 x tensor 2: every projection of the scanned layer is a Mosaic kernel."""

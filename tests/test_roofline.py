@@ -2,7 +2,6 @@
 matmul loop and a Pallas kernel with a cost estimate, compiled by libtpu; and the padded
 window convolutions TPU HLO writes for per-head projections."""
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,6 @@ from jax.experimental import pallas as pl
 from jaxpar.aot import hlo, roofline
 from jaxpar.aot.chips import topology_devices
 
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 TRIPS, ROWS, WIDTH = 4, 256, 512
 KERNEL = pl.CostEstimate(flops=1000, transcendentals=0, bytes_accessed=5000)
 
@@ -29,7 +27,6 @@ def _program(x, weights):
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 def test_roofline_counts_every_loop_trip_and_the_kernel_estimate():
   _, devices = topology_devices("v5e-4")
   on_chip = jax.sharding.SingleDeviceSharding(devices[0])

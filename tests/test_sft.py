@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import small_config
+from tests.helpers import small_config
 from jaxpar.cli import main
 from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.errors import DataError

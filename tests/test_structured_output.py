@@ -13,7 +13,7 @@ from jaxpar.config import MeshConfig, ModelConfig
 from jaxpar.data import ByteTokenizer
 from jaxpar.inference import Engine, SamplingParams, grammar
 from jaxpar.runtime import Runtime
-from tests.helpers import SMALL_MODEL
+from tests.helpers import SMALL_MODEL, counting_compiles
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
@@ -50,15 +50,12 @@ def test_fifty_constrained_generations_validate_and_free_rows_are_unchanged(engi
   plain_prompts = ["free text one", "and two"]
   plain = SamplingParams(max_tokens=12, temperature=0.8, seed=5, stop_token_ids=())
   alone = engine.generate(plain_prompts, plain)
-  compiles = []
-  jax.monitoring.register_event_duration_secs_listener(
-      lambda name, *_, **__: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
   engine.generate(["warm"], SamplingParams(max_tokens=2, constraint=regex))  # compiles the processing step once
-  before = len(compiles)
   jobs = [(constrained[i % 4][0], constrained[i % 4][1]) for i in range(40)] + [(regex, None)] * 5 + [(choice, None)] * 5
   settings = [SamplingParams(max_tokens=150, temperature=1.0, seed=i, constraint=c) for i, (c, _) in enumerate(jobs)]
-  done = engine.generate([f"record {i}:" for i in range(50)] + plain_prompts, settings + [plain, plain])
-  assert len(compiles) == before, compiles[before:]  # constrained and free rows share the compiled programs
+  with counting_compiles() as compiles:
+    done = engine.generate([f"record {i}:" for i in range(50)] + plain_prompts, settings + [plain, plain])
+  assert compiles == []  # constrained and free rows share the compiled programs
   for (_, schema), result in zip(jobs[:40], done):
     assert result.finish_reason == "stop", result
     jsonschema.validate(json.loads(result.text), schema)

@@ -1,7 +1,6 @@
 """`mesh.xla_flags`: per-chip presets, explicit lists, and flags a compiler rejects left out
 with a note instead of failing the run."""
 
-import importlib.util
 
 import jax
 import pytest
@@ -11,7 +10,6 @@ from jaxpar.aot.chips import topology_devices
 from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
-HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 
 def test_flags_parse_to_compiler_options():
@@ -31,7 +29,6 @@ def test_a_rejected_flag_is_left_out_and_the_train_step_still_builds():
 
 
 @pytest.mark.tpu
-@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu not installed")
 @pytest.mark.parametrize("topology, generation", [("v5e-4", "v5e"), ("v6e-4", "v6e"), ("v5p-8", "v5p")])
 def test_each_chip_gets_its_preset_minus_what_libtpu_rejects(topology, generation):
   _, devices = topology_devices(topology)
