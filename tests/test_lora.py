@@ -14,6 +14,7 @@ from jaxpar.checkpoint import Checkpointer
 from jaxpar.cli import main
 from jaxpar.convert.hf import hf_to_jaxpar, jaxpar_to_hf
 from jaxpar.finetune.merge import merge_checkpoint
+from jaxpar.objectives import BASE
 from jaxpar.finetune.peft import import_peft
 from jaxpar.weights import open_run
 from jaxpar.train.trainer import Trainer
@@ -53,7 +54,7 @@ def _train(base, mesh, devices, tmp_path=None, **model_keys):
                         train={"steps": STEPS, "learning_rate": 1e-2})
   trainer = Trainer(config, devices=jax.devices()[:devices])
   state = trainer.init_state()
-  before = (_leaves(state.params), _leaves(state.frozen))
+  before = (_leaves(state.params), _leaves(state.frozen[BASE]))
   batch = synthetic_batch(config)
   result = trainer.fit(state=state, batches=iter([batch] * STEPS), show_progress=False)
   return trainer, before, result
@@ -80,7 +81,7 @@ def test_only_adapters_train(base, trained):
   assert adapters and all("['lora']" in k for k in _leaves(state.params))
   with Checkpointer(base[1], read_only=True) as ckpt:  # the frozen weights are the base checkpoint's
     assert set(_leaves(ckpt.manager.item_metadata(0)["params"].tree)) == set(base_weights)
-  for key, value in _leaves(state.frozen).items():
+  for key, value in _leaves(state.frozen[BASE]).items():
     np.testing.assert_array_equal(value, base_weights[key], err_msg=key)
   changed = [k for k, v in _leaves(state.params).items() if not np.array_equal(v, adapters[k])]
   assert len(changed) == len(adapters)  # every A and B moved (B from zero)

@@ -96,7 +96,8 @@ _MOVED = {"dpo_beta": "beta", "dpo_reference": "reference"}
 
 def migrate_objective_keys(tree: dict) -> dict:
   """A config tree with the old `train.dpo_beta` / `train.dpo_reference` moved to the objective
-  section, and chat rows trained with the old `lm` objective given `sft` (one note each).
+  section, and chat rows given `sft` where the objective is unset or the old `lm` (a note
+  for each key said outright).
   Saved checkpoints' configs restore through this."""
   train, data = dict(tree.get("train") or {}), tree.get("data") or {}
   objective = dict(tree.get("objective") or {})
@@ -107,8 +108,9 @@ def migrate_objective_keys(tree: dict) -> dict:
       objective.setdefault(_MOVED[old], value)
     _log.warning("train.%s is deprecated: it moved to objective.%s", old, _MOVED[old])
   if data.get("format") == "chat" and train.get("objective", "lm") == "lm":
+    if "objective" in train:  # said outright (a saved config): say what it means now
+      _log.warning("data.format=chat trains with train.objective=sft now (set it; lm reads text)")
     train["objective"] = "sft"
-    _log.warning("data.format=chat trains with train.objective=sft now (set it; lm reads text)")
   elif not moved:
     return tree
   return {**tree, "train": train, "objective": objective}
