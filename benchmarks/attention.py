@@ -51,8 +51,7 @@ def cpu_table(lengths, time_naive_up_to=8192):
     shape = (1, length, 1, 64)
     spec = jax.ShapeDtypeStruct(shape, jnp.float32)
     row = [f"{length:>7}"]
-    steps = {"naive": _grad_step(lambda q, k, v: attention_reference(q, k, v, causal=True)),
-             "chunked": _grad_step(lambda q, k, v: chunked_attention(q, k, v, causal=True))}
+    steps = {"naive": _grad_step(attention_reference), "chunked": _grad_step(chunked_attention)}  # causal
     compiled = {name: step.lower(spec, spec, spec).compile() for name, step in steps.items()}
     row += [f"{_peak(compiled['naive']) / 2**20:>8.0f} MiB",
             f"{_peak(compiled['chunked']) / 2**20:>9.0f} MiB"]
@@ -78,7 +77,7 @@ def tpu_table(topologies_, length):
     batch = devices.size
     sds = lambda h: jax.ShapeDtypeStruct((batch, length, h, 128), jnp.bfloat16,
                                          sharding=NamedSharding(mesh, P("data")))
-    flash = lambda q, k, v: pallas_kernels.attention(q, k, v, implementation="flash")
+    flash = lambda q, k, v: pallas_kernels.attention(q, k, v, pallas_kernels.AttentionSpec(implementation="flash"))
     xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                        implementation="xla")
     with jax.set_mesh(mesh):

@@ -54,13 +54,15 @@ def flash():
     flash_gpu._FORWARD_PARAMS.update(num_warps=warps, num_stages=stages)
     blocks = pk.BlockSizes(bq, bk, 64, 64)
     _row(f"flash fwd q{bq} k{bk} w{warps} s{stages}",
-         _time(lambda q, k, v: pk.attention(q, k, v, implementation="flash", block_sizes=blocks), q, k, v),
+         _time(lambda q, k, v: pk.attention(q, k, v, pk.AttentionSpec(implementation="flash", block_sizes=blocks)),
+               q, k, v),
          fwd, "TFLOP/s")
   flash_gpu._FORWARD_PARAMS.update(num_warps=4, num_stages=3)
   for (bq, bk), warps in itertools.product(((32, 32), (64, 64), (64, 128), (128, 64)), (4, 8)):
     flash_gpu._BACKWARD_PARAMS.update(num_warps=warps)
     blocks = pk.BlockSizes(64, 64, bq, bk)
-    attend = lambda q, k, v: pk.attention(q, k, v, implementation="flash", block_sizes=blocks)  # noqa: E731
+    spec = pk.AttentionSpec(implementation="flash", block_sizes=blocks)
+    attend = lambda q, k, v, spec=spec: pk.attention(q, k, v, spec)  # noqa: E731
     _row(f"flash fwd+bwd, bwd q{bq} k{bk} w{warps}", _time(grad_of(attend), q, k, v), 3.5 * fwd, "TFLOP/s")
   flash_gpu._BACKWARD_PARAMS.update(num_warps=4)
 

@@ -15,7 +15,7 @@ from jaxpar.models.deepseek_config import DeepSeekConfig, MLAConfig
 from jaxpar.models.kv_cache import PagedCache
 from jaxpar.models.kv_cache_latent import LatentPagedCache
 from jaxpar.models.kv_cache_quantized import QuantizedPagedCache
-from jaxpar.models.layer_pattern import (AttentionOptions, LayerOptions, Rope, kv_reach, layer_options,
+from jaxpar.models.layer_pattern import (LayerOptions, Rope, kv_reach, layer_options,
                                          local_window)
 from jaxpar.models.dense import QuantizedKernel
 from jaxpar.models.kv_quant import KVQuantization
@@ -26,7 +26,7 @@ from jaxpar.models.registry import (HFMapping, ModelFamily, block_names, build_m
                                     family_names, get_block, get_family, register_block, register_family)
 from jaxpar.models.transformer import Transformer
 
-__all__ = ["Attention", "AttentionOptions", "DecoderLayer", "DeepSeekConfig", "HFMapping", "KVQuantization", "LayerContext",
+__all__ = ["Attention", "DecoderLayer", "DeepSeekConfig", "HFMapping", "KVQuantization", "LayerContext",
            "LatentPagedCache", "LayerKind", "LayerOptions", "MLAConfig", "MLP", "ModelConfig", "ModelFamily", "MoE", "MoEConfig",
            "MoEModelConfig", "NoCache", "PagedCache", "QuantizationConfig", "QuantizedKernel",
            "QuantizedPagedCache", "Rope", "RopeScaling", "SimulatedKVQuantization", "Transformer",

@@ -5,7 +5,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.mesh import constrain
-from jaxpar.models import lora
+from jaxpar.models import kv_cache, kv_cache_quantized, lora
 from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
 from jaxpar.models.norm import RMSNorm
@@ -74,6 +74,25 @@ class Attention(nnx.Module):
     if self.o_bias is not None:
       o = o + self.o_bias[...].astype(dt)
     return checkpoint_name(o, "out_proj"), cache
+
+  @staticmethod
+  def matmul_params(cfg) -> int:
+    """Parameters of its projections (what FLOP counting multiplies by tokens)."""
+    return cfg.embed_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+
+  @staticmethod
+  def head_dims(cfg) -> tuple[int, int]:
+    """(q/k, v) entries per head: the scores' and the values' matmul widths."""
+    return cfg.head_dim, cfg.head_dim
+
+  @staticmethod
+  def init_cache(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quantization=None,
+                 slots: int = 1) -> dict:
+    """A generation cache for a group of these layers: float pages, or quantized ones with a
+    float tail page per slot (models/caches.py says how caches are used)."""
+    if kv_quantization is None:
+      return kv_cache.init_pages(cfg, num_layers, num_pages, page_size, dtype)
+    return kv_cache_quantized.init(cfg, num_layers, num_pages, page_size, slots, kv_quantization, dtype)
 
   def embed_positions(self, q, k, positions, rope):
     """Rotate q and k [B, L, H, D] by their positions (rope: a layer_pattern.Rope, or None

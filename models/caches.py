@@ -2,12 +2,12 @@
 
 An attention block computes q, k, v and makes one call, whatever the kind:
 
-  out, cache = cache.update_and_attend(q, k, v, context, options, sinks=None)
+  out, cache = cache.update_and_attend(q, k, v, context, spec, sinks=None)
 
 q [B, T, heads, head_dim], k and v [B, T, kv_heads, head_dim]; `context` the layer's
-LayerContext (positions, segment ids, the length layout); `options` its static
-layer_pattern.AttentionOptions (window, soft cap, scale, kernel); `sinks` the layer's
-attention sinks [heads] (GPT-OSS), or None. A cache is stacked over
+LayerContext (positions, segment ids, the length layout); `spec` its static
+pallas_kernels.AttentionSpec (mask, soft cap, scale, kernel), which every kind hands to the
+attention doors unchanged; `sinks` the layer's attention sinks [heads] (GPT-OSS), or None. A cache is stacked over
 the layers of a group and rides through the layer scan; `cache.at(layer)` is one layer's
 view. The kinds:
 
@@ -22,8 +22,10 @@ view. The kinds:
   LocalGlobalCache         generation when local (sliding) and global layers mix: the local
                            layers keep only their window, in per-slot rings (kv_cache_windowed.py)
 
-A new kind is a class with `at` and `update_and_attend`; the
-model picks the kind here, once, from what the caller asks for.
+A new kind is a class with `at`, `update_and_attend` and `stores_latent` (whether it holds
+latents that an attention block attends to in absorbed form); the model picks the kind
+here, once, from what the caller asks for, and an attention block's `init_cache` makes its
+pages.
 """
 
 import jax
@@ -31,20 +33,21 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxpar import pallas_kernels
-from jaxpar.errors import ConfigError
 from jaxpar.models import kv_cache, kv_cache_latent, kv_cache_quantized, kv_cache_windowed, kv_quant
+from jaxpar.models.registry import get_block
 
 
 @struct.dataclass
 class NoCache:
   """Nothing stored: the queries attend to the keys of the same call."""
+  stores_latent = False
 
   def at(self, layer) -> "NoCache":
     return self
 
-  def update_and_attend(self, q, k, v, context, options, sinks=None):
-    out = pallas_kernels.attention(q, k, v, causal=True, segment_ids=context.segment_ids,
-                                   zigzag=context.zigzag, sinks=sinks, **options.kernel_args())
+  def update_and_attend(self, q, k, v, context, spec, sinks=None):
+    out = pallas_kernels.attention(q, k, v, spec, segment_ids=context.segment_ids, zigzag=context.zigzag,
+                                   sinks=sinks)
     return out, self
 
 
@@ -52,15 +55,14 @@ class NoCache:
 class SimulatedKVQuantization:
   """Every query of a full forward reads the keys and values a quantized cache would give
   it when that token is decoded (`spec`: a kv_quant.KVQuantization)."""
+  stores_latent = False
   spec: kv_quant.KVQuantization = struct.field(pytree_node=False)
 
   def at(self, layer) -> "SimulatedKVQuantization":
     return self
 
-  def update_and_attend(self, q, k, v, context, options, sinks=None):
-    out = kv_quant.cached_attention(q, k, v, self.spec, context.segment_ids,
-                                    sliding_window=options.sliding_window,
-                                    logit_soft_cap=options.logit_soft_cap, scale=options.scale, sinks=sinks)
+  def update_and_attend(self, q, k, v, context, spec, sinks=None):
+    out = kv_quant.cached_attention(q, k, v, self.spec, spec, context.segment_ids, sinks=sinks)
     return out, self
 
 
@@ -91,8 +93,9 @@ def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail
 
 def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quantization=None,
          slots: int = 1, windows=None) -> dict:
-  """Zeroed pages for a group of `num_layers` layers: float, or quantized with a float tail
-  page per slot; with multi-head latent attention, the latent cache. `windows`: the
+  """Zeroed pages for a group of `num_layers` layers, of the kind its attention block keeps
+  (`init_cache`: float, or quantized with a float tail page per slot; multi-head latent
+  attention's latent cache). `windows`: the
   group's per-layer sliding windows; when local and global layers mix, the local layers get
   rings of their window's pages per slot instead of pool pages (kv_cache_windowed.py)."""
   if kv_cache_windowed.is_mixed(windows):
@@ -101,14 +104,8 @@ def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quan
     part = lambda layers, pages: init(cfg, layers, pages, page_size, dtype,  # noqa: E731
                                       kv_quantization=kv_quantization, slots=slots)
     return {"full": part(full, num_pages), "windowed": part(num_layers - full, slots * ring)}
-  if cfg.attention_block == "mla":
-    if kv_quantization is not None:
-      raise ConfigError(f"kv_cache={kv_quantization.mode} with model.attention_block=mla is not supported: "
-                        "the latent cache is not quantized; serve it float (kv_cache: float)")
-    return kv_cache_latent.init_pages(cfg, num_layers, num_pages, page_size, dtype)
-  if kv_quantization is None:
-    return kv_cache.init_pages(cfg, num_layers, num_pages, page_size, dtype)
-  return kv_cache_quantized.init(cfg, num_layers, num_pages, page_size, slots, kv_quantization, dtype)
+  return get_block("attention", cfg.attention_block).init_cache(cfg, num_layers, num_pages, page_size, dtype,
+                                                               kv_quantization=kv_quantization, slots=slots)
 
 
 def cache_bytes(cache: dict) -> dict:

@@ -1,27 +1,17 @@
 """Training FLOPs per token of a decoder, counted MaxText's way."""
 
 from jaxpar.models.layer_pattern import layer_options
+from jaxpar.models.registry import get_block
 
 
 def attention_params(cfg) -> int:
-  if cfg.attention_block == "mla":
-    return _mla_params(cfg)
-  return cfg.embed_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
-
-
-def _mla_params(cfg) -> int:
-  """Multi-head latent attention's projections: q (through its latent), the kv latent and
-  rotary key, the per-head key/value expansion, the output."""
-  m, e, h = cfg.mla, cfg.embed_dim, cfg.num_heads
-  q = e * h * m.qk_head_dim if m.q_lora_rank is None else m.q_lora_rank * (e + h * m.qk_head_dim)
-  return q + e * m.latent_dim + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * e
+  """Matmul parameters of one layer's attention block, as the block counts them."""
+  return get_block("attention", cfg.attention_block).matmul_params(cfg)
 
 
 def _head_dims(cfg) -> tuple[int, int]:
-  """(q/k, v) entries per head: the scores' and the values' matmul widths."""
-  if cfg.attention_block == "mla":
-    return cfg.mla.qk_head_dim, cfg.mla.v_head_dim
-  return cfg.head_dim, cfg.head_dim
+  """(q/k, v) entries per head of the layer's attention block."""
+  return get_block("attention", cfg.attention_block).head_dims(cfg)
 
 
 def causal_attention_flops(cfg, seq_len: int) -> float:

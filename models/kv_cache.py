@@ -38,6 +38,7 @@ class PagedCache:
   """One layer's view of its group's stacked float cache: pages {"k", "v"} [layers,
   kv_heads, num_pages, page_size, head_dim], each row's page table [B, pages_per_seq] and
   this layer's index into the pages."""
+  stores_latent = False
   pages: dict
   page_table: jnp.ndarray
   layer: jnp.ndarray
@@ -45,15 +46,14 @@ class PagedCache:
   def at(self, layer) -> "PagedCache":
     return self.replace(layer=layer)
 
-  def update_and_attend(self, q, k, v, context, options, sinks=None):
+  def update_and_attend(self, q, k, v, context, spec, sinks=None):
     """Store k, v [B, T, kv_heads, head_dim] at context.positions, then attend q to
     everything cached up to each query's position -> (out [B, T, heads, head_dim], cache)."""
     cache = write(self, k, v, context.positions)
     # The stacked pages and the layer's index: a kernel that reads them in place (CPU decode)
     # need not copy the layer's pages out first.
     out = pallas_kernels.paged_attention(q, cache.pages["k"], cache.pages["v"], context.positions,
-                                         self.page_table, layer=self.layer, sinks=sinks,
-                                         **options.kernel_args())
+                                         self.page_table, spec, layer=self.layer, sinks=sinks)
     return out, cache
 
 

@@ -25,6 +25,7 @@ def init_pages(cfg, num_layers: int, num_pages: int, page_size: int, dtype) -> d
 class LatentPagedCache:
   """One layer's view of its group's stacked latent pages, each row's page table
   [B, pages_per_seq] and this layer's index."""
+  stores_latent = True  # its pages hold latents: the mla block attends to them in absorbed form
   pages: dict
   page_table: jnp.ndarray
   layer: jnp.ndarray
@@ -32,15 +33,15 @@ class LatentPagedCache:
   def at(self, layer) -> "LatentPagedCache":
     return self.replace(layer=layer)
 
-  def update_and_attend(self, q, k, v, context, options, sinks=None):
+  def update_and_attend(self, q, k, v, context, spec, sinks=None):
     """q [B, T, heads, latent + rope] (absorbed queries); k [B, T, 1, latent + rope] the
     new tokens' latent and rotated key; v [B, T, 1, latent] their values, which are k's
-    first entries: only k is stored; sinks [heads] or None (the door takes both)
+    first entries (spec.value_dim of them): only k is stored; sinks [heads] or None
     -> (out [B, T, heads, latent], cache)."""
     pages = kv_cache.scatter(self.pages["latent"], self.layer, self.page_table, k, context.positions)
     cache = self.replace(pages={"latent": pages})
-    out = pallas_kernels.paged_attention(q, pages, None, context.positions, self.page_table, layer=self.layer,
-                                         value_dim=v.shape[-1], sinks=sinks, **options.kernel_args())
+    out = pallas_kernels.paged_attention(q, pages, None, context.positions, self.page_table, spec,
+                                         layer=self.layer, sinks=sinks)
     return out, cache
 
 

@@ -40,6 +40,7 @@ class QuantizedPagedCache:
   """One layer's view of its group's stacked quantized cache (the layout above), each row's
   page table [B, pages_per_seq] and slot (`tail_index` [B]: its tail page), this layer's
   index, and the quantization spec (a kv_quant.KVQuantization)."""
+  stores_latent = False
   pages: dict
   page_table: jnp.ndarray
   tail_index: jnp.ndarray
@@ -49,18 +50,17 @@ class QuantizedPagedCache:
   def at(self, layer) -> "QuantizedPagedCache":
     return self.replace(layer=layer)
 
-  def update_and_attend(self, q, k, v, context, options, sinks=None):
+  def update_and_attend(self, q, k, v, context, spec, sinks=None):
     """Store k, v [B, T, kv_heads, head_dim] at context.positions (contiguous per row), then
     attend q to what a decode step reads back: only the pages the queries' window can see
     are dequantized -> (out [B, T, heads, head_dim], cache)."""
     positions = context.positions
     cache = write(self, k, v, positions)
     page_size = self.pages["tail_k"].shape[3]
-    table, start = pallas_kernels.visible_pages(self.page_table, positions, page_size, options.sliding_window)
+    table, start = pallas_kernels.visible_pages(self.page_table, positions, page_size, spec.sliding_window)
     positions = jnp.where(positions >= 0, positions - start[:, None], -1)  # relative to the visible pages
     k_pages, v_pages, table = read(cache, table, jnp.max(positions, axis=1), q.dtype)
-    out = pallas_kernels.paged_attention(q, k_pages, v_pages, positions, table, sinks=sinks,
-                                         **options.kernel_args())
+    out = pallas_kernels.paged_attention(q, k_pages, v_pages, positions, table, spec, sinks=sinks)
     return out, cache
 
 

@@ -13,7 +13,7 @@ anyway, so the decode door and the engine's page table (the global layers') are 
 Cache per layer group: {"full": the global layers' pages, "windowed": the local layers'}
 each in a plain cache kind's layout (float or quantized), the local ones with slots x
 ring_pages pages. `LocalGlobalCache` is this layout as a cache kind (models/caches.py): it
-hands each attention call to the part its layer's static options say.
+hands each attention call to the part its layer's attention spec says.
 
 Ring pages belong to one slot and are overwritten, so they are never shared: a request
 that took a cached prefix's global pages would have no local keys for it. The engine turns
@@ -50,6 +50,7 @@ class LocalGlobalCache:
   """One layer's view of a mixed group's cache: `full` and `windowed` views (plain cache
   kinds over the global and the local layers' stacks); `windows` the group's per-layer
   windows, from which each layer's index into its own stack follows."""
+  stores_latent = False
   full: object
   windowed: object
   windows: tuple = struct.field(pytree_node=False)
@@ -60,11 +61,11 @@ class LocalGlobalCache:
     index = lambda kind: jnp.asarray([sum(x == kind for x in local[:i]) for i in range(len(local))])  # noqa: E731
     return self.replace(full=self.full.at(index(False)[layer]), windowed=self.windowed.at(index(True)[layer]))
 
-  def update_and_attend(self, q, k, v, context, options, sinks=None):
-    if options.sliding_window is None:
-      out, full = self.full.update_and_attend(q, k, v, context, options, sinks)
+  def update_and_attend(self, q, k, v, context, spec, sinks=None):
+    if spec.sliding_window is None:
+      out, full = self.full.update_and_attend(q, k, v, context, spec, sinks)
       return out, self.replace(full=full)
-    out, windowed = self.windowed.update_and_attend(q, k, v, context, options, sinks)
+    out, windowed = self.windowed.update_and_attend(q, k, v, context, spec, sinks)
     return out, self.replace(windowed=windowed)
 
   @property

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.errors import ConfigError, UserError
+from jaxpar.pallas_kernels.attention import reference
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec
 from jaxpar.pallas_kernels.matmul import packing
 from jaxpar.pallas_kernels.matmul.quantize import quantize_int
 
@@ -102,15 +104,15 @@ def _from_pages(x):
   return jnp.moveaxis(x, 1, 3).reshape(b, p * s, h, d)
 
 
-def cached_attention(q, k, v, spec: KVQuantization, segment_ids=None, *, sliding_window=None,
-                     logit_soft_cap=None, scale=None, sinks=None):
+def cached_attention(q, k, v, spec: KVQuantization, attention: AttentionSpec = AttentionSpec(), segment_ids=None, *, sinks=None):
   """Causal attention as a decode step reads a quantized paged cache, for every query of a
   full forward at once: query t sees the keys/values of sealed pages (for t) dequantized
   and the rest in float, exactly the cache's content when token t is decoded.
 
   q [B, L, Hq, D]; k, v [B, L, Hkv, D] with L a multiple of page_size -> [B, L, Hq, D].
   Sequences are unpacked (a token's position is its index), as a cache holds them.
-  sliding_window, logit_soft_cap, scale, sinks: as `pallas_kernels.attention` takes them.
+  attention (the layer's AttentionSpec: mask, soft cap, scale) and sinks: as
+  `pallas_kernels.attention` takes them.
   """
   b, l, hq, d = q.shape
   hkv = k.shape[2]
@@ -123,15 +125,14 @@ def cached_attention(q, k, v, spec: KVQuantization, segment_ids=None, *, sliding
                                              spec), spec, k.dtype)
   k_q, v_q = _from_pages(k_q), _from_pages(v_q)
   group = hq // hkv
-  qg = q.reshape(b, l, hkv, group, d).astype(jnp.float32) * (d ** -0.5 if scale is None else scale)
-  cap = (lambda x: x) if logit_soft_cap is None else (lambda x: logit_soft_cap * jnp.tanh(x / logit_soft_cap))
+  qg = q.reshape(b, l, hkv, group, d).astype(jnp.float32) * attention.scale_for(d)
+  cap = attention.logit_soft_cap
+  cap = (lambda x: x) if cap is None else (lambda x, cap=cap: cap * jnp.tanh(x / cap))
   scores = lambda keys: cap(jnp.einsum("bqhgd,bkhd->bhgqk", qg, keys.astype(jnp.float32)))
   pos = jnp.arange(l)
   use_q = sealed(pos[:, None], pos[None, :], spec)
   logits = jnp.where(use_q, scores(k_q), scores(k))
-  visible = pos[None, :] <= pos[:, None]
-  if sliding_window is not None:
-    visible &= pos[:, None] - pos[None, :] < sliding_window
+  visible = (pos[None, :] <= pos[:, None]) & reference.visible(attention.mask, pos[:, None], pos[None, :])
   logits = jnp.where(visible, logits, -1e30)
   if sinks is not None:  # one more column per row, of value zero: dropped after the softmax
     column = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, group, 1, 1), logits.shape[:-1] + (1,))

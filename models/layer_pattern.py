@@ -1,8 +1,9 @@
-"""What each layer of a stack is told at trace time: its attention options and its RoPE.
+"""What each layer of a stack is told at trace time: its attention spec and its RoPE.
 
 `model.layer_pattern` (config.LayerKind entries, cycled by absolute layer index) overrides
 the model section's `sliding_window`, `attn_logit_soft_cap`, `rope_theta`, `rope_scaling`
-per layer; the result is a static `LayerOptions` per layer. Options never change a layer's
+per layer; the result is a static `LayerOptions` per layer, its attention a
+`pallas_kernels.AttentionSpec` built once per layer kind. Options never change a layer's
 parameters, so a group of layers stays one stack ([layers, ...] arrays) and the scan runs
 over units of one period of the pattern, each layer of a unit with its own static options
 (`unit_options`): a kernel sees a Python window, not a traced one.
@@ -11,25 +12,11 @@ over units of one period of the pattern, each layer of a unit with its own stati
 import dataclasses
 
 from jaxpar.models.config import ModelConfig, RopeScaling
+from jaxpar.pallas_kernels import AttentionSpec
 from jaxpar.models.rope import attention_factor, rope_frequencies
 
 # The model-section fields a pattern entry may override, by the entry's key.
 _OVERRIDABLE = ("sliding_window", "attn_logit_soft_cap", "rope_theta", "rope_scaling")
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionOptions:
-  """The static choices of one layer's attention call, as every KV-cache kind takes them
-  (models/caches.py). scale None: head_dim ** -0.5. implementation: `model.attention`."""
-  sliding_window: int | None = None
-  logit_soft_cap: float | None = None
-  scale: float | None = None
-  implementation: str = "auto"
-
-  def kernel_args(self) -> dict:
-    """Keyword arguments of the `pallas_kernels` attention doors."""
-    return dict(sliding_window=self.sliding_window, logit_soft_cap=self.logit_soft_cap, scale=self.scale,
-                implementation=self.implementation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +34,7 @@ class Rope:
 @dataclasses.dataclass(frozen=True)
 class LayerOptions:
   """One layer's static options. rope None: no rotary embedding (a pattern's `rope: false`)."""
-  attention: AttentionOptions
+  attention: AttentionSpec
   rope: Rope | None
 
 
@@ -60,7 +47,7 @@ def layer_options(cfg: ModelConfig, index: int) -> LayerOptions:
     values.update({key: getattr(entry, key) for key in _OVERRIDABLE if key in entry.model_fields_set})
     use_rope = entry.rope
   scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
-  attention = AttentionOptions(sliding_window=values["sliding_window"], logit_soft_cap=values["attn_logit_soft_cap"],
+  attention = AttentionSpec.of(sliding_window=values["sliding_window"], logit_soft_cap=values["attn_logit_soft_cap"],
                                scale=scale, implementation=cfg.attention)
   return LayerOptions(attention, Rope(values["rope_theta"], values["rope_scaling"]) if use_rope else None)
 

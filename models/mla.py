@@ -12,8 +12,6 @@ hold only those (models/kv_cache_latent.py). The block has two forms of one func
   of latent + rope entries whose first kv_lora_rank entries are also the values.
 """
 
-import dataclasses
-
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -22,7 +20,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.mesh import constrain
 from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
-from jaxpar.models.kv_cache_latent import LatentPagedCache
+from jaxpar.models import kv_cache_latent
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.registry import register_block
 from jaxpar.models.rope import apply_rope, softmax_mscale
@@ -83,29 +81,51 @@ class MLAttention(nnx.Module):
     q_rope, k_rope = self.embed_positions(q_rope, k_rope[:, :, None, :], context.positions, options.rope)
     # Scores are over q/k's head dim whatever form they are computed in (times YaRN's mscale).
     mscale = softmax_mscale(options.rope and options.rope.scaling)
-    options = dataclasses.replace(options.attention, scale=(options.attention.scale or m.qk_head_dim ** -0.5) * mscale)
+    spec = options.attention.replace(scale=(options.attention.scale or m.qk_head_dim ** -0.5) * mscale)
     w_uk, w_uv = jnp.split(self.kv_b[...].astype(dt), [m.qk_nope_head_dim], -1)
-    if isinstance(cache, LatentPagedCache):
-      out, cache = self._absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, context, cache, options)
+    if cache.stores_latent:
+      out, cache = self._absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, context, cache, spec)
     else:
       k_nope, v = jnp.split(dense(latent, self.kv_b, dtype=dt), [m.qk_nope_head_dim], -1)
       k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], m.qk_rope_head_dim))], -1)
       q = constrain(jnp.concatenate([q_nope, q_rope], -1), ("batch", "length", "act_heads", "head_dim"))
       k = constrain(k, ("batch", "length", "act_heads", "head_dim"))
       v = constrain(v, ("batch", "length", "act_heads", "head_dim"))
-      out, cache = cache.update_and_attend(q, k, v, context, options)
+      out, cache = cache.update_and_attend(q, k, v, context, spec)
     out = checkpoint_name(out, "attention_out")
     return checkpoint_name(dense(out, self.o, contract=2, dtype=dt), "out_proj"), cache
 
-  def _absorbed(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, context, cache, options):
+  def _absorbed(self, q_nope, q_rope, latent, k_rope, w_uk, w_uv, context, cache, spec):
     """Attention over the latent cache: queries [B, T, heads, kv_lora + rope] against one
     key per token (latent + rotated part) whose latent is also the value; the value
     expansion W_uv comes after."""
     q_latent = jnp.einsum("bthn,chn->bthc", q_nope, w_uk)
     q = constrain(jnp.concatenate([q_latent, q_rope], -1), ("batch", "length", "act_heads", "head_dim"))
     key = jnp.concatenate([latent, k_rope[:, :, 0]], -1)[:, :, None, :]
-    out, cache = cache.update_and_attend(q, key, latent[:, :, None, :], context, options)
+    spec = spec.replace(value_dim=latent.shape[-1])  # the keys' first entries are the values
+    out, cache = cache.update_and_attend(q, key, latent[:, :, None, :], context, spec)
     return jnp.einsum("bthc,chv->bthv", out, w_uv), cache
+
+  @staticmethod
+  def matmul_params(cfg) -> int:
+    """Its projections: q (through its latent), the kv latent and rotary key, the per-head
+    key/value expansion, the output."""
+    m, e, h = cfg.mla, cfg.embed_dim, cfg.num_heads
+    q = e * h * m.qk_head_dim if m.q_lora_rank is None else m.q_lora_rank * (e + h * m.qk_head_dim)
+    return q + e * m.latent_dim + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * e
+
+  @staticmethod
+  def head_dims(cfg) -> tuple[int, int]:
+    return cfg.mla.qk_head_dim, cfg.mla.v_head_dim
+
+  @staticmethod
+  def init_cache(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quantization=None,
+                 slots: int = 1) -> dict:
+    """The latent cache (models/kv_cache_latent.py), float."""
+    if kv_quantization is not None:
+      raise ConfigError(f"kv_cache={kv_quantization.mode} with model.attention_block=mla is not supported: "
+                        "the latent cache is not quantized; serve it float (kv_cache: float)")
+    return kv_cache_latent.init_pages(cfg, num_layers, num_pages, page_size, dtype)
 
   def embed_positions(self, q, k, positions, rope):
     """Rotate the rotary parts q [B, L, H, rope], k [B, L, 1, rope] (rope None: a NoPE layer)."""

@@ -3,7 +3,8 @@
 Models call these entry points only; they pick the kernel for the backend and shape and
 run it per device through the logical `shard_map` helper of `jaxpar.mesh`:
 
-- attention: `attention(...)` (training / prefill; context-parallel when the mesh splits
+- attention: every door takes an `AttentionSpec` (the mask object, soft cap, scale, latent
+  values, implementation, tiles); `attention(...)` (training / prefill; context-parallel when the mesh splits
   the sequence), `decode_attention(...)` (one new token against a KV cache),
   `paged_attention(...)` (new tokens against a paged cache; `visible_pages` narrows a page
   table to a sliding window); `zigzag` / `unzigzag` put a sequence in (out of) the
@@ -13,12 +14,13 @@ run it per device through the logical `shard_map` helper of `jaxpar.mesh`:
 """
 
 from jaxpar.pallas_kernels.attention.block_sizes import BlockSizes, default_block_sizes
-from jaxpar.pallas_kernels.attention.dispatch import (IMPLEMENTATIONS, attention, choose_implementation,
-                                                      decode_attention, paged_attention)
+from jaxpar.pallas_kernels.attention.dispatch import (attention, choose_implementation, decode_attention,
+                                                      paged_attention)
 from jaxpar.pallas_kernels.attention.decode_common import visible_pages
 from jaxpar.pallas_kernels.attention.layout import unzigzag, zigzag
 from jaxpar.pallas_kernels.attention.reference import (attention_reference, decode_attention_reference,
                                                        paged_attention_reference)
+from jaxpar.pallas_kernels.attention.spec import IMPLEMENTATIONS, AttentionSpec, CausalMask, FullMask, LocalMask
 
 from jaxpar.pallas_kernels.matmul.block_sizes import MatmulBlocks
 from jaxpar.pallas_kernels.matmul.dispatch import quantized_matmul
@@ -26,7 +28,7 @@ from jaxpar.pallas_kernels.matmul.format import QuantizedWeight
 from jaxpar.pallas_kernels.matmul.quantize import dequantize_weight, quantize_weight
 
 __all__ = ["MatmulBlocks", "QuantizedWeight", "dequantize_weight", "quantize_weight", "quantized_matmul",
-           "IMPLEMENTATIONS", "BlockSizes", "attention", "attention_reference",
+           "IMPLEMENTATIONS", "AttentionSpec", "BlockSizes", "CausalMask", "FullMask", "LocalMask", "attention", "attention_reference",
            "choose_implementation", "decode_attention", "decode_attention_reference",
            "default_block_sizes", "paged_attention", "paged_attention_reference", "unzigzag",
            "visible_pages", "zigzag"]

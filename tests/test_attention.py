@@ -8,13 +8,12 @@ mantissa, eps 2^-8 = 0.4%) before each matmul, as FlashAttention does -> 2e-2, a
 a float32 reference on the same bf16 inputs.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxpar.pallas_kernels import BlockSizes, attention_reference
+from jaxpar.pallas_kernels import AttentionSpec, BlockSizes, attention_reference
 from jaxpar.pallas_kernels.attention.chunked import chunked_attention
 from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
 from jaxpar.pallas_kernels.attention.flash_tpu import flash_attention_tpu
@@ -36,12 +35,16 @@ def make_inputs(batch=1, q_len=384, kv_len=None, num_heads=2, num_kv_heads=2, he
   return q, k, v, do, seg
 
 
-def assert_matches_reference(fn, q, k, v, do, seg, **options):
-  """fn's output and (dq, dk, dv) match the float32 reference on the same inputs."""
-  out, vjp = jax.vjp(jax.jit(lambda q, k, v: fn(q, k, v, segment_ids=seg, **options)), q, k, v)
+def assert_matches_reference(kernel, q, k, v, do, seg, tiles=None, **options):
+  """The kernel's output and (dq, dk, dv) match the float32 reference on the same inputs.
+  options: AttentionSpec.of's (causal, sliding_window, logit_soft_cap, scale...); the kernel
+  runs them on `tiles` in interpret mode."""
+  spec = AttentionSpec.of(**options)
+  run = spec.replace(block_sizes=tiles, interpret=True)
+  out, vjp = jax.vjp(jax.jit(lambda q, k, v: kernel(q, k, v, run, segment_ids=seg)), q, k, v)
   got = (out, *vjp(do))
   up = lambda x: x.astype(jnp.float32)
-  ref_fn = lambda q, k, v: attention_reference(q, k, v, segment_ids=seg, **options)
+  ref_fn = lambda q, k, v: attention_reference(q, k, v, spec, segment_ids=seg)
   ref_out, ref_vjp = jax.vjp(ref_fn, up(q), up(k), up(v))
   want = (ref_out, *ref_vjp(up(do)))
   tol = TOLERANCE[q.dtype.type]
@@ -71,17 +74,15 @@ TILES = BlockSizes(128, 128)
 
 @pytest.mark.parametrize("name,inputs,options", CASES, ids=[c[0] for c in CASES])
 def test_tpu_kernel_interpret(name, inputs, options):
-  fn = functools.partial(flash_attention_tpu, block_sizes=TILES, interpret=True)
-  assert_matches_reference(fn, *make_inputs(**inputs), **options)
+  assert_matches_reference(flash_attention_tpu, *make_inputs(**inputs), tiles=TILES, **options)
 
 
 @pytest.mark.slow
 def test_tpu_kernel_interpret_2048_everything():
-  fn = functools.partial(flash_attention_tpu, block_sizes=BlockSizes(256, 512, 256, 256),
-                         interpret=True)
   inputs = make_inputs(q_len=2048, num_heads=4, num_kv_heads=1, head_dim=128,
                        dtype=jnp.bfloat16, segments=True)
-  assert_matches_reference(fn, *inputs, causal=True, sliding_window=700, logit_soft_cap=30.0)
+  assert_matches_reference(flash_attention_tpu, *inputs, tiles=BlockSizes(256, 512, 256, 256), causal=True,
+                           sliding_window=700, logit_soft_cap=30.0)
 
 
 GPU_CASES = [CASES[i] for i in (2, 3, 4, 6)]
@@ -89,27 +90,24 @@ GPU_CASES = [CASES[i] for i in (2, 3, 4, 6)]
 
 @pytest.mark.parametrize("name,inputs,options", GPU_CASES, ids=[c[0] for c in GPU_CASES])
 def test_gpu_kernel_interpret(name, inputs, options):
-  fn = functools.partial(flash_attention_gpu, block_sizes=BlockSizes(64, 64, 32, 64),
-                         interpret=True)
-  assert_matches_reference(fn, *make_inputs(**inputs), **options)
+  assert_matches_reference(flash_attention_gpu, *make_inputs(**inputs), tiles=BlockSizes(64, 64, 32, 64),
+                           **options)
 
 
 @pytest.mark.parametrize("name,inputs,options", CASES, ids=[c[0] for c in CASES])
 def test_chunked(name, inputs, options):
-  fn = functools.partial(chunked_attention, block_sizes=TILES)
-  assert_matches_reference(fn, *make_inputs(**inputs), **options)
+  assert_matches_reference(chunked_attention, *make_inputs(**inputs), tiles=TILES, **options)
 
 
 def test_chunked_any_head_dim():
-  fn = functools.partial(chunked_attention, block_sizes=TILES)
-  assert_matches_reference(fn, *make_inputs(q_len=300, head_dim=16), causal=True)
+  assert_matches_reference(chunked_attention, *make_inputs(q_len=300, head_dim=16), tiles=TILES, causal=True)
 
 
 def test_chunked_32k_trains_without_quadratic_buffer():
   """Compiled memory of the gradient at 32k tokens: far below one [L, L] f32 buffer."""
   length, shape = 32768, (1, 32768, 2, 64)
   spec = jax.ShapeDtypeStruct(shape, jnp.float32)
-  loss = lambda q, k, v: jnp.sum(chunked_attention(q, k, v, causal=True))
+  loss = lambda q, k, v: jnp.sum(chunked_attention(q, k, v, AttentionSpec.of(causal=True)))
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
   assert temp < length * length * 4 / 16, f"{temp / 2**20:.0f} MiB of temporaries"

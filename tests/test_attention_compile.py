@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxpar import pallas_kernels
+from jaxpar.pallas_kernels import AttentionSpec
 from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gpu
 from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
 
@@ -23,8 +24,10 @@ def _topology_mesh(name):
 
 
 def _train_grads(seg, **options):
+  spec = AttentionSpec.of(implementation="flash", **options)
+
   def loss(q, k, v):
-    out = pallas_kernels.attention(q, k, v, segment_ids=seg, implementation="flash", **options)
+    out = pallas_kernels.attention(q, k, v, spec, segment_ids=seg)
     return jnp.sum(out.astype(jnp.float32))
   return jax.grad(loss, argnums=(0, 1, 2))
 
@@ -71,8 +74,8 @@ def test_gpu_flash_lowers_for_cuda(head_dim):
   seg = jax.ShapeDtypeStruct((2, 384), jnp.int32)
 
   def train(q, k, v, seg):
-    run = lambda q, k, v: flash_attention_gpu(q, k, v, segment_ids=seg, sliding_window=100,
-                                              logit_soft_cap=30.0)
+    spec = AttentionSpec.of(sliding_window=100, logit_soft_cap=30.0)
+    run = lambda q, k, v: flash_attention_gpu(q, k, v, spec, segment_ids=seg)
     out, vjp = jax.vjp(run, q, k, v)
     return out, vjp(out)
 
@@ -83,7 +86,7 @@ def test_gpu_decode_lowers_for_cuda():
   pages = jax.ShapeDtypeStruct((4, 40, 16, 128), jnp.bfloat16)
   args = (jax.ShapeDtypeStruct((4, 16, 128), jnp.bfloat16), pages, pages,
           jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4, 8), jnp.int32))
-  assert _export_cuda(lambda *a: paged_decode_attention_gpu(*a, sliding_window=64), *args) == 1
+  assert _export_cuda(lambda *a: paged_decode_attention_gpu(*a, AttentionSpec.of(sliding_window=64)), *args) == 1
   stacked = jax.ShapeDtypeStruct((6, 4, 40, 16, 128), jnp.bfloat16)  # 6 layers: one read by index
   layer_args = (args[0], stacked, stacked, *args[3:], jax.ShapeDtypeStruct((), jnp.int32))
   assert _export_cuda(lambda q, k, v, n, t, i: paged_decode_attention_gpu(q, k, v, n, t, layer=i),
@@ -118,8 +121,8 @@ def test_tpu_windowed_paged_decode_compiles_on_the_window_pages():
   batch = mesh.shape["data"]
   pages = sds((2, 64, 128, 128), jnp.bfloat16, P("tensor"))
   with jax.set_mesh(mesh):
-    decode = jax.jit(lambda q, k, v, n, t: pallas_kernels.decode_attention(q, k, v, n, page_table=t,
-                                                                           sliding_window=256))
+    window = AttentionSpec.of(sliding_window=256)
+    decode = jax.jit(lambda q, k, v, n, t: pallas_kernels.decode_attention(q, k, v, n, window, page_table=t))
     compiled = decode.lower(sds((batch, 8, 128), jnp.bfloat16, P("data", "tensor")), pages, pages,
                             sds((batch,), jnp.int32, P("data")),
                             sds((batch, 16), jnp.int32, P("data"))).compile()

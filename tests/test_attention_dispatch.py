@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxpar import pallas_kernels
+from jaxpar.pallas_kernels import AttentionSpec
 from tests.test_attention import make_inputs
 
 AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
@@ -30,7 +31,7 @@ def test_sharded_dispatch_matches_reference(implementation):
 
   def loss(impl):
     f = lambda q, k, v: jnp.sum(jnp.sin(pallas_kernels.attention(
-        q, k, v, segment_ids=seg, implementation=impl)))
+        q, k, v, AttentionSpec(implementation=impl), segment_ids=seg)))
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
 
   with jax.set_mesh(mesh):
@@ -44,7 +45,8 @@ def test_sharded_dispatch_matches_reference(implementation):
 
 def test_bad_arguments_name_the_argument():
   q, k, v, _, seg = make_inputs(q_len=128, num_heads=4, num_kv_heads=2)
-  flash = lambda q, k, v, **kw: pallas_kernels.attention(q, k, v, implementation="flash", **kw)
+  flash = lambda q, k, v, block_sizes=None, **kw: pallas_kernels.attention(  # noqa: E731
+      q, k, v, AttentionSpec(implementation="flash", block_sizes=block_sizes), **kw)
   with pytest.raises(ValueError, match="head_dim=48"):
     flash(q[..., :48], k[..., :48], v[..., :48])
   with pytest.raises(ValueError, match=r"q heads \(3\).*k/v heads \(2\)"):
@@ -54,7 +56,7 @@ def test_bad_arguments_name_the_argument():
   with pytest.raises(ValueError, match="segment_ids"):
     flash(q, k, v, segment_ids=jnp.zeros((1, 64), jnp.int32))
   with pytest.raises(ValueError, match="implementation='fast'"):
-    pallas_kernels.attention(q, k, v, implementation="fast")
+    pallas_kernels.attention(q, k, v, AttentionSpec(implementation="fast"))
 
 
 def _train_losses(attention, steps=2):

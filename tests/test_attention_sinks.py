@@ -3,7 +3,6 @@ a zero value) through the reference, every kernel (flash TPU and GPU in interpre
 chunked, paged decode TPU and GPU), ring and all-gather context parallelism, forward and
 backward (the sinks' own gradient included); they compile for TPU and lower for CUDA."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import pallas_kernels
 from jaxpar.errors import UserError
-from jaxpar.pallas_kernels import BlockSizes, attention_reference
+from jaxpar.pallas_kernels import AttentionSpec, BlockSizes, attention_reference
 from jaxpar.pallas_kernels.attention.chunked import chunked_attention
 from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gpu
 from jaxpar.pallas_kernels.attention.decode_tpu import paged_decode_attention_tpu
@@ -59,24 +58,25 @@ def test_reference_sink_is_one_more_key_with_zero_value():
                              attention_reference(q, k, v), rtol=1e-6)
 
 
-KERNELS = {
-    "tpu": functools.partial(flash_attention_tpu, block_sizes=BlockSizes(128, 128), interpret=True),
-    "gpu": functools.partial(flash_attention_gpu, block_sizes=BlockSizes(64, 64), interpret=True),
-    "chunked": functools.partial(chunked_attention, block_sizes=BlockSizes(64, 64)),
+KERNELS = {  # kernel, tiles (run in interpret mode)
+    "tpu": (flash_attention_tpu, BlockSizes(128, 128)),
+    "gpu": (flash_attention_gpu, BlockSizes(64, 64)),
+    "chunked": (chunked_attention, BlockSizes(64, 64)),
 }
-OPTIONS = [dict(causal=True), dict(causal=True, sliding_window=50, logit_soft_cap=20.0)]
+OPTIONS = [AttentionSpec.of(causal=True), AttentionSpec.of(causal=True, sliding_window=50, logit_soft_cap=20.0)]
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=["causal", "window_softcap"])
+@pytest.mark.parametrize("spec", OPTIONS, ids=["causal", "window_softcap"])
 @pytest.mark.parametrize("kernel", KERNELS, ids=list(KERNELS))
-def test_kernels_with_sinks_match_reference(kernel, options):
+def test_kernels_with_sinks_match_reference(kernel, spec):
   """200 tokens (not a tile multiple), GQA 2, forward and all four gradients."""
   q, k, v, sinks = _inputs()
-  run = lambda q, k, v, s: KERNELS[kernel](q, k, v, sinks=s, **options)
+  kernel, tiles = KERNELS[kernel]
+  run = lambda q, k, v, s: kernel(q, k, v, spec.replace(block_sizes=tiles, interpret=True), sinks=s)
   got = jax.jit(lambda *a: _loss_and_grads(run, *a))(q, k, v, sinks)
-  want = _loss_and_grads(lambda q, k, v, s: attention_reference(q, k, v, sinks=s, **options), q, k, v, sinks)
+  want = _loss_and_grads(lambda q, k, v, s: attention_reference(q, k, v, spec, sinks=s), q, k, v, sinks)
   _assert_close(got, want)
-  without = _loss_and_grads(lambda q, k, v, s: attention_reference(q, k, v, **options), q, k, v, sinks)
+  without = _loss_and_grads(lambda q, k, v, s: attention_reference(q, k, v, spec), q, k, v, sinks)
   assert abs(float(without[0] - want[0])) > 1e-2 * abs(float(want[0])), "the sinks change the output"
 
 
@@ -84,9 +84,9 @@ def test_kernels_with_sinks_match_reference(kernel, options):
 def test_paged_decode_kernels_with_sinks(kernel):
   q, k, v, lengths, table = paged_inputs(num_heads=8)
   sinks = jnp.linspace(-2.0, 3.0, 8)
-  for options in (dict(), dict(sliding_window=20, logit_soft_cap=5.0)):
-    got = kernel(q, k, v, lengths, table, sinks=sinks, interpret=True, **options)
-    want = decode_attention_reference(q, k, v, lengths, page_table=table, sinks=sinks, **options)
+  for spec in (AttentionSpec(), AttentionSpec.of(sliding_window=20, logit_soft_cap=5.0)):
+    got = kernel(q, k, v, lengths, table, spec.replace(interpret=True), sinks=sinks)
+    want = decode_attention_reference(q, k, v, lengths, spec, page_table=table, sinks=sinks)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   # A decode step is the last row of the training attention over the same keys.
   n = int(lengths[0])
@@ -104,15 +104,16 @@ def test_context_parallel_with_sinks(strategy, zigzag):
   order = (lambda x: pallas_kernels.zigzag(x, 4)) if zigzag else (lambda x: x)
   back = (lambda x: pallas_kernels.unzigzag(x, 4)) if zigzag else (lambda x: x)
 
+  window = AttentionSpec.of(sliding_window=40)
+  tiled = window.replace(implementation="chunked", block_sizes=BlockSizes(8, 8))
+
   def split(q, k, v, s):
-    return back(pallas_kernels.attention(order(q), order(k), order(v), sinks=s, sliding_window=40,
-                                         implementation="chunked", block_sizes=BlockSizes(8, 8),
+    return back(pallas_kernels.attention(order(q), order(k), order(v), tiled, sinks=s,
                                          context_parallel=strategy, zigzag=zigzag))
 
   with jax.set_mesh(mesh):
     got = jax.jit(lambda *a: _loss_and_grads(split, *a))(q, k, v, sinks)
-  want = _loss_and_grads(lambda q, k, v, s: attention_reference(q, k, v, sinks=s, sliding_window=40),
-                         q, k, v, sinks)
+  want = _loss_and_grads(lambda q, k, v, s: attention_reference(q, k, v, window, sinks=s), q, k, v, sinks)
   _assert_close(got, want)
 
 
@@ -121,8 +122,8 @@ def test_flash_door_on_a_mesh_with_sinks():
   sum over its rows, summed across the batch devices."""
   mesh = jax.make_mesh((2, 1, 1, 1, 1, 2), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 6)
   q, k, v, sinks = _inputs(length=128)
-  run = lambda q, k, v, s: pallas_kernels.attention(q, k, v, sinks=s, implementation="flash",
-                                                    block_sizes=BlockSizes(128, 128))
+  spec = AttentionSpec(implementation="flash", block_sizes=BlockSizes(128, 128))
+  run = lambda q, k, v, s: pallas_kernels.attention(q, k, v, spec, sinks=s)
   with jax.set_mesh(mesh):
     got = jax.jit(lambda *a: _loss_and_grads(run, *a))(q, k, v, sinks)
   _assert_close(got, _loss_and_grads(lambda q, k, v, s: attention_reference(q, k, v, sinks=s), q, k, v, sinks))
@@ -131,7 +132,7 @@ def test_flash_door_on_a_mesh_with_sinks():
 def test_sinks_of_the_wrong_shape_are_a_one_line_error():
   q, k, v, _ = _inputs(length=8)
   with pytest.raises(UserError, match=r"sinks must be \[q heads\] = \(4,\)"):
-    pallas_kernels.attention(q, k, v, sinks=jnp.zeros((2,)), implementation="reference")
+    pallas_kernels.attention(q, k, v, AttentionSpec(implementation="reference"), sinks=jnp.zeros((2,)))
 
 
 @pytest.mark.tpu
@@ -144,8 +145,8 @@ def test_tpu_kernels_with_sinks_compile():
   sinks = sds((8,), jnp.float32, P("tensor"))
 
   def train(q, k, v, s):
-    loss = lambda *a: jnp.sum(pallas_kernels.attention(*a[:3], sinks=a[3], sliding_window=128,
-                                                       implementation="flash").astype(jnp.float32))
+    spec = AttentionSpec.of(sliding_window=128, implementation="flash")
+    loss = lambda *a: jnp.sum(pallas_kernels.attention(*a[:3], spec, sinks=a[3]).astype(jnp.float32))
     return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, s)
 
   with jax.set_mesh(mesh):
@@ -164,7 +165,7 @@ def test_gpu_kernels_with_sinks_lower_for_cuda():
   sinks = jax.ShapeDtypeStruct((8,), jnp.float32)
 
   def train(q, k, v, s):
-    out, vjp = jax.vjp(lambda *a: flash_attention_gpu(*a[:3], sinks=a[3], sliding_window=100), q, k, v, s)
+    out, vjp = jax.vjp(lambda *a: flash_attention_gpu(*a[:3], AttentionSpec.of(sliding_window=100), sinks=a[3]), q, k, v, s)
     return out, vjp(out)
 
   assert _export_cuda(train, q, kv, kv, sinks) == 3  # forward, dK/dV and dQ kernels

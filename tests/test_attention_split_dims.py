@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpar import pallas_kernels
-from jaxpar.pallas_kernels import BlockSizes
+from jaxpar.pallas_kernels import AttentionSpec, BlockSizes
 from jaxpar.pallas_kernels.attention.chunked import chunked_attention
 from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gpu
 from jaxpar.pallas_kernels.attention.decode_tpu import paged_decode_attention_tpu
@@ -33,10 +33,10 @@ def split_inputs(q_len=200, heads=4, kv_heads=4, head_dim=192, value_dim=128, dt
   return q, k, v, do, None
 
 
-KERNELS = {
-  "tpu": functools.partial(flash_attention_tpu, block_sizes=BlockSizes(128, 128), interpret=True),
-  "gpu": functools.partial(flash_attention_gpu, block_sizes=BlockSizes(64, 64, 32, 64), interpret=True),
-  "chunked": functools.partial(chunked_attention, block_sizes=BlockSizes(128, 128)),
+KERNELS = {  # kernel, tiles
+  "tpu": (flash_attention_tpu, BlockSizes(128, 128)),
+  "gpu": (flash_attention_gpu, BlockSizes(64, 64, 32, 64)),
+  "chunked": (chunked_attention, BlockSizes(128, 128)),
 }
 
 
@@ -44,12 +44,14 @@ KERNELS = {
 def test_split_head_dims_match_reference(kernel):
   """MLA's shape (192 / 128, every head its own key) with a scale that is not 1/sqrt(D),
   as YaRN's mscale makes it."""
-  assert_matches_reference(KERNELS[kernel], *split_inputs(), causal=True, scale=0.09)
+  kernel, tiles = KERNELS[kernel]
+  assert_matches_reference(kernel, *split_inputs(), tiles=tiles, causal=True, scale=0.09)
 
 
 def test_split_head_dims_gqa_window():
   """Values wider than q/k (64 / 128), two query heads per kv head, a window across tiles."""
-  assert_matches_reference(KERNELS["tpu"], *split_inputs(q_len=160, heads=4, kv_heads=2, head_dim=64),
+  kernel, tiles = KERNELS["tpu"]
+  assert_matches_reference(kernel, *split_inputs(q_len=160, heads=4, kv_heads=2, head_dim=64), tiles=tiles,
                            causal=True, sliding_window=90)
 
 
@@ -67,18 +69,21 @@ def test_latent_decode_kernels_match_reference(kernel):
   """Values read as the first 128 entries of each 192-entry latent key; also as their own
   pages of another head dim."""
   q, pages, lengths, table = latent_inputs()
-  want = decode_attention_reference(q, pages, None, lengths, page_table=table, value_dim=128, scale=0.07)
-  got = kernel(q, pages, None, lengths, table, value_dim=128, scale=0.07, interpret=True)
+  latent = AttentionSpec(value_dim=128, scale=0.07)
+  want = decode_attention_reference(q, pages, None, lengths, latent, page_table=table)
+  got = kernel(q, pages, None, lengths, table, latent.replace(interpret=True))
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   assert got.shape == (3, 8, 128) and not np.any(got[1])
   v_pages = pages[..., :128] * 2.0
-  want = decode_attention_reference(q, pages, v_pages, lengths, page_table=table, sliding_window=30)
-  got = kernel(q, pages, v_pages, lengths, table, sliding_window=30, interpret=True)
+  window = AttentionSpec.of(sliding_window=30)
+  want = decode_attention_reference(q, pages, v_pages, lengths, window, page_table=table)
+  got = kernel(q, pages, v_pages, lengths, table, window.replace(interpret=True))
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   # Attention sinks (GPT-OSS) meet the latent cache: each query head's sink joins its row.
   sinks = jnp.linspace(-1.0, 3.0, 8)
-  want = decode_attention_reference(q, pages, None, lengths, page_table=table, value_dim=128, sinks=sinks)
-  got = kernel(q, pages, None, lengths, table, value_dim=128, sinks=sinks, interpret=True)
+  latent = AttentionSpec(value_dim=128)
+  want = decode_attention_reference(q, pages, None, lengths, latent, page_table=table, sinks=sinks)
+  got = kernel(q, pages, None, lengths, table, latent.replace(interpret=True), sinks=sinks)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -92,14 +97,15 @@ def test_latent_decode_through_the_door_on_a_tensor_mesh():
   # inside shard_map (compiled for TPU it can: test_split_dims_compile_for_tpu).
   mesh = jax.make_mesh((1, 8), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   sinks = jnp.linspace(-1.0, 3.0, 8)  # a different sink per head: a misplaced one shows
-  run = functools.partial(pallas_kernels.decode_attention, page_table=table, value_dim=128, sinks=sinks)
-  want = run(q, pages, None, lengths, implementation="reference")
+  latent = AttentionSpec(value_dim=128)
+  run = functools.partial(pallas_kernels.decode_attention, page_table=table, sinks=sinks)
+  want = run(q, pages, None, lengths, latent.replace(implementation="reference"))
   with jax.set_mesh(mesh):  # the default rules: batch over data, heads over tensor
-    got = jax.jit(lambda *a: run(*a, implementation="flash"))(q, pages, None, lengths)
+    got = jax.jit(lambda *a: run(*a, latent.replace(implementation="flash")))(q, pages, None, lengths)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   positions = lengths[:, None] - 3 + jnp.arange(3)
   chunk = pallas_kernels.paged_attention(jnp.repeat(q[:, None], 3, axis=1), pages, None, positions, table,
-                                         value_dim=128, sinks=sinks)
+                                         latent, sinks=sinks)
   np.testing.assert_allclose(chunk[:, -1], want, atol=1e-5, rtol=1e-5)
 
 
@@ -118,8 +124,8 @@ def test_split_dims_compile_for_tpu():
     train = lambda q, k, v: _train_grads(None)(q, k, v)
     assert jax.jit(train).lower(q, k, v).compile().as_text().count("tpu_custom_call") >= 3
     pages = sds((1, 64, 128, 576), jnp.bfloat16, P())
-    decode = jax.jit(lambda q, k, n, t, s: pallas_kernels.decode_attention(q, k, None, n, page_table=t,
-                                                                           value_dim=512, sinks=s))
+    decode = jax.jit(lambda q, k, n, t, s: pallas_kernels.decode_attention(q, k, None, n, AttentionSpec(value_dim=512),
+                                                                           page_table=t, sinks=s))
     compiled = decode.lower(sds((batch, 16, 576), jnp.bfloat16, P("data", "tensor")), pages,
                             sds((batch,), jnp.int32, P("data")), sds((batch, 8), jnp.int32, P("data")),
                             sds((16,), jnp.float32, P("tensor"))).compile()
@@ -139,7 +145,7 @@ def test_split_dims_lower_for_cuda():
   args = (jax.ShapeDtypeStruct((2, 16, 576), jnp.bfloat16), jax.ShapeDtypeStruct((1, 40, 16, 576), jnp.bfloat16),
           None, jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2, 8), jnp.int32),
           jax.ShapeDtypeStruct((16,), jnp.float32))
-  decode = lambda q, k, n, t, s: paged_decode_attention_gpu(q, k, None, n, t, value_dim=512, sinks=s)  # noqa: E731
+  decode = lambda q, k, n, t, s: paged_decode_attention_gpu(q, k, None, n, t, AttentionSpec(value_dim=512), sinks=s)  # noqa: E731
   assert _export_cuda(decode, *args[:2], *args[3:]) == 1
 
 
@@ -154,8 +160,8 @@ def test_split_head_dims_under_context_parallelism(strategy):
 
   def split(q, k, v):
     order = lambda x: pallas_kernels.zigzag(x, CONTEXT)  # noqa: E731
-    out = pallas_kernels.attention(order(q), order(k), order(v), implementation="chunked",
-                                   block_sizes=BlockSizes(8, 8), context_parallel=strategy, zigzag=True)
+    spec = AttentionSpec(implementation="chunked", block_sizes=BlockSizes(8, 8))
+    out = pallas_kernels.attention(order(q), order(k), order(v), spec, context_parallel=strategy, zigzag=True)
     return pallas_kernels.unzigzag(out, CONTEXT)
 
   with jax.set_mesh(mesh):

@@ -12,7 +12,8 @@ import pytest
 
 from jaxpar import pallas_kernels
 from jaxpar.pallas_kernels.attention import chunked, flash_gpu, flash_tpu
-from jaxpar.pallas_kernels.attention.blockwise import AttentionOptions, merge_partials
+from jaxpar.pallas_kernels import AttentionSpec
+from jaxpar.pallas_kernels.attention.blockwise import merge_partials
 from jaxpar.pallas_kernels.attention.layout import SequenceSplit
 
 AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
@@ -62,17 +63,19 @@ def test_context_parallel_attention_matches_reference(mesh, name, strategy, zigz
   order = (lambda x: pallas_kernels.zigzag(x, CONTEXT)) if zigzag else (lambda x: x)
   back = (lambda x: pallas_kernels.unzigzag(x, CONTEXT)) if zigzag else (lambda x: x)
 
+  spec = AttentionSpec.of(**options)
+  tiled = spec.replace(implementation="chunked", block_sizes=pallas_kernels.BlockSizes(8, 8))
+
   def split(q, k, v):
-    out = pallas_kernels.attention(
-        order(q), order(k), order(v), segment_ids=None if seg is None else order(seg),
-        implementation="chunked", block_sizes=pallas_kernels.BlockSizes(8, 8),
-        context_parallel=strategy, zigzag=zigzag, **options)
+    out = pallas_kernels.attention(order(q), order(k), order(v), tiled,
+                                   segment_ids=None if seg is None else order(seg),
+                                   context_parallel=strategy, zigzag=zigzag)
     return back(out)
 
   with jax.set_mesh(mesh):
     got = jax.jit(lambda q, k, v: _loss_and_grads(split, q, k, v))(q, k, v)
   want = _loss_and_grads(lambda q, k, v: pallas_kernels.attention_reference(
-      q, k, v, segment_ids=seg, **options), q, k, v)
+      q, k, v, spec, segment_ids=seg), q, k, v)
   _assert_close(got, want)
 
 
@@ -103,7 +106,8 @@ def test_blockwise_kernels_take_any_query_offset(name, kernel, blocks, head_dim)
   log-sum-exps, equal whole attention; so do the summed per-block gradients."""
   q, k, v, seg = _inputs(length=256, head_dim=head_dim)
   do = jax.random.normal(jax.random.key(1), q.shape)
-  opts = AttentionOptions(sliding_window=150, block_sizes=blocks, interpret=True)
+  window = AttentionSpec.of(sliding_window=150)
+  spec = window.replace(block_sizes=blocks, interpret=True)
   halves = [(0, 128), (128, 128)]
   cut = lambda x, lo, n: x[:, lo:lo + n]
 
@@ -113,21 +117,21 @@ def test_blockwise_kernels_take_any_query_offset(name, kernel, blocks, head_dim)
     for a, n in halves:
       partial = None
       for b, m in halves:
-        block = kernel.forward(opts, cut(q, a, n), cut(k, b, m), cut(v, b, m), None,  # no sinks
+        block = kernel.forward(spec, cut(q, a, n), cut(k, b, m), cut(v, b, m), None,  # no sinks
                                cut(seg, a, n), cut(seg, b, m), jnp.int32(a - b))
         partial = block if partial is None else merge_partials(partial, block)
       outs.append(partial)
     dq, dk, dv = jnp.zeros(q.shape), jnp.zeros(k.shape), jnp.zeros(v.shape)
     for (a, n), (o, lse) in zip(halves, outs):
       for b, m in halves:
-        dq_i, dk_j, dv_j = kernel.backward(opts, cut(q, a, n), cut(k, b, m), cut(v, b, m),
+        dq_i, dk_j, dv_j = kernel.backward(spec, cut(q, a, n), cut(k, b, m), cut(v, b, m),
                                            cut(seg, a, n), cut(seg, b, m), jnp.int32(a - b),
                                            o.astype(q.dtype), lse, cut(do, a, n))
         dq, dk, dv = dq.at[:, a:a + n].add(dq_i), dk.at[:, b:b + m].add(dk_j), dv.at[:, b:b + m].add(dv_j)
     return jnp.concatenate([o for o, _ in outs], axis=1), dq, dk, dv
 
   out, ref_vjp = jax.vjp(lambda q, k, v: pallas_kernels.attention_reference(
-      q, k, v, segment_ids=seg, sliding_window=150), q, k, v)
+      q, k, v, window, segment_ids=seg), q, k, v)
   _assert_close(pieces(q, k, v, do), (out, *ref_vjp(do)))
 
 
@@ -142,7 +146,8 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not():
 
 def test_what_cannot_be_split_is_a_one_line_error(mesh):
   q, k, v, _ = _inputs(length=96)
-  run = lambda q, k, v, **kw: pallas_kernels.attention(q, k, v, **{"implementation": "chunked", **kw})
+  run = lambda q, k, v, implementation="chunked", **kw: pallas_kernels.attention(  # noqa: E731
+      q, k, v, AttentionSpec(implementation=implementation), **kw)
   with jax.set_mesh(mesh):
     with pytest.raises(ValueError, match=r"sequence length 90 does not split evenly over the 4 "
                                          r"devices.*multiple of 8 \(zig-zag"):

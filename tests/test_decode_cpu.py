@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxpar import pallas_kernels
+from jaxpar.pallas_kernels import AttentionSpec
 from jaxpar.pallas_kernels import native
 from jaxpar.pallas_kernels.attention import decode_cpu
 from jaxpar.pallas_kernels.attention.reference import decode_attention_reference
@@ -21,7 +22,7 @@ CASES = {
     "mha": dict(num_heads=4, num_kv_heads=4),
     "gqa": dict(num_heads=8, num_kv_heads=2),
     "mqa_head_dim_80": dict(num_heads=4, num_kv_heads=1, head_dim=80),  # a partial vector of lanes
-    "window_softcap": dict(options=dict(sliding_window=20, logit_soft_cap=5.0)),
+    "window_softcap": dict(spec=AttentionSpec.of(sliding_window=20, logit_soft_cap=5.0)),
     "sinks": dict(sinks=True),
     "latent": dict(num_kv_heads=1, latent=True),
 }
@@ -35,17 +36,16 @@ def stacked(x, layers=3, layer=1):
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_kernel_equals_the_reference(case):
-  spec = dict(CASES[case])
-  options, sinks, latent = spec.pop("options", {}), spec.pop("sinks", False), spec.pop("latent", False)
-  q, k, v, lengths, table = paged_inputs(batch=5, num_pages=32, head_dim=spec.pop("head_dim", 64), **spec)
+  case = dict(CASES[case])
+  spec, sinks, latent = case.pop("spec", AttentionSpec()), case.pop("sinks", False), case.pop("latent", False)
+  q, k, v, lengths, table = paged_inputs(batch=5, num_pages=32, head_dim=case.pop("head_dim", 64), **case)
   lengths = jnp.array([37, 0, 96, 1, 50], jnp.int32)  # ragged, one empty, one full
   if latent:
-    v, options = None, dict(options, value_dim=48)
-  if sinks:
-    options = dict(options, sinks=jnp.linspace(-1.0, 2.0, q.shape[1]))
-  want = decode_attention_reference(q, k, v, lengths, page_table=table, **options)
+    v, spec = None, spec.replace(value_dim=48)
+  sinks = jnp.linspace(-1.0, 2.0, q.shape[1]) if sinks else None
+  want = decode_attention_reference(q, k, v, lengths, spec, page_table=table, sinks=sinks)
   got = decode_cpu.paged_decode_attention_cpu(q, stacked(k), None if v is None else stacked(v), lengths,
-                                              table, layer=1, **options)
+                                              table, spec, layer=1, sinks=sinks)
   assert got.shape == want.shape and got.dtype == q.dtype
   np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
   assert not np.any(np.asarray(got[1])), "an empty sequence attends to nothing"

@@ -7,23 +7,24 @@ import numpy as np
 import pytest
 
 from jaxpar import pallas_kernels
+from jaxpar.pallas_kernels import AttentionSpec
 from jaxpar.pallas_kernels.attention.decode_xla import paged_decode_attention_xla
 from jaxpar.pallas_kernels.attention.reference import decode_attention_reference
 from tests.test_decode_attention import OPTIONS, paged_inputs
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=["plain", "window_softcap"])
+@pytest.mark.parametrize("spec", OPTIONS, ids=["plain", "window_softcap"])
 @pytest.mark.parametrize("group", [1, 4])
-def test_xla_paged_decode_equals_the_reference(options, group, monkeypatch):
+def test_xla_paged_decode_equals_the_reference(spec, group, monkeypatch):
   q, k, v, lengths, table = paged_inputs(num_heads=2 * group, head_dim=64)
-  got = paged_decode_attention_xla(q, k, v, lengths, table, **options)
-  want = decode_attention_reference(q, k, v, lengths, page_table=table, **options)
+  got = paged_decode_attention_xla(q, k, v, lengths, table, spec)
+  want = decode_attention_reference(q, k, v, lengths, spec, page_table=table)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
   assert not np.any(got[1]), "an empty sequence attends to nothing"
   monkeypatch.setenv("JAXPAR_CPU_KERNELS", "0")
-  auto = pallas_kernels.decode_attention(q, k, v, lengths, page_table=table, **options)
+  auto = pallas_kernels.decode_attention(q, k, v, lengths, spec, page_table=table)
   np.testing.assert_allclose(auto, want, atol=1e-5, rtol=1e-5)
-  if not options:  # with a window "auto" first narrows the table to the window's pages (other sums)
+  if spec.sliding_window is None:  # with a window "auto" first narrows the table to the window's pages (other sums)
     np.testing.assert_array_equal(auto, got)
 
 
@@ -34,12 +35,12 @@ def test_xla_paged_decode_with_sinks_and_a_latent_cache(num_heads):
   layouts (one query per kv head, grouped queries)."""
   q, k, _, lengths, table = paged_inputs(num_heads=num_heads, head_dim=64)
   sinks = np.linspace(-1.0, 2.0, num_heads).astype(np.float32)
-  options = dict(value_dim=32, sinks=sinks)
-  got = paged_decode_attention_xla(q, k, None, lengths, table, **options)
-  want = decode_attention_reference(q, k, None, lengths, page_table=table, **options)
+  latent = AttentionSpec(value_dim=32)
+  got = paged_decode_attention_xla(q, k, None, lengths, table, latent, sinks=sinks)
+  want = decode_attention_reference(q, k, None, lengths, latent, page_table=table, sinks=sinks)
   assert got.shape == q.shape[:2] + (32,)
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
-  auto = pallas_kernels.decode_attention(q, k, None, lengths, page_table=table, **options)
+  auto = pallas_kernels.decode_attention(q, k, None, lengths, latent, page_table=table, sinks=sinks)
   np.testing.assert_allclose(auto, want, atol=1e-5, rtol=1e-5)
-  without = paged_decode_attention_xla(q, k, None, lengths, table, value_dim=32)
+  without = paged_decode_attention_xla(q, k, None, lengths, table, latent)
   assert np.abs(np.asarray(without) - np.asarray(got)).max() > 1e-3

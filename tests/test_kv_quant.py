@@ -89,7 +89,7 @@ def test_cached_attention_is_the_reference_when_nothing_is_sealed():
   kq, kk, kv = jax.random.split(jax.random.key(3), 3)
   q = jax.random.normal(kq, (2, 64, 4, 32))
   k, v = jax.random.normal(kk, (2, 64, 2, 32)), jax.random.normal(kv, (2, 64, 2, 32))
-  want = pallas_kernels.attention_reference(q, k, v, causal=True)
+  want = pallas_kernels.attention_reference(q, k, v)
   run = jax.jit(kv_quant.cached_attention, static_argnums=3)
   got = run(q, k, v, KVQuantization("int2", page_size=16, window=64))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -107,4 +107,4 @@ def test_bad_options_name_the_option():
   with pytest.raises(ValueError, match="sequence length 40 must be a multiple of page_size=16"):
     kv_quant.cached_attention(q, q, q, KVQuantization("int8"))
   with pytest.raises(ValueError, match="unpacked sequences"):
-    kv_quant.cached_attention(q, q, q, KVQuantization("int8"), jnp.ones((1, 40), jnp.int32))
+    kv_quant.cached_attention(q, q, q, KVQuantization("int8"), segment_ids=jnp.ones((1, 40), jnp.int32))

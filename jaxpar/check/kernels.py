@@ -86,8 +86,8 @@ def flash_attention(setting) -> list[Result]:
     k, v = (_random(i, (b, length, hkv, d), setting.dtype) for i in (1, 2))
     do = _random(3, (b, length, hq, d), setting.dtype)
     shape = f"B{b} L{length} H{hq}/{hkv} D{d}"
-    flash = lambda q, k, v: pk.attention(q, k, v, causal=True, implementation="flash")  # noqa: E731
-    ref = lambda q, k, v: pk.attention_reference(q, k, v, causal=True)  # noqa: E731
+    flash = lambda q, k, v: pk.attention(q, k, v, pk.AttentionSpec(implementation="flash"))  # noqa: E731
+    ref = lambda q, k, v: pk.attention_reference(q, k, v)  # noqa: E731  (causal by default)
     fwd = _attention_flops(b, hq, length, length, d)
     results.append(measure(setting, "flash attention fwd" + where, shape, flash, ref, (q, k, v),
                            work=fwd, unit="FLOP"))
@@ -128,8 +128,8 @@ def paged_decode(setting) -> list[Result]:
     shape = f"B{b} H{hq}/{hkv} D{d} len<={max_len} page{page}"
     ref = lambda q, k, v, n, t: pk.decode_attention_reference(q, k, v, n, page_table=t)  # noqa: E731
     for implementation, name in kernels:
-      door = lambda q, k, v, n, t, i=implementation: pk.decode_attention(q, k, v, n, page_table=t,  # noqa: E731
-                                                                           implementation=i)
+      spec = pk.AttentionSpec(implementation=implementation)
+      door = lambda q, k, v, n, t, s=spec: pk.decode_attention(q, k, v, n, s, page_table=t)  # noqa: E731
       results.append(measure(setting, name, shape, door, ref, args, work=read, unit="B",
                              note="bytes: the live pages' keys and values"))
   return results
@@ -188,8 +188,8 @@ def ring_attention(setting) -> list[Result]:
                            axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
   q, k, v = (_random(i, (1, length, heads, d), setting.dtype) for i in range(3))
 
-  ring = lambda q, k, v: pk.attention(q, k, v, causal=True, context_parallel="ring")  # noqa: E731
-  ref = lambda q, k, v: pk.attention_reference(q, k, v, causal=True)  # noqa: E731
+  ring = lambda q, k, v: pk.attention(q, k, v, context_parallel="ring")  # noqa: E731
+  ref = lambda q, k, v: pk.attention_reference(q, k, v)  # noqa: E731
   return [measure(setting, "ring attention", f"L{length} H{heads} D{d} {shape_text}", ring, ref, (q, k, v),
                   work=_attention_flops(1, heads, length, length, d), unit="FLOP", mesh=mesh)]
 

@@ -37,13 +37,13 @@ def _scatter_sum(split, x):
 
 
 def _forward(st, q, k, v, sinks, q_seg, kv_seg):
-  split, kernel, opts = st
+  split, kernel, spec = st
   k_all, v_all, kv_seg_all = _gather(split, k), _gather(split, v), _gather(split, kv_seg)
   qs, q_segs = split.split(q), split.split(q_seg)
   starts = split.starts(lax.axis_index(split.axes), qs.shape[2])
 
   def one(a, out):  # one query piece at a time: one kernel in the program
-    o, lse = kernel.forward(opts, qs[a], k_all, v_all, sinks, piece(q_segs, a), kv_seg_all, starts[a])
+    o, lse = kernel.forward(spec, qs[a], k_all, v_all, sinks, piece(q_segs, a), kv_seg_all, starts[a])
     return out[0].at[a].set(o), out[1].at[a].set(lse)
 
   batch, n, heads, _ = qs.shape[1:]
@@ -54,7 +54,7 @@ def _forward(st, q, k, v, sinks, q_seg, kv_seg):
 
 
 def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
-  split, kernel, opts = st
+  split, kernel, spec = st
   k_all, v_all, kv_seg_all = _gather(split, k), _gather(split, v), _gather(split, kv_seg)
   qs, q_segs, os, dos = (split.split(x) for x in (q, q_seg, o, do))
   lses = jnp.stack(jnp.split(lse, split.pieces, axis=-1))
@@ -62,7 +62,7 @@ def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
 
   def one(a, carry):
     dq, dk, dv = carry
-    dq_a, dk_a, dv_a = kernel.backward(opts, qs[a], k_all, v_all, piece(q_segs, a), kv_seg_all,
+    dq_a, dk_a, dv_a = kernel.backward(spec, qs[a], k_all, v_all, piece(q_segs, a), kv_seg_all,
                                        starts[a], os[a], lses[a], dos[a])
     return dq.at[a].set(dq_a), dk + dk_a, dv + dv_a
 
@@ -74,5 +74,5 @@ def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
 
 
 # all_gather_attention(st, q, k, v, sinks, q_seg, kv_seg) -> o,
-# st = (SequenceSplit, Blockwise, AttentionOptions).
+# st = (SequenceSplit, Blockwise, AttentionSpec).
 all_gather_attention = with_lse_vjp(_forward, _backward)

@@ -1,9 +1,10 @@
 """What every blockwise attention implementation (flash TPU, flash GPU, chunked) exposes.
 
-Each one is a `Blockwise` pair in the public layout, q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D]:
+Each one is a `Blockwise` pair in the public layout, q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D],
+taking the call's AttentionSpec (spec.py):
 
-  forward(opts, q, k, v, sinks, q_seg, kv_seg, q_offset) -> (o [B, Lq, Hq, D], lse f32 [B, Hq, Lq])
-  backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do) -> (dq, dk, dv)
+  forward(spec, q, k, v, sinks, q_seg, kv_seg, q_offset) -> (o [B, Lq, Hq, D], lse f32 [B, Hq, Lq])
+  backward(spec, q, k, v, q_seg, kv_seg, q_offset, o, lse, do) -> (dq, dk, dv)
 
 Query i sits at key position `q_offset + i` (an int32 scalar, traced or not): plain
 attention passes `Lk - Lq`; context parallelism passes where a query chunk lies relative
@@ -22,21 +23,35 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxpar.pallas_kernels.attention.block_sizes import BlockSizes
+from jaxpar.pallas_kernels import tiling
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionOptions:
-  """The static choices of one attention call (hashable: a custom_vjp's static argument)."""
-  causal: bool = True
-  sliding_window: int | None = None
-  logit_soft_cap: float | None = None
-  scale: float | None = None  # None: head_dim ** -0.5
-  block_sizes: BlockSizes | None = None
-  interpret: bool = False
+class Tiled:
+  """What a blockwise kernel specialises on (hashable: a custom_vjp's static argument): the
+  call's spec, the keys' length, the scale for this head dim and the tiles fitted to these
+  shapes."""
+  spec: AttentionSpec
+  kv_len: int
+  scale: float
+  block_q: int
+  block_k: int
+  block_q_bwd: int
+  block_k_bwd: int
 
-  def scale_for(self, head_dim: int) -> float:
-    return head_dim ** -0.5 if self.scale is None else self.scale
+  mask = property(lambda self: self.spec.mask)
+  logit_soft_cap = property(lambda self: self.spec.logit_soft_cap)
+  interpret = property(lambda self: self.spec.interpret)
+
+  @classmethod
+  def fit(cls, spec: AttentionSpec, defaults, q, k, align: int, power_of_two: bool = False) -> "Tiled":
+    """Tiles of spec.block_sizes (else `defaults`) fitted to q's and k's lengths (Triton's
+    rounded up to powers of two)."""
+    tiles = tiling.fit_tiles(spec.block_sizes or defaults, q.shape[1], k.shape[1], align, power_of_two=power_of_two)
+    if power_of_two:
+      tiles = {name: 1 << (t - 1).bit_length() for name, t in tiles.items()}
+    return cls(spec, k.shape[1], spec.scale_for(q.shape[-1]), **tiles)
 
 
 @dataclasses.dataclass(frozen=True)

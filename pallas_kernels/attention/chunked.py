@@ -7,7 +7,6 @@ recompute probabilities from the saved log-sum-exp, one key block at a time, so 
 Key blocks that are fully masked (causal, window) are skipped by the loop bounds.
 """
 
-import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
@@ -15,21 +14,10 @@ from jax import lax
 from jaxpar.pallas_kernels import tiling
 from jaxpar.pallas_kernels.attention import masking, validation
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
-from jaxpar.pallas_kernels.attention.blockwise import (AttentionOptions, Blockwise, default_offset,
-                                                       full_like_varying, split_segments)
+from jaxpar.pallas_kernels.attention.blockwise import (Blockwise, Tiled, default_offset, full_like_varying,
+                                                       split_segments)
 from jaxpar.pallas_kernels.attention.lse_vjp import with_lse_vjp
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  causal: bool
-  sliding_window: int | None
-  logit_soft_cap: float | None
-  scale: float
-  kv_len: int
-  num_kv_heads: int
-  block_q: int
-  block_k: int
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec
 
 
 def _blocks(x, block):
@@ -53,15 +41,13 @@ def _logits(st, q, k, i, j, q_seg, k_seg, q_offset):
   segs = {}
   if q_seg is not None:
     segs = dict(q_seg=q_seg[:, None, None, :, None], k_seg=k_seg[:, None, None, None, :])
-  mask = masking.token_mask(q_pos, k_pos, causal=st.causal, sliding_window=st.sliding_window,
-                            kv_len=st.kv_len, **segs)
+  mask = masking.token_mask(q_pos, k_pos, st.mask, kv_len=st.kv_len, **segs)
   return capped, mask
 
 
 def _kv_range(st, i, q_offset):
   q_lo = q_offset + i * st.block_q
-  return masking.kv_block_range(q_lo, q_lo + st.block_q - 1, st.block_k, causal=st.causal,
-                                sliding_window=st.sliding_window, kv_len=st.kv_len)
+  return masking.kv_block_range(q_lo, q_lo + st.block_q - 1, st.block_k, st.mask, kv_len=st.kv_len)
 
 
 def _forward(st, q, k, v, sinks, q_seg, kv_seg, q_offset):
@@ -107,9 +93,8 @@ def _backward(st, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
     dq, dk, dv = carry
     kj, vj = k[j], v[j]
     k_lo = j * st.block_k
-    first, last = masking.q_block_range(k_lo, k_lo + st.block_k - 1, st.block_q, num_q_blocks,
-                                        q_offset=q_offset, causal=st.causal,
-                                        sliding_window=st.sliding_window)
+    first, last = masking.q_block_range(k_lo, k_lo + st.block_k - 1, st.block_q, num_q_blocks, st.mask,
+                                        q_offset=q_offset)
 
     def q_step(i, inner):
       dq, dkj, dvj = inner
@@ -134,23 +119,20 @@ def _backward(st, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
   return ((dq * st.scale).astype(q.dtype), (dk * st.scale).astype(k.dtype), dv.astype(v.dtype))
 
 
-def _static(opts, q, k):
-  blocks = opts.block_sizes or default_block_sizes("cpu")
+def _static(spec, q, k):
+  """The loops' statics: one tile pair for both passes, each at most its sequence."""
+  blocks = spec.block_sizes or default_block_sizes("cpu")
   tiling.check_block("block_q", blocks.block_q, 1)
   tiling.check_block("block_k", blocks.block_k, 1)
-  q_len, kv_len = q.shape[1], k.shape[1]
-  return _Static(causal=opts.causal, sliding_window=opts.sliding_window,
-                 logit_soft_cap=opts.logit_soft_cap, scale=opts.scale_for(q.shape[-1]),
-                 kv_len=kv_len, num_kv_heads=k.shape[2], block_q=min(blocks.block_q, q_len),
-                 block_k=min(blocks.block_k, kv_len))
+  block_q, block_k = min(blocks.block_q, q.shape[1]), min(blocks.block_k, k.shape[1])
+  return Tiled(spec, k.shape[1], spec.scale_for(q.shape[-1]), block_q, block_k, block_q, block_k)
 
 
-def _q_blocks(st, x):
+def _q_blocks(st, x, num_kv_heads):
   """[B, Lq, Hq, D] -> [nq, B, bq, Hkv, G, D] (zero-padded to whole blocks)."""
   batch, q_len, num_heads, head_dim = x.shape
   q_pad = tiling.round_up(q_len, st.block_q)
-  group = num_heads // st.num_kv_heads
-  x = tiling.pad_axis(x, 1, q_pad).reshape(batch, q_pad, st.num_kv_heads, group, head_dim)
+  x = tiling.pad_axis(x, 1, q_pad).reshape(batch, q_pad, num_kv_heads, num_heads // num_kv_heads, head_dim)
   return _blocks(x, st.block_q)
 
 
@@ -172,25 +154,25 @@ def _q_unblock(x, q_len):
   return x.reshape(*x.shape[:2], -1, x.shape[-1])[:, :q_len]
 
 
-def forward(opts, q, k, v, sinks, q_seg, kv_seg, q_offset):
+def forward(spec, q, k, v, sinks, q_seg, kv_seg, q_offset):
   """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, D], lse [B, Hq, Lq])."""
-  st = _static(opts, q, k)
+  st = _static(spec, q, k)
   q_len = q.shape[1]
-  o, lse = _forward(st, _q_blocks(st, q), _kv_blocks(st, k), _kv_blocks(st, v), sinks,
+  o, lse = _forward(st, _q_blocks(st, q, k.shape[2]), _kv_blocks(st, k), _kv_blocks(st, v), sinks,
                     *_seg_blocks(st, q_seg, kv_seg, q_len), q_offset)
   lse = jnp.moveaxis(lse, 0, 3)  # [B, Hkv, G, nq, bq]
   return _q_unblock(o, q_len), lse.reshape(lse.shape[0], -1, lse.shape[3] * lse.shape[4])[..., :q_len]
 
 
-def backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
+def backward(spec, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
   """The blockwise backward from a given log-sum-exp (see blockwise.py): (dq, dk, dv)."""
-  st = _static(opts, q, k)
-  q_len, bq = q.shape[1], st.block_q
+  st = _static(spec, q, k)
+  q_len, bq, kv_heads = q.shape[1], st.block_q, k.shape[2]
   lse = tiling.pad_axis(lse, 2, tiling.round_up(q_len, bq))
-  lse = lse.reshape(lse.shape[0], st.num_kv_heads, -1, lse.shape[2] // bq, bq)
-  dq, dk, dv = _backward(st, _q_blocks(st, q), _kv_blocks(st, k), _kv_blocks(st, v),
-                         *_seg_blocks(st, q_seg, kv_seg, q_len), q_offset, _q_blocks(st, o),
-                         jnp.moveaxis(lse, 3, 0), _q_blocks(st, do))
+  lse = lse.reshape(lse.shape[0], kv_heads, -1, lse.shape[2] // bq, bq)
+  dq, dk, dv = _backward(st, _q_blocks(st, q, kv_heads), _kv_blocks(st, k), _kv_blocks(st, v),
+                         *_seg_blocks(st, q_seg, kv_seg, q_len), q_offset, _q_blocks(st, o, kv_heads),
+                         jnp.moveaxis(lse, 3, 0), _q_blocks(st, do, kv_heads))
   kv_len = k.shape[1]
   return _q_unblock(dq, q_len), _unblock(dk)[:, :kv_len], _unblock(dv)[:, :kv_len]
 
@@ -199,12 +181,8 @@ BLOCKWISE = Blockwise(forward, backward)
 _chunked = with_lse_vjp(forward, backward)
 
 
-def chunked_attention(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
-                      logit_soft_cap=None, scale=None, sinks=None, block_sizes=None):
+def chunked_attention(q, k, v, spec: AttentionSpec = AttentionSpec(), *, segment_ids=None, sinks=None):
   """q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; sinks [Hq] or None
   -> [B, Lq, Hq, Dv], without an Lq x Lk buffer."""
-  validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap,
-                                  head_dims=None, sinks=sinks)
-  opts = AttentionOptions(causal=causal, sliding_window=sliding_window,
-                          logit_soft_cap=logit_soft_cap, scale=scale, block_sizes=block_sizes)
-  return _chunked(opts, q, k, v, sinks, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))
+  validation.check_attention_args(q, k, v, segment_ids, head_dims=None, sinks=sinks)
+  return _chunked(spec, q, k, v, sinks, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))

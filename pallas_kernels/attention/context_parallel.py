@@ -52,12 +52,12 @@ def check_split(split: SequenceSplit, q, k, strategy: str, implementation: str):
                      f"of {split.multiple}{why}; pad the sequences or change their length")
 
 
-def context_parallel_attention(q, k, v, segment_ids, sinks, *, split, strategy, kernel, opts):
+def context_parallel_attention(q, k, v, segment_ids, sinks, *, split, strategy, kernel, spec):
   """q, k, v: [B, L, H, D] split along L as `split` says; sinks [Hq] or None ->
   [B, L, Hq, D], split alike."""
   sequence = ("batch", "length", "act_kv_heads", "head_dim")
   attend = STRATEGIES[strategy]
-  st = (split, kernel, opts)
+  st = (split, kernel, spec)
   per_device = lambda q, k, v, seg, sinks: attend(st, q, k, v, sinks, seg, seg)
   return logical_shard_map(per_device, (sequence, sequence, sequence, ("batch", "length"), ("act_kv_heads",)),
                            sequence)(q, k, v, segment_ids, sinks)

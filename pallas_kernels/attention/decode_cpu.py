@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxpar.pallas_kernels import native
 from jaxpar.pallas_kernels.attention import decode_common
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec
 
 _SOURCE = Path(__file__).with_name("decode_cpu.cc")
 _TARGET = "JaxparPagedDecodeAttention"
@@ -35,10 +36,10 @@ def available(q_dtype, cache_dtype) -> bool:
           and native.load(_SOURCE, (_TARGET,)))
 
 
-def paged_decode_attention_cpu(q, k_pages, v_pages, lengths, page_table, *, layer=None, sliding_window=None,
-                               logit_soft_cap=None, scale=None, value_dim=None, sinks=None):
+def paged_decode_attention_cpu(q, k_pages, v_pages, lengths, page_table, spec: AttentionSpec = AttentionSpec(), *,
+                               layer=None, sinks=None):
   """q [B, Hq, D]; k pages [Hkv, num_pages, page_size, D], v pages [.., Dv] or None with
-  `value_dim` (the keys' first entries: a latent cache); with `layer` (an int scalar) both
+  spec.value_dim (the keys' first entries: a latent cache); with `layer` (an int scalar) both
   stacked over layers [layers, Hkv, ...] and that layer's read; lengths [B] (the new
   token's key included); page_table [B, n]; sinks [Hq] or None -> [B, Hq, Dv] in q's dtype
   (the pages' too: `available`); length 0 gets 0."""
@@ -46,7 +47,7 @@ def paged_decode_attention_cpu(q, k_pages, v_pages, lengths, page_table, *, laye
     raise RuntimeError("the CPU decode attention kernel could not be built here (the warning above says why); "
                        "pallas_kernels.decode_attention falls back to XLA's form by itself")
   k_pages, v_pages, layer, value_dim = decode_common.stacked_inputs(q, k_pages, v_pages, lengths, page_table, layer,
-                                                                    value_dim, sinks)
+                                                                    spec.value_dim, sinks)
   batch, q_heads, head_dim = q.shape
   values = k_pages if v_pages is None else v_pages
   call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((batch, q_heads, value_dim), q.dtype),
@@ -54,6 +55,6 @@ def paged_decode_attention_cpu(q, k_pages, v_pages, lengths, page_table, *, laye
   return call(q, k_pages, values, layer, lengths.astype(jnp.int32),
               page_table.astype(jnp.int32),
               jnp.zeros((q_heads,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
-              scale=np.float32(head_dim ** -0.5 if scale is None else scale),
-              sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(logit_soft_cap or 0.0),
+              scale=np.float32(spec.scale_for(head_dim)),
+              sliding_window=np.int64(spec.sliding_window or 0), soft_cap=np.float32(spec.logit_soft_cap or 0.0),
               value_dim=np.int64(value_dim), has_sinks=sinks is not None)

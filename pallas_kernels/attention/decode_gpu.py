@@ -23,13 +23,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxpar.errors import UserError
 from jaxpar.pallas_kernels.attention import decode_common, masking
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec
 from jaxpar.pallas_kernels.platform import multiprocessors
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-  sliding_window: int | None
-  logit_soft_cap: float | None
+  spec: AttentionSpec
   scale: float
   page_size: int
   pieces: tuple[tuple[int, int], ...]  # (start, size) of the power-of-two pieces of head_dim
@@ -57,9 +57,8 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref
     s = sum(jnp.sum(q[:, None, :] * k_ref[layer, page, :, pl.ds(start, size)].astype(jnp.float32)[None], axis=-1)
             for q, (start, size) in zip(qs, st.pieces)) * st.scale
     k_pos = j * st.page_size + jnp.arange(st.page_size)[None, :]
-    mask = masking.token_mask(length - 1, k_pos, causal=True, sliding_window=st.sliding_window,
-                              kv_len=length)
-    s = jnp.where(mask, masking.soft_cap(s, st.logit_soft_cap), masking.MASK_VALUE)
+    mask = masking.token_mask(length - 1, k_pos, st.spec.mask, kv_len=length)
+    s = jnp.where(mask, masking.soft_cap(s, st.spec.logit_soft_cap), masking.MASK_VALUE)
     m_next = jnp.maximum(m, s.max(axis=1))
     p = jnp.exp(s - m_next[:, None])
     alpha = jnp.exp(m - m_next)
@@ -69,7 +68,7 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, o_ref, m_ref
     return m_next, alpha * l + p.sum(axis=1), alpha[:, None] * acc + pv
 
   group = qs[0].shape[0]
-  first, last = decode_common.live_pages(length, st.page_size, st.sliding_window)
+  first, last = decode_common.live_pages(length, st.page_size, st.spec.sliding_window)
   # This program's share of the live pages: split s of the table's columns.
   first = jnp.maximum(first, split * st.pages_per_split)
   last = jnp.minimum(last, split * st.pages_per_split + st.pages_per_split - 1)
@@ -101,17 +100,16 @@ def default_splits(programs: int, pages_per_seq: int) -> int:
   return max(1, min(pl.next_power_of_2(wanted), pl.next_power_of_2(-(-pages_per_seq // 4))))
 
 
-def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, layer=None, sliding_window=None,
-                               logit_soft_cap=None, scale=None, value_dim=None, sinks=None, splits=None,
-                               interpret=False):
+def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, spec: AttentionSpec = AttentionSpec(), *,
+                               layer=None, sinks=None, splits=None):
   """q: [B, Hq, D]; k_pages: [Hkv, num_pages, page_size, D]; v_pages: [.., Dv], or None with
-  `value_dim` (the keys' first value_dim entries); with `layer` (an int scalar) both
+  spec.value_dim (the keys' first value_dim entries); with `layer` (an int scalar) both
   stacked over layers [layers, Hkv, ...] and that layer's read; lengths: [B]; page_table:
   [B, n]; sinks: [Hq] or None -> [B, Hq, Dv]. splits: programs per (sequence, kv head),
   each over its own range of pages, their partial softmaxes combined after (flash-decoding;
   None: `default_splits`)."""
   k_pages, v_pages, layer, value_dim = decode_common.stacked_inputs(q, k_pages, v_pages, lengths, page_table, layer,
-                                                                    value_dim, sinks)
+                                                                    spec.value_dim, sinks)
   batch, num_heads, head_dim = q.shape
   num_layers, num_kv_heads, num_pages, page_size, _ = k_pages.shape
   group = num_heads // num_kv_heads
@@ -120,8 +118,7 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, laye
       raise UserError(f"{name}={n} must be a power of two for the Triton decode kernel")
   pages_per_seq = page_table.shape[1]
   splits = splits or default_splits(batch * num_kv_heads, pages_per_seq)
-  st = _Static(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-               scale=head_dim ** -0.5 if scale is None else scale, page_size=page_size,
+  st = _Static(spec=spec, scale=spec.scale_for(head_dim), page_size=page_size,
                pieces=power_of_two_pieces(head_dim), value_dim=value_dim,
                pages_per_split=-(-pages_per_seq // splits))
   q_spec = pl.BlockSpec((None, None, group, head_dim), lambda b, h, s: (b, h, 0, 0))
@@ -143,7 +140,7 @@ def paged_decode_attention_gpu(q, k_pages, v_pages, lengths, page_table, *, laye
       out_shape=[jax.ShapeDtypeStruct((*partial, value_dim), jnp.float32, manual_axis_type=mat),
                  *[jax.ShapeDtypeStruct(partial, jnp.float32, manual_axis_type=mat)] * 2],
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-      interpret=interpret,
+      interpret=spec.interpret,
       name="paged_decode_attention",
   )(layer, lengths.astype(jnp.int32), page_table.astype(jnp.int32), q.reshape(batch, num_kv_heads, group, head_dim),
     k_pages, v_pages)

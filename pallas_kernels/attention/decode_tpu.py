@@ -22,6 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxpar.errors import UserError
 from jaxpar.pallas_kernels.attention import decode_common, masking
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec
 from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
 _LANES = 128
@@ -29,8 +30,7 @@ _LANES = 128
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-  sliding_window: int | None
-  logit_soft_cap: float | None
+  spec: AttentionSpec
   scale: float
   page_size: int
   pages_per_seq: int
@@ -57,7 +57,7 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o
     m_scr[...] = sink
     l_scr[...] = jnp.ones(l_scr.shape, jnp.float32)
 
-  first, last = decode_common.live_pages(length, st.page_size, st.sliding_window)
+  first, last = decode_common.live_pages(length, st.page_size, st.spec.sliding_window)
 
   @pl.when((j >= first) & (j <= last))
   def _step():
@@ -65,9 +65,8 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o
     v = k[:, :st.value_dim] if v_ref is None else v_ref[...]  # no v pages: the latent keys hold them
     s = mxu_dot(q_ref[...], k, trans_b=True) * st.scale
     k_pos = j * st.page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    mask = masking.token_mask(length - 1, k_pos, causal=True, sliding_window=st.sliding_window,
-                              kv_len=length)
-    s = jnp.where(mask, masking.soft_cap(s, st.logit_soft_cap), masking.MASK_VALUE)
+    mask = masking.token_mask(length - 1, k_pos, st.spec.mask, kv_len=length)
+    s = jnp.where(mask, masking.soft_cap(s, st.spec.logit_soft_cap), masking.MASK_VALUE)
     m_prev = m_scr[...]
     m_next = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     p = jnp.exp(s - m_next[:, :1])
@@ -97,27 +96,25 @@ def _cost(q, k_pages, pages_per_seq, value_dim, shared_values):
                          + batch * num_heads * value_dim * q.dtype.itemsize)
 
 
-def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, layer=None, sliding_window=None,
-                               logit_soft_cap=None, scale=None, value_dim=None, sinks=None,
-                               interpret=False):
+def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, spec: AttentionSpec = AttentionSpec(), *,
+                               layer=None, sinks=None):
   """q: [B, Hq, D]; k_pages: [Hkv, num_pages, page_size, D]; v_pages: [.., Dv], or None with
-  `value_dim` (the keys' first value_dim entries); with `layer` (an int scalar) both
+  spec.value_dim (the keys' first value_dim entries); with `layer` (an int scalar) both
   stacked over layers [layers, Hkv, ...] and that layer's read; lengths: [B]; page_table:
   [B, n]; sinks: [Hq] or None -> [B, Hq, Dv]."""
   k_pages, v_pages, layer, value_dim = decode_common.stacked_inputs(q, k_pages, v_pages, lengths, page_table, layer,
-                                                                    value_dim, sinks)
+                                                                    spec.value_dim, sinks)
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape[1:]
   if page_size % 8:
     raise UserError(f"page_size={page_size} must be a multiple of 8 for the TPU decode kernel")
   group = num_heads // num_kv_heads
   pages_per_seq = page_table.shape[1]
-  st = _Static(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-               scale=head_dim ** -0.5 if scale is None else scale, page_size=page_size,
-               pages_per_seq=pages_per_seq, value_dim=value_dim)
+  st = _Static(spec=spec, scale=spec.scale_for(head_dim), page_size=page_size, pages_per_seq=pages_per_seq,
+               value_dim=value_dim)
 
   def page_index(b, h, j, layer_ref, lengths_ref, table_ref):
-    page = decode_common.clamp_page(j, lengths_ref[b], page_size, sliding_window)
+    page = decode_common.clamp_page(j, lengths_ref[b], page_size, spec.sliding_window)
     return (layer_ref[0], h, table_ref[b * pages_per_seq + page], 0, 0)
 
   q_spec, o_spec = (pl.BlockSpec((None, None, group, d), lambda b, h, j, *_: (b, h, 0, 0))
@@ -141,7 +138,7 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, *, laye
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
       cost_estimate=_cost(q, k_pages, pages_per_seq, value_dim, v_pages is None),
-      interpret=interpret,
+      interpret=spec.interpret,
       name="paged_decode_attention",
   )(layer, lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages,
     None if sinks is None else sinks.astype(jnp.float32))

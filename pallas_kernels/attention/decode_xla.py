@@ -16,6 +16,8 @@ result as `decode_attention_reference` (tests compare them).
 import jax
 import jax.numpy as jnp
 
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec
+
 
 def _sequences(pages, page_table):
   """[Hkv, num_pages, page_size, D] pages + [B, n] table -> [B, Hkv, n * page_size, D]."""
@@ -36,15 +38,15 @@ def _softmax_over_keys(logits, sinks, axis):
   return jax.lax.slice_in_dim(probs, 0, logits.shape[axis], axis=axis)
 
 
-def paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_table, *, sliding_window=None,
-                               logit_soft_cap=None, scale=None, value_dim=None, sinks=None):
+def paged_decode_attention_xla(q, k_pages, v_pages, lengths, page_table, spec: AttentionSpec = AttentionSpec(), *,
+                               sinks=None):
   """q [B, Hq, D]; k pages [Hkv, num_pages, page_size, D], v pages [.., Dv] or None with
-  `value_dim` (the keys' first entries: a latent cache); lengths [B] (the new token's key
+  spec.value_dim (the keys' first entries: a latent cache); lengths [B] (the new token's key
   included); page_table [B, n]; sinks [Hq] or None -> [B, Hq, Dv]; length 0 gets 0."""
   batch, num_heads, head_dim = q.shape
   keys = _sequences(k_pages, page_table)
-  values = keys[..., :value_dim] if v_pages is None else _sequences(v_pages, page_table)
-  scale = head_dim ** -0.5 if scale is None else scale
+  values = keys[..., :spec.value_dim] if v_pages is None else _sequences(v_pages, page_table)
+  scale, logit_soft_cap, sliding_window = spec.scale_for(head_dim), spec.logit_soft_cap, spec.sliding_window
   group = num_heads // keys.shape[1]
   qg = q.reshape(batch, keys.shape[1], group, head_dim)
   scores = "bhgk" if group == 1 else "bhkg"  # the module docstring says why

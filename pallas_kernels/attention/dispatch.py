@@ -1,6 +1,7 @@
-"""The entry points models call for attention; each picks an implementation.
+"""The entry points models call for attention; each takes the call's AttentionSpec (spec.py)
+and picks an implementation.
 
-implementation: "auto" | "flash" | "reference" | "chunked" (the config's `attention`).
+spec.implementation: "auto" | "flash" | "reference" | "chunked" (the config's `attention`).
   auto       TPU/GPU: the flash kernel (head_dim 64/128/256), else chunked.
              CPU: the reference for short keys (fastest there), chunked beyond.
   flash      the Pallas kernel for the backend; on CPU the TPU kernel in interpret mode.
@@ -12,7 +13,6 @@ attention around the same kernels (context_parallel.py); by default the one the 
 parallel plan set (`mesh.execution_options`).
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -24,7 +24,6 @@ from jaxpar.pallas_kernels.attention import context_parallel as cp
 from jaxpar.pallas_kernels.attention import decode_cpu, validation
 from jaxpar.pallas_kernels.attention.decode_common import visible_pages
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
-from jaxpar.pallas_kernels.attention.blockwise import AttentionOptions
 from jaxpar.pallas_kernels.attention.chunked import chunked_attention
 from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gpu
 from jaxpar.pallas_kernels.attention.decode_tpu import paged_decode_attention_tpu
@@ -33,9 +32,9 @@ from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
 from jaxpar.pallas_kernels.attention.flash_tpu import flash_attention_tpu
 from jaxpar.pallas_kernels.attention.reference import (attention_reference, decode_attention_reference,
                                                        paged_attention_reference)
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec
 from jaxpar.pallas_kernels.platform import current_device_kind, current_platform, interpret
 
-IMPLEMENTATIONS = ("auto", "flash", "reference", "chunked")
 # On CPU the one-shot reference beats the loops up to about this many keys.
 CPU_REFERENCE_MAX_KV_LEN = 1024
 # Logical names of the kernels' arguments. Query and key/value heads share one name so
@@ -46,15 +45,9 @@ _SEQUENCE = ("batch", None, _HEADS, "head_dim")  # [B, L, H, D]; length whole pe
 _PAGES = (_HEADS, None, None, "head_dim")  # [Hkv, num_pages, page_size, D]; pages shared
 
 
-def _check_implementation(implementation):
-  if implementation not in IMPLEMENTATIONS:
-    raise ConfigError(f"attention implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
-
-
 def choose_implementation(implementation, platform, head_dim, kv_len, value_dim=None):
   """What `implementation` resolves to for this backend and shape (value_dim: the values'
   head dim when it differs from the queries' and keys')."""
-  _check_implementation(implementation)
   if implementation != "auto":
     return implementation
   if platform in ("tpu", "gpu"):
@@ -63,70 +56,59 @@ def choose_implementation(implementation, platform, head_dim, kv_len, value_dim=
   return "reference" if kv_len <= CPU_REFERENCE_MAX_KV_LEN else "chunked"
 
 
-def attention(q, k, v, *, causal=True, segment_ids=None, sliding_window=None,
-              logit_soft_cap=None, scale=None, sinks=None, implementation="auto", block_sizes=None,
+def _for_kernels(spec, platform):
+  """The spec as a Pallas kernel runs it here: the backend's tiles, interpret mode off TPU/GPU."""
+  return spec.replace(block_sizes=spec.block_sizes or default_block_sizes(platform, current_device_kind()),
+                      interpret=interpret(platform))
+
+
+def attention(q, k, v, spec: AttentionSpec = AttentionSpec(), *, segment_ids=None, sinks=None,
               context_parallel=None, zigzag=False):
   """q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv] -> [B, Lq, Hq, Dv].
 
   Dv may differ from D (multi-head latent attention). Hq % Hkv == 0 (GQA/MQA);
-  segment_ids: int [B, Lk] for packed sequences (queries are
-  the last Lq positions); sliding_window: keys at most this far back (incl. self);
-  logit_soft_cap: cap * tanh(logits / cap); sinks: [Hq] logits, one per query head, that
-  join each row's softmax with a zero value (GPT-OSS; differentiable); block_sizes: kernel
-  tiles (BlockSizes). On a mesh that splits `length`: context_parallel "all_gather" | "ring"
-  (None: the current execution options'); zigzag: the length axis is in zig-zag order
-  (layout.zigzag), else contiguous.
+  segment_ids: int [B, Lk] for packed sequences (queries are the last Lq positions);
+  sinks: [Hq] logits, one per query head, that join each row's softmax with a zero value
+  (GPT-OSS; differentiable). On a mesh that splits `length`: context_parallel "all_gather"
+  | "ring" (None: the current execution options'); zigzag: the length axis is in zig-zag
+  order (layout.zigzag), else contiguous.
   """
   platform = current_platform()
   split = cp.length_split(zigzag)
   if split is not None:
     strategy = context_parallel or current_execution_options().context_attention
-    return _context_parallel(q, k, v, segment_ids, sinks, split, platform, strategy,
-                             implementation, block_sizes,
-                             AttentionOptions(causal=causal, sliding_window=sliding_window,
-                                              logit_soft_cap=logit_soft_cap, scale=scale))
-  impl = choose_implementation(implementation, platform, q.shape[-1], k.shape[1], v.shape[-1])
-  options = dict(causal=causal, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-                 scale=scale)
+    return _context_parallel(q, k, v, segment_ids, sinks, split, platform, strategy, spec)
+  impl = choose_implementation(spec.implementation, platform, q.shape[-1], k.shape[1], v.shape[-1])
   if impl == "reference":
-    validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap,
-                                    head_dims=None, sinks=sinks)
-    return attention_reference(q, k, v, segment_ids=segment_ids, sinks=sinks, **options)
+    validation.check_attention_args(q, k, v, segment_ids, head_dims=None, sinks=sinks)
+    return attention_reference(q, k, v, spec, segment_ids=segment_ids, sinks=sinks)
   if impl == "chunked":
-    return chunked_attention(q, k, v, segment_ids=segment_ids, sinks=sinks, block_sizes=block_sizes,
-                             **options)
-  validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap, sinks=sinks)
-  kernel = flash_attention_gpu if platform == "gpu" else flash_attention_tpu
-  blocks = block_sizes or default_block_sizes(platform, current_device_kind())
-  run = functools.partial(kernel, block_sizes=blocks, interpret=interpret(platform), **options)
-  return logical_shard_map(lambda q, k, v, seg, sinks: run(q, k, v, segment_ids=seg, sinks=sinks),
+    return chunked_attention(q, k, v, spec, segment_ids=segment_ids, sinks=sinks)
+  validation.check_attention_args(q, k, v, segment_ids, sinks=sinks)
+  kernel, spec = (flash_attention_gpu if platform == "gpu" else flash_attention_tpu), _for_kernels(spec, platform)
+  return logical_shard_map(lambda q, k, v, seg, sinks: kernel(q, k, v, spec, segment_ids=seg, sinks=sinks),
                            (_SEQUENCE, _SEQUENCE, _SEQUENCE, ("batch", None), (_HEADS,)),
                            _SEQUENCE)(q, k, v, segment_ids, sinks)
 
 
-def _context_parallel(q, k, v, segment_ids, sinks, split, platform, strategy, implementation,
-                      block_sizes, opts):
-  """Per-piece kernel: flash where `implementation` resolves to it, else chunked."""
-  _check_implementation(implementation)
-  cp.check_split(split, q, k, strategy, implementation)
-  impl = choose_implementation(implementation, platform, q.shape[-1], k.shape[1], v.shape[-1])
+def _context_parallel(q, k, v, segment_ids, sinks, split, platform, strategy, spec):
+  """Per-piece kernel: flash where the spec's implementation resolves to it, else chunked."""
+  cp.check_split(split, q, k, strategy, spec.implementation)
+  impl = choose_implementation(spec.implementation, platform, q.shape[-1], k.shape[1], v.shape[-1])
   if impl == "flash" and interpret(platform):
     raise ConfigError(f"attention implementation 'flash' runs in interpret mode on {platform}, "
                      "which JAX cannot run with per-device offsets inside shard_map: use "
                      "'chunked' or 'auto' when the mesh splits the sequence length")
   head_dims = validation.SUPPORTED_HEAD_DIMS if impl == "flash" else None
-  validation.check_attention_args(q, k, v, segment_ids, opts.sliding_window, opts.logit_soft_cap,
-                                  head_dims=head_dims, sinks=sinks)
+  validation.check_attention_args(q, k, v, segment_ids, head_dims=head_dims, sinks=sinks)
   if impl == "flash":
-    block_sizes = block_sizes or default_block_sizes(platform, current_device_kind())
-  opts = dataclasses.replace(opts, block_sizes=block_sizes, interpret=interpret(platform))
+    spec = _for_kernels(spec, platform)
   return cp.context_parallel_attention(q, k, v, segment_ids, sinks, split=split, strategy=strategy,
-                                       kernel=cp.blockwise_kernel(impl, platform), opts=opts)
+                                       kernel=cp.blockwise_kernel(impl, platform), spec=spec)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, layer=None, sliding_window=None,
-                     logit_soft_cap=None, scale=None, sinks=None, implementation="auto",
-                     value_dim=None):
+def decode_attention(q, k_cache, v_cache, lengths, spec: AttentionSpec = AttentionSpec(), *, page_table=None,
+                     layer=None, sinks=None):
   """One new token per sequence against a KV cache with ragged `lengths` -> [B, Hq, Dv].
 
   q: [B, Hq, D]; lengths: int [B] valid entries (the new token's key included).
@@ -138,37 +120,34 @@ def decode_attention(q, k_cache, v_cache, lengths, *, page_table=None, layer=Non
   on CPU the C++ kernel that reads pages in place (decode_cpu.py), or where it cannot run,
   the transpose-free XLA form (decode_xla.py). With a sliding window every implementation
   gets only the pages inside it (`visible_pages`). v_cache None: the values are the first
-  `value_dim` entries of each key (multi-head latent attention's latent cache, absorbed
+  spec.value_dim entries of each key (multi-head latent attention's latent cache, absorbed
   form: queries [B, Hq, latent + rope] against one latent "kv head"). sinks: [Hq] or
   None, as `attention` takes them.
   """
-  _check_implementation(implementation)
   validation.check_sinks(sinks, q.shape[1])
   platform = current_platform()
-  options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale,
-                 value_dim=value_dim)
   if page_table is not None:
-    page_table, start = visible_pages(page_table, lengths[:, None] - 1, k_cache.shape[-2], sliding_window)
+    page_table, start = visible_pages(page_table, lengths[:, None] - 1, k_cache.shape[-2], spec.sliding_window)
     lengths = jnp.where(lengths > 0, lengths - start, 0)
-  kernel = None if page_table is None else _paged_decode_kernel(implementation, platform, q.dtype, k_cache.dtype)
+  kernel = None if page_table is None else _paged_decode_kernel(spec.implementation, platform, q.dtype,
+                                                                 k_cache.dtype)
   if kernel is not None:
-    return _sharded_decode(functools.partial(kernel, **options), q, k_cache, v_cache, lengths, page_table,
+    spec = spec.replace(interpret=interpret(platform))
+    return _sharded_decode(functools.partial(kernel, spec=spec), q, k_cache, v_cache, lengths, page_table,
                            sinks, layer)
   if layer is not None:
     take = lambda x: None if x is None else jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)  # noqa: E731
     k_cache, v_cache = take(k_cache), take(v_cache)
-  if page_table is not None and implementation == "auto":
-    return paged_decode_attention_xla(q, k_cache, v_cache, lengths, page_table, sinks=sinks, **options)
-  return decode_attention_reference(q, k_cache, v_cache, lengths, page_table=page_table,
-                                    sinks=sinks, **options)
+  if page_table is not None and spec.implementation == "auto":
+    return paged_decode_attention_xla(q, k_cache, v_cache, lengths, page_table, spec, sinks=sinks)
+  return decode_attention_reference(q, k_cache, v_cache, lengths, spec, page_table=page_table, sinks=sinks)
 
 
 def _paged_decode_kernel(implementation, platform, q_dtype, cache_dtype):
   """The kernel that reads a paged cache in place, or None for XLA's forms: Pallas on
   TPU/GPU (and "flash" elsewhere, interpreted), the C++ kernel for "auto" on CPU."""
   if implementation == "flash" or (implementation == "auto" and platform in ("tpu", "gpu")):
-    pallas = paged_decode_attention_gpu if platform == "gpu" else paged_decode_attention_tpu
-    return functools.partial(pallas, interpret=interpret(platform))
+    return paged_decode_attention_gpu if platform == "gpu" else paged_decode_attention_tpu
   if implementation == "auto" and decode_cpu.available(q_dtype, cache_dtype):
     return decode_cpu.paged_decode_attention_cpu
   return None
@@ -189,29 +168,25 @@ def _sharded_decode(kernel, q, k_pages, v_pages, lengths, page_table, sinks, lay
                            token)(q, k_pages, v_pages, lengths, page_table, layer, sinks)
 
 
-def paged_attention(q, k_pages, v_pages, q_positions, page_table, *, layer=None, sliding_window=None,
-                    logit_soft_cap=None, scale=None, sinks=None, implementation="auto",
-                    value_dim=None):
+def paged_attention(q, k_pages, v_pages, q_positions, page_table, spec: AttentionSpec = AttentionSpec(), *,
+                    layer=None, sinks=None):
   """New tokens against a paged KV cache that already holds their keys -> [B, T, Hq, Dv].
 
   q: [B, T, Hq, D] at q_positions int [B, T] (negative: padding, output 0); each query
   sees the cached keys at positions 0..its own. Pages: k [Hkv, num_pages, page_size, D],
-  v [.., Dv], or None with `value_dim` (the keys' first entries: a latent cache), or with
+  v [.., Dv], or None with spec.value_dim (the keys' first entries: a latent cache), or with
   `layer` (an int scalar) both stacked over layers [layers, Hkv, ...] and that layer's read;
   page_table: int [B, pages_per_seq]. One token per sequence (decode) goes to
   `decode_attention` and its kernels; several (prefill) to the reference over the pages
   (only those inside a sliding window: positions contiguous per row).
   """
-  _check_implementation(implementation)
-  options = dict(sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, scale=scale,
-                 value_dim=value_dim, sinks=sinks)
   if q.shape[1] == 1:
     lengths = jnp.maximum(q_positions[:, 0] + 1, 0)
-    return decode_attention(q[:, 0], k_pages, v_pages, lengths, page_table=page_table, layer=layer,
-                            implementation=implementation, **options)[:, None]
+    return decode_attention(q[:, 0], k_pages, v_pages, lengths, spec, page_table=page_table, layer=layer,
+                            sinks=sinks)[:, None]
   if layer is not None:
     k_pages, v_pages = (None if x is None else jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
                         for x in (k_pages, v_pages))
-  page_table, start = visible_pages(page_table, q_positions, k_pages.shape[2], sliding_window)
+  page_table, start = visible_pages(page_table, q_positions, k_pages.shape[2], spec.sliding_window)
   q_positions = jnp.where(q_positions >= 0, q_positions - start[:, None], -1)
-  return paged_attention_reference(q, k_pages, v_pages, q_positions, page_table, **options)
+  return paged_attention_reference(q, k_pages, v_pages, q_positions, page_table, spec, sinks=sinks)

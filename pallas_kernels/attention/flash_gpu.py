@@ -8,7 +8,6 @@ Attention sinks start each row's online softmax at (max = sink, sum = 1); the ba
 kernels see them through the saved log-sum-exp.
 """
 
-import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -19,37 +18,21 @@ from jax.experimental.pallas import triton as plgpu
 from jaxpar.pallas_kernels import tiling
 from jaxpar.pallas_kernels.attention import masking, validation
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
-from jaxpar.pallas_kernels.attention.blockwise import (AttentionOptions, Blockwise, default_offset,
-                                                       out_struct, split_segments)
+from jaxpar.pallas_kernels.attention.blockwise import Blockwise, Tiled, default_offset, out_struct, split_segments
 from jaxpar.pallas_kernels.attention.lse_vjp import with_lse_vjp
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  causal: bool
-  sliding_window: int | None
-  logit_soft_cap: float | None
-  scale: float
-  kv_len: int
-  block_q: int
-  block_k: int
-  block_q_bwd: int
-  block_k_bwd: int
-  interpret: bool
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec
 
 
 def _mask(st, offset, i, j, bq, bk, q_seg, k_seg):
   q_pos = offset + i * bq + jnp.arange(bq)[:, None]
   k_pos = j * bk + jnp.arange(bk)[None, :]
   segs = {} if q_seg is None else dict(q_seg=q_seg[:, None], k_seg=k_seg[None, :])
-  return masking.token_mask(q_pos, k_pos, causal=st.causal, sliding_window=st.sliding_window,
-                            kv_len=st.kv_len, **segs)
+  return masking.token_mask(q_pos, k_pos, st.mask, kv_len=st.kv_len, **segs)
 
 
 def _kv_range(st, offset, i, bq, bk):
   q_lo = offset + i * bq
-  return masking.kv_block_range(q_lo, q_lo + bq - 1, bk, causal=st.causal,
-                                sliding_window=st.sliding_window, kv_len=st.kv_len)
+  return masking.kv_block_range(q_lo, q_lo + bq - 1, bk, st.mask, kv_len=st.kv_len)
 
 
 def _fwd_kernel(off_ref, q_ref, k_ref, v_ref, seg_ref, kv_seg_ref, sink_ref, o_ref, lse_ref, *, st):
@@ -100,9 +83,7 @@ def _dkv_kernel(off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, seg_re
   j, offset = pl.program_id(0), off_ref[0]
   k, v = k_ref[...], v_ref[...]
   k_seg = None if kv_seg_ref is None else kv_seg_ref[...]
-  first, last = masking.q_block_range(j * bk, j * bk + bk - 1, bq, num_q_blocks,
-                                      q_offset=offset, causal=st.causal,
-                                      sliding_window=st.sliding_window)
+  first, last = masking.q_block_range(j * bk, j * bk + bk - 1, bq, num_q_blocks, st.mask, q_offset=offset)
 
   def step(i, carry, g):
     dk, dv = carry
@@ -232,16 +213,11 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   return dq, dk, dv
 
 
-def _static(opts, q_len, kv_len, head_dim):
+def _static(spec, q, k):
   """(kernel statics, padded q length, padded kv length) for these shapes."""
-  blocks = opts.block_sizes or default_block_sizes("gpu")
-  tiles = tiling.fit_tiles(blocks, q_len, kv_len, 16, power_of_two=True)
-  tiles = {n: 1 << (t - 1).bit_length() for n, t in tiles.items()}  # Triton: powers of two
-  q_pad = tiling.round_up(q_len, max(tiles["block_q"], tiles["block_q_bwd"]))
-  kv_pad = tiling.round_up(kv_len, max(tiles["block_k"], tiles["block_k_bwd"]))
-  st = _Static(causal=opts.causal, sliding_window=opts.sliding_window,
-               logit_soft_cap=opts.logit_soft_cap, scale=opts.scale_for(head_dim), kv_len=kv_len,
-               interpret=opts.interpret, **tiles)
+  st = Tiled.fit(spec, default_block_sizes("gpu"), q, k, 16, power_of_two=True)
+  q_pad = tiling.round_up(q.shape[1], max(st.block_q, st.block_q_bwd))
+  kv_pad = tiling.round_up(k.shape[1], max(st.block_k, st.block_k_bwd))
   return st, q_pad, kv_pad
 
 
@@ -256,20 +232,20 @@ def _padded(x, length):
   return tiling.pad_axis(tiling.pad_axis(x, 1, length), 3, 1 << (x.shape[3] - 1).bit_length())
 
 
-def forward(opts, q, k, v, sinks, q_seg, kv_seg, q_offset):
+def forward(spec, q, k, v, sinks, q_seg, kv_seg, q_offset):
   """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, Dv], lse [B, Hq, Lq])."""
-  q_len, kv_len = q.shape[1], k.shape[1]
-  st, q_pad, kv_pad = _static(opts, q_len, kv_len, q.shape[-1])
+  q_len = q.shape[1]
+  st, q_pad, kv_pad = _static(spec, q, k)
   q_seg, kv_seg = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
   o, lse = _forward(_padded(q, q_pad), _padded(k, kv_pad), _padded(v, kv_pad), sinks, q_seg, kv_seg,
                     _offset(q_offset), st)
   return o[:, :q_len, :, :v.shape[3]], lse[:, :, :q_len]
 
 
-def backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
+def backward(spec, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
   """The blockwise backward from a given log-sum-exp (see blockwise.py): (dq, dk, dv)."""
   q_len, kv_len = q.shape[1], k.shape[1]
-  st, q_pad, kv_pad = _static(opts, q_len, kv_len, q.shape[-1])
+  st, q_pad, kv_pad = _static(spec, q, k)
   q_seg, kv_seg = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
   dq, dk, dv = _backward(_padded(q, q_pad), _padded(k, kv_pad), _padded(v, kv_pad), q_seg, kv_seg,
                          _offset(q_offset), _padded(o, q_pad), tiling.pad_axis(lse, 2, q_pad),
@@ -282,12 +258,8 @@ BLOCKWISE = Blockwise(forward, backward)
 _flash = with_lse_vjp(forward, backward)
 
 
-def flash_attention_gpu(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
-                        logit_soft_cap=None, scale=None, sinks=None, block_sizes=None, interpret=False):
+def flash_attention_gpu(q, k, v, spec: AttentionSpec = AttentionSpec(), *, segment_ids=None, sinks=None):
   """q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; sinks [Hq] or None
   -> [B, Lq, Hq, Dv] (Triton kernel)."""
-  validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap, sinks=sinks)
-  opts = AttentionOptions(causal=causal, sliding_window=sliding_window,
-                          logit_soft_cap=logit_soft_cap, scale=scale, block_sizes=block_sizes,
-                          interpret=interpret)
-  return _flash(opts, q, k, v, sinks, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))
+  validation.check_attention_args(q, k, v, segment_ids, sinks=sinks)
+  return _flash(spec, q, k, v, sinks, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))

@@ -11,7 +11,6 @@ sinks (one logit per query head, in SMEM) start each row's online softmax at (ma
 sum = 1); the backward kernels read them through the saved log-sum-exp.
 """
 
-import dataclasses
 import functools
 import math
 
@@ -24,28 +23,13 @@ from jax.experimental.pallas import tpu as pltpu
 from jaxpar.pallas_kernels import tiling
 from jaxpar.pallas_kernels.attention import masking, tpu_segments, validation
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
-from jaxpar.pallas_kernels.attention.blockwise import (AttentionOptions, Blockwise, default_offset,
+from jaxpar.pallas_kernels.attention.blockwise import (Blockwise, Tiled, default_offset,
                                                        out_struct, split_segments)
 from jaxpar.pallas_kernels.attention.lse_vjp import with_lse_vjp
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec
 from jaxpar.pallas_kernels.tpu_matmul import mxu_dot
 
 _LANES = tpu_segments.LANES
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  """Everything the kernels specialise on (hashable: a nondiff custom_vjp arg)."""
-  causal: bool
-  sliding_window: int | None
-  logit_soft_cap: float | None
-  scale: float
-  kv_len: int
-  block_q: int
-  block_k: int
-  block_q_bwd: int
-  block_k_bwd: int
-  vmem_limit_bytes: int | None
-  interpret: bool
 
 
 def _tile_mask(st, q_lo, k_lo, bq, bk, qseg, kseg, transposed):
@@ -54,19 +38,16 @@ def _tile_mask(st, q_lo, k_lo, bq, bk, qseg, kseg, transposed):
   q_axis, k_axis = (1, 0) if transposed else (0, 1)
   q_pos = q_lo + lax.broadcasted_iota(jnp.int32, shape, q_axis)
   k_pos = k_lo + lax.broadcasted_iota(jnp.int32, shape, k_axis)
-  return masking.token_mask(q_pos, k_pos, causal=st.causal, sliding_window=st.sliding_window,
-                            kv_len=st.kv_len, q_seg=qseg, k_seg=kseg)
+  return masking.token_mask(q_pos, k_pos, st.mask, kv_len=st.kv_len, q_seg=qseg, k_seg=kseg)
 
 
 def _kv_range(st, offset, i, bq, bk):
   q_lo = offset + i * bq
-  return masking.kv_block_range(q_lo, q_lo + bq - 1, bk, causal=st.causal,
-                                sliding_window=st.sliding_window, kv_len=st.kv_len)
+  return masking.kv_block_range(q_lo, q_lo + bq - 1, bk, st.mask, kv_len=st.kv_len)
 
 
 def _q_range(st, offset, j, bq, bk, num_q_blocks):
-  return masking.q_block_range(j * bk, j * bk + bk - 1, bq, num_q_blocks, q_offset=offset,
-                               causal=st.causal, sliding_window=st.sliding_window)
+  return masking.q_block_range(j * bk, j * bk + bk - 1, bq, num_q_blocks, st.mask, q_offset=offset)
 
 
 def _live(index, first, last, count):
@@ -193,7 +174,7 @@ def _cost(q, k, v, st, passes):
   """`passes` matmuls over every (query, key) pair, each of the mean of the q/k and v head
   dims (they differ under multi-head latent attention); halved for a causal mask."""
   batch, heads, q_len, _ = q.shape
-  scores = batch * heads * q_len * k.shape[2] // (2 if st.causal else 1)
+  scores = batch * heads * q_len * k.shape[2] // (2 if st.mask.causal else 1)
   flops = passes * scores * (q.shape[-1] + v.shape[-1])
   nbytes = sum(x.size * x.dtype.itemsize for x in (q, k, v)) * 2
   return pl.CostEstimate(flops=flops, transcendentals=scores, bytes_accessed=nbytes)
@@ -205,7 +186,7 @@ def _call(kernel, st, group, grid, in_specs, out_specs, out_shape, scratch, cost
   spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=in_specs,
                                       out_specs=out_specs, scratch_shapes=scratch)
   params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",),
-                                vmem_limit_bytes=st.vmem_limit_bytes)
+                                vmem_limit_bytes=(st.spec.block_sizes or _blocks()).vmem_limit_bytes)
   return pl.pallas_call(functools.partial(kernel, st=st, group=group), grid_spec=spec,
                         out_shape=out_shape, compiler_params=params, cost_estimate=cost,
                         interpret=st.interpret, name=name)
@@ -302,18 +283,17 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   return dq, dk, dv
 
 
-def _prepare(opts, q, k, q_seg, kv_seg, q_offset):
+def _blocks():
+  """This chip generation's default tiles (and VMEM limit)."""
+  return default_block_sizes("tpu", _device_kind())
+
+
+def _prepare(spec, q, k, q_seg, kv_seg, q_offset):
   """Kernel statics, a padder to the kernel layout for queries / keys ([B, L, H, D] ->
   [B, H, L_pad, D]), the padded segment ids and the offset as a prefetchable [1]."""
-  q_len, kv_len = q.shape[1], k.shape[1]
-  blocks = opts.block_sizes or default_block_sizes("tpu", _device_kind())
-  tiles = tiling.fit_tiles(blocks, q_len, kv_len, _LANES)
-  q_pad = tiling.round_up(q_len, math.lcm(tiles["block_q"], tiles["block_q_bwd"]))
-  kv_pad = tiling.round_up(kv_len, math.lcm(tiles["block_k"], tiles["block_k_bwd"]))
-  st = _Static(causal=opts.causal, sliding_window=opts.sliding_window,
-               logit_soft_cap=opts.logit_soft_cap, scale=opts.scale_for(q.shape[-1]),
-               kv_len=kv_len, vmem_limit_bytes=blocks.vmem_limit_bytes,
-               interpret=opts.interpret, **tiles)
+  st = Tiled.fit(spec, _blocks(), q, k, _LANES)
+  q_pad = tiling.round_up(q.shape[1], math.lcm(st.block_q, st.block_q_bwd))
+  kv_pad = tiling.round_up(k.shape[1], math.lcm(st.block_k, st.block_k_bwd))
   pad = lambda x, n: tiling.pad_axis(x, 1, n).transpose(0, 2, 1, 3)
   segs = tiling.padded_segments(q_seg, kv_seg, q_pad, kv_pad)
   return (st, lambda x: pad(x, q_pad), lambda x: pad(x, kv_pad), segs,
@@ -324,16 +304,16 @@ def _from_kernel(x, length):
   return x.transpose(0, 2, 1, 3)[:, :length]
 
 
-def forward(opts, q, k, v, sinks, q_seg, kv_seg, q_offset):
+def forward(spec, q, k, v, sinks, q_seg, kv_seg, q_offset):
   """The blockwise forward (see blockwise.py): (o [B, Lq, Hq, D], lse [B, Hq, Lq])."""
-  st, pad_q, pad_kv, segs, offset = _prepare(opts, q, k, q_seg, kv_seg, q_offset)
+  st, pad_q, pad_kv, segs, offset = _prepare(spec, q, k, q_seg, kv_seg, q_offset)
   o, lse = _forward(pad_q(q), pad_kv(k), pad_kv(v), sinks, *segs, offset, st)
   return _from_kernel(o, q.shape[1]), lse[:, :, :q.shape[1]]
 
 
-def backward(opts, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
+def backward(spec, q, k, v, q_seg, kv_seg, q_offset, o, lse, do):
   """The blockwise backward from a given log-sum-exp (see blockwise.py): (dq, dk, dv)."""
-  st, pad_q, pad_kv, segs, offset = _prepare(opts, q, k, q_seg, kv_seg, q_offset)
+  st, pad_q, pad_kv, segs, offset = _prepare(spec, q, k, q_seg, kv_seg, q_offset)
   lse = tiling.pad_axis(lse, 2, pad_q(q).shape[2])
   dq, dk, dv = _backward(pad_q(q), pad_kv(k), pad_kv(v), *segs, offset, pad_q(o), lse, pad_q(do), st)
   return _from_kernel(dq, q.shape[1]), _from_kernel(dk, k.shape[1]), _from_kernel(dv, k.shape[1])
@@ -343,19 +323,15 @@ BLOCKWISE = Blockwise(forward, backward)
 _flash = with_lse_vjp(forward, backward)
 
 
-def flash_attention_tpu(q, k, v, *, segment_ids=None, causal=True, sliding_window=None,
-                        logit_soft_cap=None, scale=None, sinks=None, block_sizes=None, interpret=False):
+def flash_attention_tpu(q, k, v, spec: AttentionSpec = AttentionSpec(), *, segment_ids=None, sinks=None):
   """q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; sinks [Hq] or None
   -> [B, Lq, Hq, Dv] (Mosaic TPU kernel).
 
   Sequences that are not a multiple of the tile are zero-padded; padded keys are
   masked and padded queries are dropped, so their gradients vanish.
   """
-  validation.check_attention_args(q, k, v, segment_ids, sliding_window, logit_soft_cap, sinks=sinks)
-  opts = AttentionOptions(causal=causal, sliding_window=sliding_window,
-                          logit_soft_cap=logit_soft_cap, scale=scale, block_sizes=block_sizes,
-                          interpret=interpret)
-  return _flash(opts, q, k, v, sinks, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))
+  validation.check_attention_args(q, k, v, segment_ids, sinks=sinks)
+  return _flash(spec, q, k, v, sinks, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))
 
 
 def _device_kind():

@@ -17,6 +17,7 @@ from jax import lax
 
 from jaxpar.mesh import logical_shard_map, mesh_axes, num_shards
 from jaxpar.pallas_kernels.attention import masking
+from jaxpar.pallas_kernels.attention.spec import CausalMask
 
 
 def zigzag(x, shards: int):
@@ -105,8 +106,8 @@ class SequenceSplit:
       for q_pos in self.starts(d, n):
         for k_pos, lo in itertools.product(starts, range(0, n, block)):
           offset = int(q_pos) - k_pos + lo
-          first, last = masking.kv_block_range(offset, offset + min(block, n - lo) - 1, block,
-                                                causal=True, sliding_window=None, kv_len=n)
+          first, last = masking.kv_block_range(offset, offset + min(block, n - lo) - 1, block, CausalMask(),
+                                                kv_len=n)
           tiles += max(0, int(last) - int(first) + 1)
       work.append(tiles)
     return work

@@ -41,7 +41,7 @@ def _pairs(split):
 
 
 def _forward(st, q, k, v, sinks, q_seg, kv_seg):
-  split, kernel, opts = st
+  split, kernel, spec = st
   index = lax.axis_index(split.axes)
   qs, q_segs = split.split(q), split.split(q_seg)
   n = qs.shape[2]
@@ -54,7 +54,7 @@ def _forward(st, q, k, v, sinks, q_seg, kv_seg):
 
     def one(i, acc):
       a, b = pair(i)
-      block = kernel.forward(opts, qs[a], ks[b], vs[b], None, piece(q_segs, a), piece(k_segs, b),
+      block = kernel.forward(spec, qs[a], ks[b], vs[b], None, piece(q_segs, a), piece(k_segs, b),
                              q_starts[a] - k_starts[b])
       o, lse = merge_partials((acc[0][a], acc[1][a]), block)
       return acc[0].at[a].set(o), acc[1].at[a].set(lse)
@@ -76,7 +76,7 @@ def _forward(st, q, k, v, sinks, q_seg, kv_seg):
 
 
 def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
-  split, kernel, opts = st
+  split, kernel, spec = st
   index = lax.axis_index(split.axes)
   qs, q_segs, os, dos = (split.split(x) for x in (q, q_seg, o, do))
   n = qs.shape[2]
@@ -91,7 +91,7 @@ def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
     def one(i, carry):
       dq, dk, dv = carry
       a, b = pair(i)
-      dq_i, dk_j, dv_j = kernel.backward(opts, qs[a], ks[b], vs[b], piece(q_segs, a), piece(k_segs, b),
+      dq_i, dk_j, dv_j = kernel.backward(spec, qs[a], ks[b], vs[b], piece(q_segs, a), piece(k_segs, b),
                                          q_starts[a] - k_starts[b], os[a], lses[a], dos[a])
       return dq.at[a].add(dq_i), dk.at[b].add(dk_j), dv.at[b].add(dv_j)
 
@@ -113,5 +113,5 @@ def _backward(st, q, k, v, q_seg, kv_seg, o, lse, do):
           split.join(dv).astype(v.dtype))
 
 
-# ring_attention(st, q, k, v, sinks, q_seg, kv_seg) -> o, st = (SequenceSplit, Blockwise, AttentionOptions).
+# ring_attention(st, q, k, v, sinks, q_seg, kv_seg) -> o, st = (SequenceSplit, Blockwise, AttentionSpec).
 ring_attention = with_lse_vjp(_forward, _backward)

@@ -8,10 +8,9 @@ from jaxpar.errors import UserError
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
 
 
-def check_attention_args(q, k, v, segment_ids=None, sliding_window=None, logit_soft_cap=None,
-                         head_dims=SUPPORTED_HEAD_DIMS, sinks=None):
+def check_attention_args(q, k, v, segment_ids=None, head_dims=SUPPORTED_HEAD_DIMS, sinks=None):
   """q: [B, Lq, Hq, D]; k: [B, Lk, Hkv, D]; v: [B, Lk, Hkv, Dv]; segment_ids: [B, Lk];
-  sinks: [Hq]."""
+  sinks: [Hq] (the AttentionSpec checks its own options)."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if x.ndim != 4:
       raise UserError(f"{name} must be [batch, length, heads, head_dim], got shape {x.shape}")
@@ -32,10 +31,6 @@ def check_attention_args(q, k, v, segment_ids=None, sliding_window=None, logit_s
   if segment_ids is not None and segment_ids.shape != k.shape[:2]:
     raise UserError(f"segment_ids must be [batch, kv_length] = {k.shape[:2]}, "
                      f"got {segment_ids.shape}")
-  if sliding_window is not None and sliding_window < 1:
-    raise UserError(f"sliding_window={sliding_window} must be >= 1")
-  if logit_soft_cap is not None and logit_soft_cap <= 0:
-    raise UserError(f"logit_soft_cap={logit_soft_cap} must be > 0")
   check_sinks(sinks, q.shape[2])
 
 
