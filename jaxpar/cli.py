@@ -165,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
   convert_commands = convert.add_subparsers(dest="convert_command", required=True)
   to_jaxpar = convert_commands.add_parser(
       "hf-to-jaxpar", help="HF model dir -> params-only jaxpar checkpoint",
-      description="Import a Hugging Face directory (config.json + safetensors) of a registered family: "
-      "Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Mixtral or Qwen3-MoE.")
+      description="Import a Hugging Face directory (config.json + safetensors) of a model type a registered "
+      "family imports (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3, Gemma 2/3, GPT-OSS).")
   to_jaxpar.add_argument("hf_dir", metavar="HF_DIR")
   to_jaxpar.add_argument("out", metavar="OUT")
   to_jaxpar.add_argument("--tokenizer", metavar="PATH",

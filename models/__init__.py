@@ -1,17 +1,16 @@
 """Pure Flax NNX model code: layers name their array axes and contain no parallelism.
 
-Families and blocks (attention, decoder layer, feed-forward) are registered by name
-(`registry.py`); importing this package registers the shipped ones. Nothing here changes
+Families (one folder each under `families/`) and blocks (attention, decoder layer,
+feed-forward) are registered by name (`registry.py`); importing this package registers the
+shipped blocks, every family folder and any installed `jaxpar.families` entry point. Nothing here changes
 global Flax behaviour: `build_model` scopes what it needs.
 """
 
-# Importing these registers the shipped families and blocks.
-from jaxpar.models import attention, decoder, gemma, gpt_oss, llama, mla, mlp, moe_families  # noqa: F401
+from jaxpar.models import attention, decoder, families, mla, mlp, moe  # noqa: F401  (register the shared blocks)
 from jaxpar.models.attention import Attention
 from jaxpar.models.caches import NoCache, SimulatedKVQuantization
 from jaxpar.models.config import LayerKind, ModelConfig, QuantizationConfig, RopeScaling
 from jaxpar.models.decoder import DecoderLayer, LayerContext
-from jaxpar.models.deepseek_config import DeepSeekConfig, MLAConfig
 from jaxpar.models.kv_cache import PagedCache
 from jaxpar.models.kv_cache_latent import LatentPagedCache
 from jaxpar.models.kv_cache_quantized import QuantizedPagedCache
@@ -19,6 +18,7 @@ from jaxpar.models.layer_pattern import (LayerOptions, Rope, kv_reach, layer_opt
                                          local_window)
 from jaxpar.models.dense import QuantizedKernel
 from jaxpar.models.kv_quant import KVQuantization
+from jaxpar.models.mla_config import MLAConfig
 from jaxpar.models.mlp import MLP
 from jaxpar.models.moe import MoE
 from jaxpar.models.moe_config import MoEConfig, MoEModelConfig
@@ -26,7 +26,9 @@ from jaxpar.models.registry import (HFMapping, ModelFamily, block_names, build_m
                                     family_names, get_block, get_family, register_block, register_family)
 from jaxpar.models.transformer import Transformer
 
-__all__ = ["Attention", "DecoderLayer", "DeepSeekConfig", "HFMapping", "KVQuantization", "LayerContext",
+families.load()
+
+__all__ = ["Attention", "DecoderLayer", "HFMapping", "KVQuantization", "LayerContext",
            "LatentPagedCache", "LayerKind", "LayerOptions", "MLAConfig", "MLP", "ModelConfig", "ModelFamily", "MoE", "MoEConfig",
            "MoEModelConfig", "NoCache", "PagedCache", "QuantizationConfig", "QuantizedKernel",
            "QuantizedPagedCache", "Rope", "RopeScaling", "SimulatedKVQuantization", "Transformer",

@@ -13,7 +13,9 @@ Blocks are the interchangeable parts a config picks, by kind:
   decoder_layer  `model.layer_block` (pre_norm): factory(cfg, rngs, *, feed_forward), its
                  module's call (x, context, cache, options) -> (x, aux, cache)
 
-Adding a family or a block is a `register_*` call; nothing else in the tree is edited.
+Adding a family or a block is a `register_*` call; nothing else in the tree is edited. The
+shipped families register from their folders (models/families/); docs/extending.md walks
+through adding one.
 """
 
 import dataclasses
@@ -33,12 +35,14 @@ class HFMapping:
   `model.layers.{i}.`. Layouts: same, transpose, heads_in, heads_out, heads_bias
   (see jaxpar/convert/hf.py). Entries whose parameter the model lacks are skipped.
   `dense_layer`: the entries of the `model.first_dense_layers` layers, when they differ.
+  `model_types` / `config_from_hf`: the HF model types the family imports and how; none:
+  export only (a family that writes another's layout, as a toy family writing Llama's).
   """
-  model_types: tuple[str, ...]
-  config_from_hf: Callable[[dict], ModelConfig]
   config_to_hf: Callable[[ModelConfig, str], dict]
   top: tuple[tuple[tuple[str, ...], str, str], ...]
   layer: tuple[tuple[tuple[str, ...], str, str], ...]
+  model_types: tuple[str, ...] = ()
+  config_from_hf: Callable[[dict], ModelConfig] | None = None
   dense_layer: tuple[tuple[tuple[str, ...], str, str], ...] | None = None
 
 

@@ -63,7 +63,7 @@ def test_generates_like_transformers_past_the_window(family):
 def test_train_step_on_8_devices_equals_one_device():
   """One model with every Gemma piece (Gemma 2's soft caps and alternation, Gemma 3's
   QK-norm and local RoPE) and GPT-OSS's sinks: one compile pair instead of three."""
-  from jaxpar.models.gemma import Gemma2Config
+  from jaxpar.models.families.gemma.config import Gemma2Config
   model = Gemma2Config(vocab_size=320, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=16,
                        mlp_dim=96, max_seq_len=32, tie_embeddings=False, qk_norm=True, attention_sinks=True,
                        query_pre_attn_scalar=24, attn_logit_soft_cap=4.0, final_logit_soft_cap=3.0,

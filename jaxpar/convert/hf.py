@@ -1,7 +1,7 @@
-"""Hugging Face <-> jaxpar, for every registered family with an HF mapping (the `llama`
-family: Llama 2/3, Mistral, Qwen2/2.5, Qwen3, see models/llama_hf.py; `mixtral` and
-`qwen3_moe`, see models/moe_hf.py; `deepseek`, see models/deepseek_hf.py; `gemma2` and
-`gemma3`, see models/gemma_hf.py; `gpt_oss`, see models/gpt_oss_hf.py). HF stores layers
+"""Hugging Face <-> jaxpar, for every registered family with an HF mapping (each family's
+is models/families/<name>/hf.py, on the shared decoder layout of models/hf_layout.py:
+`llama` for Llama 2/3, Mistral, Qwen2/2.5, Qwen3; `mixtral`; `qwen3_moe`; `deepseek`;
+`gemma2` and `gemma3`; `gpt_oss`). HF stores layers
 (and experts) one tensor each; ours are stacked on leading `layers` (and `experts`) axes,
 per layer group (`first_dense_layers`: `dense_layers`, then `layers`).
 

@@ -1,10 +1,14 @@
 """Training objectives as plug-ins (base.py says what one brings): `lm` (next-token prediction
 on text), `sft` (on chat rows, the assistant's tokens), `dpo` (preference pairs). Another is
-a class decorated with `register_objective`, imported before the config names it."""
+a class decorated with `register_objective` in a new module here, or in an installed
+package's `jaxpar.objectives` entry point (jaxpar/plugins.py): no edit elsewhere."""
 
-from jaxpar.objectives import dpo, lm  # noqa: F401  (registers the built-in objectives)
+from jaxpar import plugins
 from jaxpar.objectives.base import (BASE, OBJECTIVES, Objective, Options, get_objective, migrate_objective_keys,
                                     policy_weights, register_objective)
+
+ENTRY_POINTS = "jaxpar.objectives"
+plugins.load(__name__, __path__, ENTRY_POINTS)
 
 __all__ = ["BASE", "OBJECTIVES", "Objective", "Options", "get_objective", "migrate_objective_keys", "policy_weights",
            "register_objective"]

@@ -1,24 +1,23 @@
-"""Hugging Face names for the `llama` family: Llama 2/3 (rope scaling), Mistral (sliding
-window), Qwen2/2.5 (q/k/v biases), Qwen3 (qk-norm). Our RoPE rotates the two halves of
-head_dim like HF, so q/k need no permutation. The conversion machinery is
-jaxpar/convert/hf.py."""
+"""The Hugging Face names and config fields the decoder families share (each family's own
+are in models/families/<name>/hf.py): Llama's attention, norm and MLP tensors, RoPE and
+sliding-window fields both ways, the dense decoder's config, and experts stored one tensor
+per expert. Our RoPE rotates the two halves of head_dim like HF, so q/k need no
+permutation. The conversion machinery is jaxpar/convert/hf.py."""
 
+import functools
 import math
 
 from jaxpar.errors import ConfigError
 from jaxpar.models import activations
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.layer_pattern import Rope, layer_options
-from jaxpar.models.registry import HFMapping
+from jaxpar.models.moe_config import MoEConfig, MoEModelConfig
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
 # HF model types whose `layer_types` mixes sliding and full layers.
 _LAYER_TYPES = ("qwen2", "qwen3", "gpt_oss")
 
 # (our path inside a layer, HF name after `model.layers.{i}.`, layout); absent entries are
-# skipped. The attention and norm entries are shared with the MoE families (moe_hf.py).
+# skipped.
 ATTENTION = (
   (("attn", "q"), "self_attn.q_proj.weight", "heads_in"),
   (("attn", "k"), "self_attn.k_proj.weight", "heads_in"),
@@ -72,7 +71,8 @@ def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
                  "original_max_position": params["original_max_position_embeddings"]}
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
+def decoder_config_from_hf(hf: dict) -> ModelConfig:
+  """A dense decoder's config from HF's, as model type llama, mistral, qwen2 or qwen3 says it."""
   kind = hf["model_type"]
   activations.from_hf(hf, kind, ("silu",))
   if hf.get("mlp_bias"):
@@ -154,16 +154,6 @@ def rope_scaling_to_hf(s) -> dict:
           "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
 
 
-def config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
-  kind = "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
-  if cfg.mlp != "dense":
-    raise ConfigError(f"model.mlp={cfg.mlp!r} has no Hugging Face architecture in the llama family")
-  if kind == "llama" and any(layer_options(cfg, i).attention.sliding_window for i in range(cfg.num_layers)):
-    kind = "mistral"  # Llama with a sliding window
-  return {"architectures": [ARCHITECTURES[kind]], "model_type": kind, **decoder_config_to_hf(cfg, dtype),
-          **windows_to_hf(cfg, kind)}
-
-
 def decoder_config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
   """The HF config fields every decoder family here shares (no model type)."""
   if cfg.qk_norm and cfg.attention_bias:
@@ -180,5 +170,31 @@ def decoder_config_to_hf(cfg: ModelConfig, dtype: str) -> dict:
       "torch_dtype": dtype}
 
 
-MAPPING = HFMapping(model_types=MODEL_TYPES, config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                    top=TOP, layer=LAYER)
+def expert_entries(prefix: str, gate: str, up: str, down: str):
+  """The router and experts of an MoE layer stored one tensor per expert (`{expert}`)."""
+  return (
+    (("mlp", "router"), f"{prefix}.gate.weight", "transpose"),
+    (("mlp", "gate"), f"{prefix}.experts.{{expert}}.{gate}.weight", "transpose"),
+    (("mlp", "up"), f"{prefix}.experts.{{expert}}.{up}.weight", "transpose"),
+    (("mlp", "down"), f"{prefix}.experts.{{expert}}.{down}.weight", "transpose"),
+  )
+
+
+def moe_config_from_hf(hf: dict, *, family: str, attention_type: str, expert_mlp_dim: int,
+                       normalize: bool) -> MoEModelConfig:
+  """Our config from the dense decoder fields (read as `attention_type`) plus the MoE ones."""
+  dense = decoder_config_from_hf({**hf, "model_type": attention_type})
+  num_experts = hf.get("num_local_experts") or hf.get("num_experts")
+  moe = MoEConfig(num_experts=num_experts, experts_per_token=hf["num_experts_per_tok"],
+                  expert_mlp_dim=expert_mlp_dim, normalize_weights=normalize,
+                  balance_loss=hf.get("router_aux_loss_coef", 0.01), router_z_loss=0.0)
+  return MoEModelConfig(**dense.model_dump(exclude={"family", "mlp"}), family=family, moe=moe)
+
+
+def check_values(cfg, kind: str, needed: dict):
+  """A one-line ConfigError for the first `model.<key>` whose value Hugging Face `kind` cannot
+  say (needed: {dotted key under model: the value it needs})."""
+  for key, value_needed in needed.items():
+    value = functools.reduce(getattr, key.split("."), cfg)
+    if value != value_needed:
+      raise ConfigError(f"model.{key}={value!r} has no Hugging Face {kind} equivalent (it needs {value_needed!r})")

@@ -9,8 +9,10 @@ skips) is not converted: an import has model.mtp_depth 0, an export has no MTP l
 (num_nextn_predict_layers 0)."""
 
 from jaxpar.errors import ConfigError
-from jaxpar.models import activations, llama_hf
-from jaxpar.models.deepseek_config import DeepSeekConfig, MLAConfig
+from jaxpar.models import activations
+from jaxpar.models.families.deepseek.config import DeepSeekConfig
+from jaxpar.models.hf_layout import LAYER, TOP, decoder_config_to_hf, rope_from_hf
+from jaxpar.models.mla_config import MLAConfig
 from jaxpar.models.moe_config import MoEConfig
 from jaxpar.models.registry import HFMapping
 
@@ -49,7 +51,7 @@ def config_from_hf(hf: dict) -> DeepSeekConfig:
     raise ConfigError(f"deepseek with topk_method={hf.get('topk_method')!r}, scoring_func="
                       f"{hf.get('scoring_func')!r} is not supported: jaxpar implements DeepSeek-V3's "
                       "noaux_tc sigmoid routing")
-  theta, scaling = llama_hf.rope_from_hf(hf)
+  theta, scaling = rope_from_hf(hf)
   heads, routed = hf["num_attention_heads"], hf["n_routed_experts"]
   mla = MLAConfig(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
                   qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
@@ -78,7 +80,7 @@ def config_to_hf(cfg, dtype: str) -> dict:
   for key, (value, needed) in problems.items():
     if value != needed:
       raise ConfigError(f"{key}={value!r} has no Hugging Face deepseek_v3 equivalent (it needs {needed!r})")
-  common = llama_hf.decoder_config_to_hf(cfg, dtype)
+  common = decoder_config_to_hf(cfg, dtype)
   for key in ("head_dim", "mlp_bias"):
     common.pop(key)
   return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common,
@@ -91,5 +93,5 @@ def config_to_hf(cfg, dtype: str) -> dict:
           "rope_interleave": mla.rope_interleave, "num_nextn_predict_layers": 0}
 
 
-DEEPSEEK_V3 = HFMapping(model_types=("deepseek_v3",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                        top=llama_hf.TOP, layer=MLA + EXPERTS, dense_layer=MLA + llama_hf.LAYER[-3:])
+MAPPING = HFMapping(model_types=("deepseek_v3",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+                    top=TOP, layer=MLA + EXPERTS, dense_layer=MLA + LAYER[-3:])

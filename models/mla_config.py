@@ -1,10 +1,9 @@
-"""The `model` section of the `deepseek` family: the MoE section plus multi-head latent
-attention's dims (`model.mla`, read by the `mla` attention block)."""
+"""The `model.mla` section: multi-head latent attention's dims, read by the `mla` attention
+block (models/mla.py)."""
 
 from pydantic import Field, model_validator
 
 from jaxpar.models.config import Frozen
-from jaxpar.models.moe_config import MoEModelConfig
 
 
 class MLAConfig(Frozen):
@@ -39,12 +38,3 @@ class MLAConfig(Frozen):
   def latent_dim(self) -> int:
     """Values per token and layer in a latent cache: the latent and the rotated key part."""
     return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-class DeepSeekConfig(MoEModelConfig):
-  """`attention_block: mla` reads `mla`; with `gqa` (the default) it is unused.
-  mtp_depth 1: multi-token prediction (models/deepseek.py), an auxiliary loss weighted by
-  mtp_loss_weight (DeepSeek-V3: 0.3, then 0.1 for the last 20% of its tokens)."""
-  mla: MLAConfig = MLAConfig()
-  mtp_depth: int = Field(0, ge=0, le=1)
-  mtp_loss_weight: float = Field(0.3, ge=0)

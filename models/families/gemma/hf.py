@@ -6,9 +6,10 @@
 from jaxpar.errors import ConfigError
 from jaxpar.models import activations
 from jaxpar.models.config import ModelConfig
+from jaxpar.models.families.gemma.config import Gemma2Config, Gemma3Config
+from jaxpar.models.hf_layout import LAYER, TOP, rope_from_hf
 from jaxpar.models.layer_pattern import Rope, layer_options
-from jaxpar.models.llama_hf import LAYER, TOP, rope_from_hf
-from jaxpar.models.registry import HFMapping, get_family
+from jaxpar.models.registry import HFMapping
 
 _NORMS = (
   (("attn_norm", "scale"), "input_layernorm.weight", "same"),
@@ -49,7 +50,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
   if kind == "gemma3_text":
     local.update(rope_theta=local_theta, rope_scaling=local_scaling)
   pattern = [local if t == "sliding_attention" else {} for t in _pattern(types)]
-  return get_family("gemma3" if kind == "gemma3_text" else "gemma2").config(
+  return (Gemma3Config if kind == "gemma3_text" else Gemma2Config)(
       max_seq_len=hf["max_position_embeddings"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
       num_layers=layers, num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],

@@ -5,13 +5,13 @@ even columns and up in the odd ones (the `even_columns` / `odd_columns` layouts 
 jaxpar/convert/hf.py), `down_proj` [experts, mlp, embed] as ours, each with a bias; the
 router is a biased linear layer."""
 
-import functools
-
 from jaxpar.errors import ConfigError
-from jaxpar.models import activations, llama_hf
-from jaxpar.models.registry import HFMapping, get_family
+from jaxpar.models import activations
+from jaxpar.models.families.gpt_oss.config import GptOssConfig
+from jaxpar.models.hf_layout import ATTENTION, TOP, check_values, rope_from_hf, rope_scaling_to_hf, windows_to_hf
+from jaxpar.models.registry import HFMapping
 
-LAYER = llama_hf.ATTENTION + (
+LAYER = ATTENTION + (
   (("attn", "o_bias"), "self_attn.o_proj.bias", "same"),
   (("attn", "sinks"), "self_attn.sinks", "same"),
   (("mlp", "router"), "mlp.router.weight", "transpose"),
@@ -29,7 +29,7 @@ def config_from_hf(hf: dict):
   activations.from_hf(hf, "gpt_oss", ("clamped_swiglu",))
   if not hf.get("attention_bias", True):
     raise ConfigError("gpt_oss with attention_bias=False is not supported: jaxpar's GPT-OSS has attention biases")
-  theta, scaling = llama_hf.rope_from_hf(hf)
+  theta, scaling = rope_from_hf(hf)
   heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
   types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
   period = next(p for p in range(1, layers + 1) if all(t == types[i % p] for i, t in enumerate(types)))
@@ -37,7 +37,7 @@ def config_from_hf(hf: dict):
   moe = dict(num_experts=hf["num_local_experts"], experts_per_token=hf["num_experts_per_tok"],
              expert_mlp_dim=hf["intermediate_size"], balance_loss=hf.get("router_aux_loss_coef", 0.001),
              swiglu_limit=hf.get("swiglu_limit", 7.0), swiglu_alpha=hf.get("swiglu_alpha", 1.702))
-  return get_family("gpt_oss").config(
+  return GptOssConfig(
       max_seq_len=hf["max_position_embeddings"], layer_pattern=pattern, vocab_size=hf["vocab_size"],
       embed_dim=hf["hidden_size"], num_layers=layers, num_heads=heads,
       num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
@@ -54,13 +54,10 @@ _EXPORTABLE = {"moe.router": "softmax", "moe.normalize_weights": True, "moe.rout
 
 def config_to_hf(cfg, dtype: str) -> dict:
   """GptOss's config.json; a one-line ConfigError for what it cannot say."""
+  check_values(cfg, "gpt_oss", _EXPORTABLE)
   m = cfg.moe
-  for key, needed in _EXPORTABLE.items():
-    value = functools.reduce(getattr, key.split("."), cfg)
-    if value != needed:
-      raise ConfigError(f"model.{key}={value!r} has no Hugging Face gpt_oss equivalent (it needs {needed!r})")
-  windows = llama_hf.windows_to_hf(cfg, "gpt_oss")
-  scaling = cfg.rope_scaling and llama_hf.rope_scaling_to_hf(cfg.rope_scaling)
+  windows = windows_to_hf(cfg, "gpt_oss")
+  scaling = cfg.rope_scaling and rope_scaling_to_hf(cfg.rope_scaling)
   return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": cfg.vocab_size,
           "hidden_size": cfg.embed_dim, "intermediate_size": m.expert_mlp_dim, "num_hidden_layers": cfg.num_layers,
           "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
@@ -73,5 +70,5 @@ def config_to_hf(cfg, dtype: str) -> dict:
           "layer_types": windows.get("layer_types", ["full_attention"] * cfg.num_layers), "torch_dtype": dtype}
 
 
-GPT_OSS = HFMapping(model_types=("gpt_oss",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                    top=llama_hf.TOP, layer=LAYER)
+MAPPING = HFMapping(model_types=("gpt_oss",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+                    top=TOP, layer=LAYER)
