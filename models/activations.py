@@ -4,6 +4,7 @@
 A gated activation turns the two projections of a token into the hidden activation:
 silu(gate) * up is SwiGLU, gelu(gate) * up GeGLU. `hf_names` are the `hidden_act` /
 `hidden_activation` values of a Hugging Face config that mean it; export writes the first.
+A family with an activation of its own registers it (`register_activation`) when it loads.
 """
 
 import dataclasses
@@ -38,6 +39,14 @@ ACTIVATIONS = {
   # GPT-OSS's experts (its HF config says silu).
   "clamped_swiglu": Activation(clamped_swiglu, ("silu",), (("limit", "swiglu_limit"), ("alpha", "swiglu_alpha"))),
 }
+
+
+def register_activation(name: str, activation: Activation) -> Activation:
+  """Add `name` to the table (model.mlp_activation and moe.activation may then name it)."""
+  if name in ACTIVATIONS and ACTIVATIONS[name] != activation:
+    raise ValueError(f"activation {name!r} is already registered as another function")
+  ACTIVATIONS[name] = activation
+  return activation
 
 
 def check_activation(name: str) -> str:

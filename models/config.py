@@ -5,6 +5,7 @@ extend it with its own fields by subclassing `ModelConfig` and naming the subcla
 registry entry.
 """
 
+import dataclasses
 import fnmatch
 from typing import Annotated, Literal
 
@@ -12,6 +13,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from jaxpar.models.activations import check_activation
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec
 
 
 class Frozen(BaseModel):
@@ -109,9 +111,10 @@ REMAT_NAMES = ("decoder_layer_input", "qkv_proj", "attention_out", "out_proj", "
 REMAT_ACTIONS = ("save", "offload", "recompute")
 
 
-class RematPolicy(dict):
-  """{activation name: save | offload | recompute}; hashable, as configs must be (the model
-  keeps its config as a static attribute)."""
+class HashableDict(dict):
+  """A mapping a config holds (model.remat's {activation name: action},
+  model.attention_options); hashable, as configs must be (the model keeps its config as a
+  static attribute)."""
 
   def __hash__(self):
     return hash(tuple(sorted(self.items())))
@@ -126,7 +129,7 @@ def _check_remat(value):
                          f"use {', '.join(REMAT_NAMES)}")
       if action not in REMAT_ACTIONS:
         raise ValueError(f"model.remat.{name}={action!r}: use one of {', '.join(REMAT_ACTIONS)}")
-    return RematPolicy(value)
+    return HashableDict(value)
   if value not in REMAT_PRESETS:
     raise ValueError(f"use a preset ({', '.join(REMAT_PRESETS)}) or a mapping of "
                      f"{', '.join(REMAT_NAMES)} to {' | '.join(REMAT_ACTIONS)}")
@@ -134,6 +137,26 @@ def _check_remat(value):
 
 
 Remat = Annotated[str | dict[str, str], BeforeValidator(_check_remat), AfterValidator(_check_remat)]
+
+# AttentionSpec fields the model section sets through keys of their own (or that the
+# attention block and the kernels' doors set), so never through model.attention_options.
+_SPEC_KEYS = {"mask": "model.sliding_window / layer_pattern", "logit_soft_cap": "model.attn_logit_soft_cap",
+              "scale": "model.query_pre_attn_scalar", "implementation": "model.attention",
+              "value_dim": "the attention block", "block_sizes": "the kernels' defaults",
+              "interpret": "the attention door"}
+
+
+def _check_attention_options(value: dict) -> HashableDict:
+  """Further AttentionSpec fields for every layer's spec: keys the spec has and no other key
+  sets (the values: the model section's check, as the spec checks itself with them all)."""
+  free = sorted({f.name for f in dataclasses.fields(AttentionSpec)} - set(_SPEC_KEYS))
+  for key in value:
+    if key in _SPEC_KEYS:
+      raise ValueError(f"model.attention_options.{key}: set it through {_SPEC_KEYS[key]}")
+    if key not in free:
+      raise ValueError(f"model.attention_options.{key} is not an AttentionSpec option "
+                       f"(pallas_kernels/attention/spec.py); it takes {free or 'none yet'}")
+  return HashableDict(value)
 
 
 class LayerKind(Frozen):
@@ -206,6 +229,10 @@ class ModelConfig(Frozen):
   # (2.2 GiB each for Llama 3 70B at 5 x 8192 tokens per chip) shrink by this factor.
   mlp_chunks: int = 1
   attention: Literal["auto", "flash", "reference", "chunked"] = "auto"
+  # Further AttentionSpec fields every layer's spec takes (pallas_kernels/attention/spec.py):
+  # an option added to the spec is set here, with no config key of its own.
+  attention_options: Annotated[dict[str, bool | int | float | str],
+                               AfterValidator(_check_attention_options)] = HashableDict()
   quantization: QuantizationConfig | None = None  # None: float projections
   lora: LoRAConfig | None = None  # None: no adapters
 
@@ -226,6 +253,7 @@ class ModelConfig(Frozen):
     if q is not None and q.outlier_channels >= min(self.embed_dim, self.mlp_dim):
       raise ValueError(f"model.quantization.outlier_channels={q.outlier_channels} must be below "
                        f"model.embed_dim={self.embed_dim} and model.mlp_dim={self.mlp_dim}")
+    AttentionSpec(implementation=self.attention, **self.attention_options)  # the spec checks itself
     if self.mlp_chunks < 1:
       raise ValueError(f"model.mlp_chunks={self.mlp_chunks} must be at least 1 (1: the block runs whole)")
     if not 0 <= self.first_dense_layers <= self.num_layers:

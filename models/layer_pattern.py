@@ -48,7 +48,7 @@ def layer_options(cfg: ModelConfig, index: int) -> LayerOptions:
     use_rope = entry.rope
   scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
   attention = AttentionSpec.of(sliding_window=values["sliding_window"], logit_soft_cap=values["attn_logit_soft_cap"],
-                               scale=scale, implementation=cfg.attention)
+                               scale=scale, implementation=cfg.attention, **cfg.attention_options)
   return LayerOptions(attention, Rope(values["rope_theta"], values["rope_scaling"]) if use_rope else None)
 
 
