@@ -37,7 +37,7 @@ def main():
   old, _, old_total = read(args.before) if args.before else ({}, [], "")
   print(f"{total}" + (f" (before: {old_total})" if old_total else ""))
   print(f"sum of test time {sum(files.values()):.0f} s" + (f" (before: {sum(old.values()):.0f} s)" if old else ""))
-  print(f"\n| file | seconds |" + (" before |" if old else ""))
+  print("\n| file | seconds |" + (" before |" if old else ""))
   print("| --- | --- |" + (" --- |" if old else ""))
   for name in sorted(set(files) | set(old), key=lambda n: -max(files.get(n, 0), old.get(n, 0)))[:args.top]:
     print(f"| {name} | {files.get(name, 0):.0f} |" + (f" {old.get(name, 0):.0f} |" if old else ""))

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHIPPED = {p.stem for p in (ROOT / "configs").glob("*.yaml")}
 
-_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)  # any info string after the language
 _INLINE = re.compile(r"`([^`]+)`")
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _HEADING = re.compile(r"^#{1,6}\s+(.*)$", re.M)
