@@ -56,7 +56,7 @@ for batch in (1, 8, 32):
   out[f"decode tok/s, batch {batch}"] = batch * 63 / (full - first)
 engine = decode.engine_for(model, 32, 64, 64)
 engine.generate(np.zeros((32, 64), int).tolist(), decode.SamplingParams(max_tokens=2, stop_token_ids=()))
-stats(next(e for (kind, b, length), e in engine.programs.compiled.items() if kind == "step" and b == 32 and length == 1),
+stats(next(e for (kind, b, length, *_), e in engine.programs.compiled.items() if kind == "step" and b == 32 and length == 1),
       "decode step")
 print("AB " + json.dumps(out))
 """

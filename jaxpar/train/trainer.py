@@ -121,7 +121,7 @@ class Trainer:
     return load_tokenizer(self.config.data.tokenizer)
 
   def batches(self, tokenizer=None):
-    """The objective's endless global batches (TrainBatches for `lm`), on the batch sharding."""
+    """The objective's endless global batches, on the batch sharding."""
     tokenizer = tokenizer or self.tokenizer()
     if tokenizer.vocab_size > self.config.model.vocab_size:
       raise ConfigError(f"model.vocab_size={self.config.model.vocab_size} is smaller than the "
