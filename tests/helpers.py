@@ -92,3 +92,43 @@ class counting_compiles:
     import jax
     jax.monitoring.unregister_event_duration_listener(self._duration)
     jax.monitoring.unregister_event_listener(self._event)
+
+
+def swiglu_mlp(m, h):
+  """The dense SwiGLU block in float64 numpy: m holds one layer's gate, up and down."""
+  gate = h @ m["gate"]
+  return (gate / (1 + np.exp(-gate)) * (h @ m["up"])) @ m["down"]
+
+
+def reference_decoder_logits(p, tokens, eps=1e-5, theta=10000.0, mlps=None):
+  """The decoder written out in float64 numpy, from the parameters: pre-norm layers of GQA
+  attention (q/k/v biases and q/k RMSNorm where present, RoPE on the two halves, causal
+  softmax) and a feed-forward block per group (`mlps`: {group: (params, h) -> out}, SwiGLU
+  by default), the groups in stack order; tied output projection unless `unembed` exists."""
+  rms = lambda x, scale: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * scale  # noqa: E731
+  x = p["embed"][tokens]
+  length = tokens.shape[1]
+  for group in ("dense_layers", "layers"):
+    layers = p.get(group)
+    for i in range(0 if layers is None else layers["attn"]["q"].shape[0]):
+      a = {k: (v[i] if not isinstance(v, dict) else v["scale"][i]) for k, v in layers["attn"].items()}
+      h = rms(x, layers["attn_norm"]["scale"][i])
+      q, k, v = (np.einsum("ble,ehd->blhd", h, a[n]) + a.get(f"{n}_bias", 0.0) for n in ("q", "k", "v"))
+      if "q_norm" in a:
+        q, k = rms(q, a["q_norm"]), rms(k, a["k_norm"])
+      d = q.shape[-1]
+      angles = np.arange(length)[:, None] / theta ** (np.arange(0, d, 2) / d)
+      cos, sin = np.cos(angles)[None, :, None], np.sin(angles)[None, :, None]
+      rope = lambda t: np.concatenate([t[..., :d // 2] * cos - t[..., d // 2:] * sin,  # noqa: E731
+                                       t[..., d // 2:] * cos + t[..., :d // 2] * sin], -1)
+      q, k = rope(q), rope(k)
+      k, v = (np.repeat(t, q.shape[2] // t.shape[2], axis=2) for t in (k, v))
+      scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+      scores = np.where(np.tril(np.ones((length, length), bool)), scores, -np.inf)
+      probs = np.exp(scores - scores.max(-1, keepdims=True))
+      probs /= probs.sum(-1, keepdims=True)
+      x = x + np.einsum("bhqk,bkhd,hde->bqe", probs, v, a["o"])
+      mlp = (mlps or {}).get(group, swiglu_mlp)
+      x = x + mlp({k: v[i] for k, v in layers["mlp"].items()}, rms(x, layers["mlp_norm"]["scale"][i]))
+  out = rms(x, p["final_norm"]["scale"])
+  return out @ p["unembed"] if "unembed" in p else out @ p["embed"].T

@@ -13,7 +13,7 @@ from jaxpar.models import Rope, build_model, kv_reach, layer_options
 from jaxpar.models.flops import causal_attention_flops
 from jaxpar.models.layer_pattern import unit_options
 from jaxpar.models.rope import rope_frequencies
-from tests.helpers import SMALL_MODEL
+from tests.helpers import SMALL_MODEL, reference_decoder_logits
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 258, (2, 24)), jnp.int32)
 
@@ -95,38 +95,6 @@ def test_llama3_rope_scaling_keeps_high_and_divides_low_frequencies():
   assert mid.any() and np.all(scaled[mid] < plain[mid]) and np.all(scaled[mid] > plain[mid] / 8.0)
 
 
-def _reference_logits(p, tokens, eps=1e-5, theta=10000.0):
-  """The decoder written out in float64 numpy, from the parameters: pre-norm layers of GQA
-  attention (q/k/v biases, q/k RMSNorm, RoPE on the two halves, causal softmax) and a SwiGLU
-  MLP; tied output projection."""
-  rms = lambda x, scale: x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * scale  # noqa: E731
-  x = p["embed"][tokens]
-  length = tokens.shape[1]
-  layers = p["layers"]
-  for i in range(layers["attn"]["q"].shape[0]):
-    a = {k: (v[i] if not isinstance(v, dict) else v["scale"][i]) for k, v in layers["attn"].items()}
-    h = rms(x, layers["attn_norm"]["scale"][i])
-    q, k, v = (np.einsum("ble,ehd->blhd", h, a[n]) + a[f"{n}_bias"] for n in ("q", "k", "v"))
-    q, k = rms(q, a["q_norm"]), rms(k, a["k_norm"])
-    d = q.shape[-1]
-    angles = np.arange(length)[:, None] / theta ** (np.arange(0, d, 2) / d)
-    cos, sin = np.cos(angles)[None, :, None], np.sin(angles)[None, :, None]
-    rope = lambda t: np.concatenate([t[..., :d // 2] * cos - t[..., d // 2:] * sin,  # noqa: E731
-                                     t[..., d // 2:] * cos + t[..., :d // 2] * sin], -1)
-    q, k = rope(q), rope(k)
-    k, v = (np.repeat(t, q.shape[2] // t.shape[2], axis=2) for t in (k, v))
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
-    scores = np.where(np.tril(np.ones((length, length), bool)), scores, -np.inf)
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    x = x + np.einsum("bhqk,bkhd,hde->bqe", probs, v, a["o"])
-    m = {k: v[i] for k, v in layers["mlp"].items()}
-    h = rms(x, layers["mlp_norm"]["scale"][i])
-    gate, up = h @ m["gate"], h @ m["up"]
-    x = x + (gate / (1 + np.exp(-gate)) * up) @ m["down"]
-  return rms(x, p["final_norm"]["scale"]) @ p["embed"].T
-
-
 def test_gqa_qk_norm_bias_and_tied_variants_match_a_reference():
   model = _model(num_kv_heads=1, qk_norm=True, attention_bias=True, tie_embeddings=True)
   state = nnx.to_pure_dict(nnx.state(model))
@@ -141,7 +109,7 @@ def test_gqa_qk_norm_bias_and_tied_variants_match_a_reference():
     state["layers"]["attn"][norm]["scale"] = 1 + 0.3 * jax.random.normal(next(keys), (2, 16))
   nnx.update(model, state)
   logits = np.asarray(_logits(model), np.float64)
-  want = _reference_logits(jax.tree.map(lambda x: np.asarray(x, np.float64), state), np.asarray(TOKENS))
+  want = reference_decoder_logits(jax.tree.map(lambda x: np.asarray(x, np.float64), state), np.asarray(TOKENS))
   assert logits.shape == (2, 24, 512)
   np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
