@@ -78,7 +78,8 @@ def test_quantized_kv_cache_perplexity(trained, mode):
 
 def test_int8_model_generates_through_the_engine_like_float(trained):
   """The quantized model runs in the inference engine unchanged; greedy continuations of
-  held-out prompts mostly agree with float32's (measured: 86% of 8 x 64 tokens at 150 steps)."""
+  held-out prompts agree with float32's (measured: all 4 x 32 tokens; the floor leaves room
+  for one late divergence, which takes the rest of its row with it)."""
   from jaxpar.inference import Engine, SamplingParams
   config, runtime, params, windows, *_ = trained
   q_config = replace(config, model={"quantization": quantization_section("int8")})
@@ -91,7 +92,7 @@ def test_int8_model_generates_through_the_engine_like_float(trained):
     outputs.append(np.array([c.tokens for c in done]))
   assert outputs[0].shape == (4, 32)
   assert (outputs[0][:, 0] == outputs[1][:, 0]).all()
-  assert (outputs[0] == outputs[1]).mean() > 0.5
+  assert (outputs[0] == outputs[1]).mean() > 0.9
 
 
 def test_quantized_kv_cache_in_the_engine(trained):
@@ -112,7 +113,9 @@ def test_quantized_kv_cache_in_the_engine(trained):
     return np.array([c.tokens for c in done]), nbytes(pool)
   float_tokens, float_bytes = run(None)
   # f32 pages vs int8 (+ a bf16 scale per token) / KIVI int4, int2 (+ per-channel and per-token scales).
-  bounds = {"int8": (0.30, 0.8), "int4": (0.22, 0.5), "int2": (0.16, 0.2)}  # (bytes ratio, agreement)
+  # Measured (bytes ratio, agreement of 4 x 32 greedy tokens): int8 (0.27, 1.0), int4 (0.17, 0.99),
+  # int2 (0.11, 0.74); the floors leave room for one late divergence.
+  bounds = {"int8": (0.30, 0.9), "int4": (0.22, 0.9), "int2": (0.16, 0.6)}  # (bytes ratio, agreement)
   for mode, (ratio, agreement) in bounds.items():
     tokens, pool_bytes = run(mode)
     assert pool_bytes / float_bytes < ratio, (mode, pool_bytes / float_bytes)
