@@ -66,3 +66,15 @@ def pytest_collection_modifyitems(config, items):
     alone = name in SPLIT_FILES or item.originalname in OWN_GROUP
     item.add_marker(pytest.mark.xdist_group(item.nodeid if alone else name))
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept within
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _a_working_folder_per_worker(tmp_path_factory):
+  """Runs that keep the config's default run_dir (`runs/<name>`) land in the worker's own
+  folder, never in the checkout, and never in a folder another worker trains in."""
+  os.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture(autouse=True)
+def _a_working_folder_per_test(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # and no test resumes what an earlier test left in `runs/`

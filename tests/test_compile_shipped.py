@@ -58,10 +58,12 @@ def test_config_compiles_and_fits_on_its_topology_at_one_layer(name):
 
 
 def _narrowed(name):
-  """A recipe at one layer and a few hundred wide: its slice, mesh, batch and flag preset."""
+  """A recipe at one layer, a few heads and a few hundred wide in its MLP and vocabulary: its
+  slice, mesh, batch, flag preset and embedding width (FSDP splits that one over the slice;
+  libtpu keeps a gradient reduce-scatter only when each device's rows are not too few)."""
   config = _one_layer(name)
   heads = max(config.mesh.tensor, 2)
-  return replace(config, model={"embed_dim": 256, "num_heads": heads, "num_kv_heads": heads, "head_dim": 128,
+  return replace(config, model={"num_heads": heads, "num_kv_heads": heads, "head_dim": 128,
                                 "mlp_dim": 512, "vocab_size": 1024})
 
 

@@ -76,7 +76,9 @@ MOVES = {
 
 def test_ring_passes_kv_blocks_and_all_gather_gathers_them(strategy):
   name, (_, _, hlo) = strategy
-  block, whole, crossing, residual = (None if x is None else re.compile(x) for x in MOVES[name])
+  block, whole, crossing, residual = MOVES[name]
+  block, whole = re.compile(block), re.compile(whole)
+  residual = residual and re.compile(residual)
   permuted = [s for s in _shapes(hlo, "collective-permute") if block.match(s)]
   gathered = [s for s in _shapes(hlo, "all-gather") if whole.match(s)]
   if crossing == "ring":
