@@ -1,6 +1,7 @@
 """The `jaxpar` command line: a thin layer over the Python API."""
 
 import argparse
+import re
 import sys
 import traceback
 
@@ -8,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from jaxpar.cluster import distributed
-from jaxpar.errors import UserError
+from jaxpar.errors import UserError, did_you_mean
 
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
@@ -19,6 +20,14 @@ def _cmd_config_show(ns):
   console.print(to_yaml(load_config_args(ns.args)), end="", markup=False, highlight=False)
 
 
+def _cmd_config_list(_ns):
+  from jaxpar.config import config_summary, shipped_configs
+  names = sorted(shipped_configs())
+  width = max(map(len, names))
+  for name in names:
+    console.print(f"{name:<{width}}  {config_summary(name)}", markup=False, highlight=False)
+
+
 def _cmd_train(ns):
   import jax
   from jaxpar.config import load_config_args
@@ -26,7 +35,10 @@ def _cmd_train(ns):
   config = load_config_args(ns.args)
   trainer = Trainer(config)
   processes = f"{jax.process_count()} processes, " if jax.process_count() > 1 else ""
-  console.print(f"[bold]jaxpar train[/bold]: {trainer.num_params:,} parameters, {processes}mesh "
+  trained = trainer.trained_params
+  share = (f" (trainable {trained:,}, {100 * trained / trainer.num_params:.2f}%)"
+           if trained < trainer.num_params else "")
+  console.print(f"[bold]jaxpar train[/bold]: {trainer.num_params:,} parameters{share}, {processes}mesh "
                 f"{dict((k, v) for k, v in trainer.mesh.shape.items() if v > 1) or 'single device'}, "
                 f"{config.train.steps} steps of {config.data.global_batch_size} x {config.data.seq_len} tokens; "
                 f"{config.train.optimizer} ({trainer.optimizer_bytes_per_param:.1f} bytes of optimizer state "
@@ -35,16 +47,15 @@ def _cmd_train(ns):
     console.print(trainer.runtime.plan.describe_pipeline(), markup=False, highlight=False)
   tokenizer = trainer.tokenizer()
   result = trainer.fit(batches=trainer.batches(tokenizer), show_progress=not ns.no_progress,
-                       restore=ns.restore)
+                       restore=ns.restore, overwrite=ns.overwrite)
   s = result.summary
+  if not s["steps"] and not s["stopped_by"]:
+    return  # a finished run: the trainer said so, and how to go on
   if s["steps"]:
     speed = (f"{s['tokens_per_s']:,.0f} tokens/s, MFU {100 * s['mfu']:.1f}%" if "tokens_per_s" in s
              else "too few steps to time")
     console.print(f"[bold]done[/bold]: loss {s['first_loss']:.3f} -> {s['final_loss']:.3f} in "
                   f"{s['wall_s']:.0f} s; {speed}; metrics in {config.train.run_dir}/metrics.jsonl")
-  else:
-    console.print(f"[bold]done[/bold]: already at step {int(result.state.step)} of "
-                  f"train.steps={config.train.steps}; raise train.steps to train on")
   from jaxpar.train.metrics import summary_lines
   for line in summary_lines(s, config):  # the final eval, what a data mixture drew
     console.print(line, markup=False, highlight=False)
@@ -129,10 +140,21 @@ def _cmd_launch_local(ns) -> int:
 
 class _Parser(argparse.ArgumentParser):
   """Every (sub)command's parser: options are never abbreviated (`--restor` is an error, not
-  `--restore`)."""
+  `--restore`), and a mistyped command or option gets the nearest one suggested."""
 
   def __init__(self, *args, **kwargs):
     super().__init__(*args, allow_abbrev=False, **kwargs)
+
+  def error(self, message):
+    if choice := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message):
+      message += did_you_mean(choice[1], re.findall(r"'([^']*)'", choice[2]))
+    super().error(message)
+
+  def unknown_options(self, unknown: list[str]):
+    """`unrecognized arguments`, from this (sub)command's parser: its usage, its options."""
+    options = [name for action in self._actions for name in action.option_strings]
+    hints = "".join(did_you_mean(a, options) for a in unknown if a.startswith("-"))
+    self.error(f"unrecognized arguments: {' '.join(unknown)}{hints}")
 
 
 def _version() -> str:
@@ -158,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--restore", metavar="PATH",
                      help="start from this checkpoint (a checkpoint dir: its latest step; or one "
                      "step dir) instead of the run dir's latest")
+  train.add_argument("--overwrite", action="store_true",
+                     help="replace the saved run in train.run_dir (its checkpoints, metrics.jsonl, "
+                     "tensorboard/) instead of resuming it")
   distributed.add_distributed_args(train)
   train.set_defaults(func=_cmd_train)
 
@@ -229,13 +254,26 @@ def build_parser() -> argparse.ArgumentParser:
   launch.set_defaults(func=_cmd_launch_local, launched=None)
 
   config = commands.add_parser("config", help="inspect configs")
-  config_commands = config.add_subparsers(dest="config_command", required=True)
+  config.set_defaults(func=_cmd_config_list)  # `jaxpar config` alone lists them
+  config_commands = config.add_subparsers(dest="config_command")
+  config_commands.add_parser("list", help="the shipped configs, one line each").set_defaults(func=_cmd_config_list)
   show = config_commands.add_parser("show", help="print the resolved config",
                                     description="Print CONFIG with overrides applied and validated.")
   show.add_argument("args", nargs="*", metavar="[CONFIG] [KEY=VALUE ...]")
   show.set_defaults(func=_cmd_config_show)
   launch.set_defaults(subcommands=set(commands.choices))
+  _name_each_parser(parser)
   return parser
+
+
+def _name_each_parser(parser):
+  """Each (sub)command's parser in its parsed namespace (`command_parser`; the deepest one
+  wins), so a late error shows that command's usage, not the top level's."""
+  for action in parser._actions:
+    if isinstance(action, argparse._SubParsersAction):
+      for sub in action.choices.values():
+        sub.set_defaults(command_parser=sub)
+        _name_each_parser(sub)
 
 
 def _parse(parser, argv):
@@ -252,7 +290,7 @@ def _parse(parser, argv):
   ns.debug = debug
   unknown = [a for a in extra if a.startswith("-") or not hasattr(ns, "args")]
   if unknown:
-    parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    getattr(ns, "command_parser", parser).unknown_options(unknown)
   if extra:
     ns.args = ns.args + extra
   if launched is not None:

@@ -4,13 +4,15 @@ Every error is one line that names the key, the bad value and what would be vali
 """
 
 import importlib.resources
+import itertools
+import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, did_you_mean
 from jaxpar.data.sources import BUNDLED, BUNDLED_CHAT, is_glob, set_name
 from jaxpar.mesh.build import AXES as MESH_AXES
 from jaxpar.models import check_blocks, get_family
@@ -277,12 +279,34 @@ def shipped_configs() -> list[str]:
   return [p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml")]
 
 
-def _describe(error: ValidationError, section: str = "") -> str:
+def _keys(cls: type[BaseModel], prefix: str = "") -> list[str]:
+  """Every dotted key of a config section class."""
+  keys = []
+  for name, field in cls.model_fields.items():
+    keys.append(prefix + name)
+    if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+      keys += _keys(field.annotation, f"{prefix}{name}.")
+  return keys
+
+
+def config_summary(name: str, width: int = 100) -> str:
+  """The first sentence of a shipped config's opening comment, cut to `width` at a word."""
+  text = importlib.resources.files("jaxpar.configs").joinpath(f"{name}.yaml").read_text()
+  comment = " ".join(line.lstrip("# ").strip() for line in itertools.takewhile(lambda l: l.startswith("#"), text.splitlines()))
+  sentence = re.split(r"(?<=\.)\s", comment, maxsplit=1)[0].rstrip(".")
+  return sentence if len(sentence) <= width else sentence[:width].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+
+
+def _describe(error: ValidationError, section: str = "", cls: type[BaseModel] | None = None) -> str:
   first = error.errors()[0]
   key = ".".join((section,) * bool(section) + tuple(str(p) for p in first["loc"]))
   msg = first["msg"].removeprefix("Value error, ")
   if first["type"] == "extra_forbidden":
-    return f"unknown config key {key!r}: check the spelling (`jaxpar config show` lists valid keys)"
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k.rpartition(".")[2] for k in _keys(cls or Config, f"{section}." if section else "")
+                if k.rpartition(".")[0] == parent]
+    hint = did_you_mean(leaf, siblings, f"{parent}." if parent else "") or ": check the spelling"
+    return f"unknown config key {key!r}{hint} (`jaxpar config show` lists valid keys)"
   if not key or isinstance(first.get("input"), dict):
     return msg  # a cross-field check: its message already names the keys
   return f"{key}={first.get('input')!r}: {msg}"
@@ -294,7 +318,7 @@ def model_from_dict(model: dict) -> ModelConfig:
     family = get_family(model.get("family", ModelConfig.model_fields["family"].default))
     return family.config.model_validate(model)
   except ValidationError as e:
-    raise ConfigError(_describe(e, "model")) from None
+    raise ConfigError(_describe(e, "model", family.config)) from None
   except ValueError as e:
     raise ConfigError(str(e)) from None
 
@@ -302,9 +326,10 @@ def model_from_dict(model: dict) -> ModelConfig:
 def objective_from_dict(name: str, options: dict) -> Options:
   """The `objective` section, validated by train.objective's own Options class."""
   try:
-    return get_objective(name).Options.model_validate(options)
+    cls = get_objective(name).Options
+    return cls.model_validate(options)
   except ValidationError as e:
-    raise ConfigError(_describe(e, "objective")) from None
+    raise ConfigError(_describe(e, "objective", cls)) from None
 
 
 def from_dict(tree: dict, *, check_paths: bool = True) -> Config:

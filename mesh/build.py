@@ -12,6 +12,12 @@ from jaxpar.errors import ConfigError
 AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 
+def _simulate_hint() -> str:
+  """On a CPU host, more devices are a flag away."""
+  return (" (on CPU, simulate N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N)"
+          if jax.default_backend() == "cpu" else "")
+
+
 def resolve_axis_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
   """Fill the one `-1` axis with the remaining devices; check the product."""
   fixed = math.prod(s for s in sizes.values() if s != -1)
@@ -22,13 +28,13 @@ def resolve_axis_sizes(sizes: dict[str, int], num_devices: int) -> dict[str, int
       shown = " x ".join(f"{a}={s}" for a, s in sizes.items() if s not in (1, -1))
       raise ConfigError(f"mesh {shown} needs a multiple of {fixed} devices but {num_devices} "
                         f"{'is' if num_devices == 1 else 'are'} available: make the mesh smaller "
-                        "or use more devices")
+                        f"or use more devices{_simulate_hint()}")
     resolved[free[0]] = num_devices // fixed
   total = math.prod(resolved.values())
   if total != num_devices:
     shown = " x ".join(f"{a}={s}" for a, s in resolved.items() if s != 1) or "all 1"
     raise ConfigError(f"mesh {shown} needs {total} devices but {num_devices} are available: "
-                     "change the mesh sizes or set one axis to -1")
+                     f"change the mesh sizes or set one axis to -1{_simulate_hint()}")
   return resolved
 
 

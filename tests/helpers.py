@@ -1,7 +1,14 @@
 """Small configs and synthetic batches shared by the tests."""
 
 import os
+import re
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 
@@ -132,3 +139,63 @@ def reference_decoder_logits(p, tokens, eps=1e-5, theta=10000.0, mlps=None):
       x = x + mlp({k: v[i] for k, v in layers["mlp"].items()}, rms(x, layers["mlp_norm"]["scale"][i]))
   out = rms(x, p["final_norm"]["scale"])
   return out @ p["unembed"] if "unembed" in p else out @ p["embed"].T
+
+
+ROOT = Path(__file__).parent.parent
+JOB_WAIT_S = 300  # bound on any wait for a Job's process
+
+
+class Job:
+  """A `python -m jaxpar ...` process whose output lines the test can wait for."""
+
+  def __init__(self, *args, env=None, wrapper=()):
+    """`wrapper`: a command that runs jaxpar, e.g. ("timeout", "600"). The job has a session
+    of its own, so a signal to its process group reaches nothing else."""
+    self.process = subprocess.Popen([*wrapper, sys.executable, "-m", "jaxpar", *args], cwd=ROOT, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **(env or {})}, start_new_session=True)
+    self.lines: list[str] = []
+    self._changed = threading.Condition()
+    self._reader = threading.Thread(target=self._read, daemon=True)
+    self._reader.start()
+
+  def _read(self):
+    for line in self.process.stdout:
+      with self._changed:
+        self.lines.append(line.rstrip("\n"))
+        self._changed.notify_all()
+    with self._changed:
+      self.lines.append(None)  # end of output
+      self._changed.notify_all()
+
+  @property
+  def text(self) -> str:
+    return "\n".join(line for line in self.lines if line is not None)
+
+  def wait_for(self, pattern: str, timeout: float = JOB_WAIT_S) -> re.Match:
+    deadline = time.monotonic() + timeout
+    with self._changed:
+      while True:
+        found = [m for line in self.lines if line is not None for m in [re.search(pattern, line)] if m]
+        if found:
+          return found[0]
+        remaining = deadline - time.monotonic()
+        assert None not in self.lines and remaining > 0, f"no {pattern!r} in:\n{self.text[-4000:]}"
+        self._changed.wait(remaining)
+
+  def pids(self) -> list[int]:
+    return [int(p) for p in self.wait_for(r"^launch-local: .* pids ([\d ]+)$").group(1).split()]
+
+  def finish(self, timeout: float = JOB_WAIT_S) -> int:
+    code = self.process.wait(timeout)
+    self._reader.join(timeout)
+    return code
+
+  def kill_all(self):
+    """Cleanup after a failed test: the launched processes run in their own sessions."""
+    pids = [int(p) for m in [re.search(r"pids ([\d ]+)$", self.text, re.M)] if m for p in m.group(1).split()]
+    for pid in pids + [self.process.pid]:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass

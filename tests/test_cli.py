@@ -80,9 +80,25 @@ def test_version_and_no_abbreviated_options(capsys):
   with pytest.raises(SystemExit) as done:
     main(["--version"])
   assert done.value.code == 0 and capsys.readouterr().out.startswith("jaxpar 0.")
-  with pytest.raises(SystemExit) as done:  # --restor is not --restore
+  with pytest.raises(SystemExit) as done:  # --restor is not --restore, and train's usage says so
     main(["train", "tiny", "--restor", "runs/x"])
-  assert done.value.code == 2 and "unrecognized arguments: --restor" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert done.value.code == 2 and "unrecognized arguments: --restor: did you mean '--restore'?" in err, err
+  assert err.startswith("usage: jaxpar train"), err
+
+
+def test_mistyped_commands_and_keys_get_the_nearest_suggested(capsys):
+  import pytest
+
+  from jaxpar.cli import main
+  with pytest.raises(SystemExit) as done:
+    main(["trian"])
+  last = capsys.readouterr().err.splitlines()[-1]
+  assert done.value.code == 2 and "invalid choice: 'trian'" in last and last.endswith("did you mean 'train'?")
+  for key, hint in [("train.stepz", "did you mean 'train.steps'?"), ("trian.steps", "did you mean 'train'?"),
+                    ("model.num_layerz", "did you mean 'model.num_layers'?"), ("model.qqq", "check the spelling")]:
+    assert main(["config", "show", "tiny", f"{key}=3"]) == 2
+    assert f"unknown config key '{key.split('.')[0] if key.startswith('trian') else key}': {hint}" in capsys.readouterr().err
 
 
 def test_compile_without_a_topology_is_a_user_error(capsys):

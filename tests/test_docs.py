@@ -133,3 +133,23 @@ def test_each_kind_of_broken_reference_is_found():
       "jaxpar.inference.NoEngine does not exist",
       "jaxpar.open_runs does not exist",
   ]
+
+
+def _section(text: str, heading: str) -> str:
+  start = text.index(heading)
+  end = text.find("\n## ", start + len(heading))
+  return text[start:end if end > 0 else None]
+
+
+def test_the_tables_list_what_ships():
+  """The shipped-configs table (docs/training.md) names every shipped config, and the
+  README's command table every `jaxpar` command."""
+  configs = _section((ROOT / "docs" / "training.md").read_text(), "## Shipped configs")
+  listed = set(re.findall(r"\(\.\./configs/([\w.-]+)\.yaml\)", configs))
+  assert listed == SHIPPED, (sorted(SHIPPED - listed), sorted(listed - SHIPPED))
+  from jaxpar.cli import build_parser
+  commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+  table = _section((ROOT / "README.md").read_text(), "## The command line")
+  rows = "\n".join(line for line in table.splitlines() if line.startswith("|"))
+  named = set(re.findall(r"`jaxpar ([\w-]+)", rows))
+  assert named == set(commands), (sorted(set(commands) - named), sorted(named - set(commands)))

@@ -65,8 +65,8 @@ def test_jaxpar_eval_of_a_checkpoint_equals_the_training_eval(trained):
   for step in (8, 12):
     out = evaluate_saved_run(checkpoints / str(step))
     assert out["step"] == step and out["results"]["heldout"]["loss"] == _evals(result)[step]
-  # On another mesh: the same windows, another summation order.
-  other = evaluate_saved_run(checkpoints, mesh=["data=2", "fsdp=4", "tensor=1"])
+  # On another mesh (it replaces the saved fsdp 4 x tensor 2): the same windows, another summation order.
+  other = evaluate_saved_run(checkpoints, mesh=["data=2", "mesh.fsdp=4"])
   assert other["results"]["heldout"]["loss"] == pytest.approx(_evals(result)[12], rel=1e-5)
 
 

@@ -2,6 +2,7 @@
 `transformers` token for token; `jaxpar generate` streams, and writes JSONL for a file."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from jaxpar.cli import main
 from jaxpar.convert.hf import hf_to_jaxpar, jaxpar_to_hf
 from jaxpar.inference import Engine, SamplingParams
+from tests.helpers import counting_compiles
 from tests.test_data import _train_hf_tokenizer
 
 torch = pytest.importorskip("torch")
@@ -101,6 +103,19 @@ def test_cli_generate_bad_input_is_one_line(converted, capsys):
   assert "'mesh.tensr=2' is not a mesh size" in capsys.readouterr().err
   assert main(["generate", "--checkpoint", str(root / "jaxpar")]) == 2
   assert "give --prompt TEXT or --prompts-file FILE" in capsys.readouterr().err
+
+
+def test_cli_generate_chat_without_a_template_refuses_before_compiling(converted, tmp_path, capsys):
+  root, _, _ = converted
+  run = tmp_path / "no-template"
+  shutil.copytree(root / "jaxpar", run)
+  for path in run.rglob("tokenizer_config.json"):
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "chat_template"}))
+  for path in run.rglob("chat_template.jinja"):
+    path.unlink()
+  with counting_compiles() as compiled:
+    assert main(["generate", "--checkpoint", str(run), "--chat", "--prompt", "hi"]) == 2
+  assert "has no chat template" in capsys.readouterr().err and compiled == [], compiled
 
 
 @pytest.mark.parametrize("style", ["llama3", "llama2"])

@@ -135,6 +135,10 @@ def test_sharded_safetensors_and_bfloat16_via_cli(tmp_path):
   for file in set(index.values()):
     original.update(load_file(tmp_path / "hf16" / file))
   exported = load_file(tmp_path / "back" / "model.safetensors")
+  # The weights get the mode the export's config.json gets (0644 under umask 022), not the 0600
+  # of safetensors' own writer (which transformers' save_pretrained leaves on its shards here).
+  back = tmp_path / "back"
+  assert (back / "model.safetensors").stat().st_mode & 0o777 == (back / "config.json").stat().st_mode & 0o777
   assert sorted(exported) == sorted(original)
   for name, tensor in original.items():  # bf16 -> f32 in jaxpar -> bf16: lossless
     assert exported[name].dtype == tensor.dtype and np.array_equal(exported[name], tensor), name

@@ -19,8 +19,9 @@ def test_mesh_has_every_axis_and_fills_minus_one():
 
 
 def test_wrong_device_count_is_a_clear_error():
-  with pytest.raises(ValueError, match="mesh data=2 x fsdp=3 needs 6 devices but 8 are available"):
+  with pytest.raises(ValueError, match="mesh data=2 x fsdp=3 needs 6 devices but 8 are available") as error:
     build_mesh(MeshConfig(data=2, fsdp=3))
+  assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in str(error.value)  # the CPU host's way to more
   with pytest.raises(ValueError, match="mesh data=3 needs a multiple of 3 devices but 8 are available"):
     resolve_axis_sizes({"data": 3, "fsdp": -1}, 8)
 

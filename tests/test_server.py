@@ -158,6 +158,10 @@ def test_malformed_requests_get_openai_errors(server):
   with pytest.raises(openai.BadRequestError, match="maximum context length is 96"):
     client.completions.create(model=MODEL_NAME, prompt="x" * 200)
   assert _raw(port, "GET", "/health")[1]["status"] == "ok"
+  for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)]:
+    got, body = _raw(port, method, path)  # the framework's own errors, in the same shape
+    assert got == status and body["error"]["message"].startswith(f"{method} {path}: "), body
+    assert "/v1/chat/completions" in body["error"]["message"] and body["error"]["type"], body
 
 
 def test_full_queue_is_429_and_disconnect_frees_the_slot(server, monkeypatch):

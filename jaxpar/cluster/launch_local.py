@@ -5,8 +5,9 @@ devices, gloo for the collectives between processes, and the `JAX_COORDINATOR_AD
 `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID` variables that `jaxpar.cluster.distributed.initialize` reads;
 the coordinator listens on 127.0.0.1 only. The processes run in their own session, so a
 Ctrl-C reaches them through the launcher: the first Ctrl-C or SIGTERM is passed on as
-SIGTERM (a preemption notice: every process stops after the same step and saves), a second
-one kills them. When a process fails, the others get `grace_s` to stop by themselves (they
+SIGTERM (a preemption notice: every process stops after the same step and saves); signals
+within SAME_SIGNAL_S of it are that one again (`timeout` sends two at once); a later one
+kills them. When a process fails, the others get `grace_s` to stop by themselves (they
 notice within --peer-timeout) before they are killed, so the launcher never hangs.
 
 The processes' standard output passes through the launcher as it comes, less gloo's
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from jaxpar.cluster.preemption import SAME_SIGNAL_S
 from jaxpar.errors import UserError
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
@@ -97,7 +99,7 @@ def launch_local(num_processes: int, argv: list[str], *, devices_per_process: in
   echo(f"launch-local: {num_processes} processes x {devices_per_process} CPU devices, coordinator "
        f"127.0.0.1:{port}, pids {' '.join(str(p.pid) for p in processes)}")
   received = []
-  previous = {s: signal.signal(s, lambda signum, _: received.append(signum))
+  previous = {s: signal.signal(s, lambda signum, _: received.append((signum, time.monotonic())))
               for s in (signal.SIGINT, signal.SIGTERM)}
   try:
     return _wait(processes, received, grace_s, echo)
@@ -109,13 +111,19 @@ def launch_local(num_processes: int, argv: list[str], *, devices_per_process: in
 
 
 def _wait(processes, received, grace_s, echo) -> int:
-  forwarded, first_failure, failed_at = 0, None, None
+  seen, stop_at, killed, first_failure, failed_at = 0, None, False, None, None
   while any(p.poll() is None for p in processes):
-    if len(received) > forwarded:
-      forwarded = len(received)
-      sent = signal.SIGTERM if forwarded == 1 else signal.SIGKILL
-      echo(f"launch-local: {signal.Signals(received[-1]).name}: sending {sent.name} to the processes")
-      _send(processes, sent)
+    for signum, at in received[seen:]:
+      name = signal.Signals(signum).name
+      if stop_at is None:
+        stop_at = at
+        echo(f"launch-local: {name}: sending SIGTERM to the processes (they stop after the same step and save)")
+        _send(processes, signal.SIGTERM)
+      elif at - stop_at > SAME_SIGNAL_S and not killed:
+        killed = True
+        echo(f"launch-local: {name} again: sending SIGKILL to the processes")
+        _send(processes, signal.SIGKILL)
+    seen = len(received)
     if first_failure is None:  # the others' grace period counts from the first failure seen
       first_failure = next((i for i, p in enumerate(processes) if p.poll() not in (None, 0)), None)
       failed_at = time.monotonic()

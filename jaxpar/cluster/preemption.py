@@ -22,6 +22,9 @@ from jaxpar.cluster import distributed
 
 _log = logging.getLogger(__name__)
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Signals this close together are one request: `timeout` signals its child and then the
+# child's process group, `scancel` and systemd every process of a job, a launcher forwards.
+SAME_SIGNAL_S = 2.0
 _fits = itertools.count()  # one key-value namespace per stop_on_signals (same on every process)
 
 
@@ -145,8 +148,10 @@ class Agreement:
 @contextlib.contextmanager
 def stop_on_signals():
   """Yields a StopRequest; call its `begin(start_step)` before the loop. The first signal
-  sets it (several processes: posts the notice) and puts back the previous handlers, so a
-  second signal acts at once (e.g. a second Ctrl-C interrupts a slow save)."""
+  sets it (several processes: posts the notice). Signals within SAME_SIGNAL_S of it are the
+  same stop delivered again (a supervisor signals every process of a job, and a launcher
+  passes it on too); a later one puts back the previous handlers and acts at once (e.g. a
+  second Ctrl-C interrupts a slow save)."""
   job = distributed.coordination()
   request = StopRequest(None if job is None else Agreement(
       *job[:3], timeout_s=2 * job[3], prefix=f"jaxpar/stop/{next(_fits)}/"))
@@ -169,9 +174,16 @@ def _handlers(request: StopRequest):
     for s, handler in previous.items():
       signal.signal(s, handler)
 
+  first = []
+
   def handle(signum, _frame):
-    restore_handlers()
-    request.notice(signal.Signals(signum).name)
+    now = time.monotonic()
+    if not first:
+      first.append(now)
+      request.notice(signal.Signals(signum).name)
+    elif now - first[0] > SAME_SIGNAL_S:
+      restore_handlers()
+      signal.raise_signal(signum)
 
   for s in SIGNALS:
     signal.signal(s, handle)

@@ -19,7 +19,6 @@ import jax
 import ml_dtypes
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import Config, DataConfig, MeshConfig, ModelConfig, from_dict
@@ -30,6 +29,7 @@ from jaxpar.models import family_names, get_family
 from jaxpar.models.transformer import layer_groups
 from jaxpar.runtime import Runtime
 from jaxpar.weights import SavedRun, lookup
+from jaxpar.weights.safetensors_file import save_safetensors
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _log = logging.getLogger(__name__)
@@ -316,12 +316,12 @@ def _hf_tensor(params, parts, dtype) -> np.ndarray:
 
 def _write_shards(out: Path, shards: list[dict]):
   if len(shards) == 1:
-    save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+    save_safetensors(shards[0], out / "model.safetensors")
     return
   weight_map, total = {}, 0
   for i, tensors in enumerate(shards):
     file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    save_file(tensors, out / file, metadata={"format": "pt"})
+    save_safetensors(tensors, out / file)
     weight_map.update(dict.fromkeys(tensors, file))
     total += sum(t.nbytes for t in tensors.values())
   index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -15,18 +15,17 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import MeshConfig, replace
-from jaxpar.weights import lookup
 from jaxpar.data import copy_tokenizer_files
 from jaxpar.errors import CheckpointError
-from jaxpar.weights import split_weights
 from jaxpar.models import get_family
 from jaxpar.models.config import PROJECTIONS
 from jaxpar.runtime import Runtime
-from jaxpar.weights import SavedRun
+from jaxpar.weights import SavedRun, lookup, split_weights
+from jaxpar.weights.safetensors_file import save_safetensors
 
 _PREFIX = "base_model.model."
 
@@ -79,7 +78,7 @@ def export_peft(ckpt, out) -> Path:
     raise CheckpointError(f"checkpoint {ckpt} has adapters with no Hugging Face module name: merge it instead")
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
-  save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+  save_safetensors(tensors, out / "adapter_model.safetensors")
   config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.lora.rank, "lora_alpha": cfg.lora.alpha,
             "lora_dropout": 0.0, "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "inference_mode": True, "base_model_name_or_path": cfg.lora.base}

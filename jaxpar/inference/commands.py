@@ -111,14 +111,14 @@ def _read_prompts(path: Path) -> list[dict]:
   return records
 
 
-def chat_turns(ns, tokenizer):
-  """For --chat: (user text -> prompt token ids, rendered with the run's chat template up to
-  where the assistant answers; the stop settings that end the answer at the template's end of
-  turn: its token when it is one, else its text)."""
+def chat_turns(ns):
+  """For --chat, before anything compiles: (user text -> prompt token ids, rendered with the
+  run's chat template up to where the assistant answers; the stop settings that end the
+  answer at the template's end of turn: its token when it is one, else its text)."""
   from jaxpar.data.chat_batches import chat_renderer
   from jaxpar.weights import SavedRun
   with SavedRun(ns.checkpoint) as run:
-    data = run.config.data
+    data, tokenizer = run.config.data, run.tokenizer
   if not data.chat_template and not tokenizer.chat_template:
     raise ConfigError(f"--chat: {ns.checkpoint} has no chat template (no data.chat_template in its config, none "
                       "in its tokenizer): drop --chat and write the prompt in the model's format")
@@ -147,12 +147,11 @@ def cmd_generate(ns):
   if ns.system and not ns.chat:
     raise UserError("--system needs --chat (the system prompt goes through the chat template)")
   records = _read_prompts(Path(ns.prompts_file)) if ns.prompts_file else None
-  sampling = sampling_from(ns)
-  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
-  encode = None
+  sampling, encode = sampling_from(ns), None
   if ns.chat:
-    encode, stops = chat_turns(ns, engine.tokenizer)
+    encode, stops = chat_turns(ns)
     sampling = sampling_from(ns, **stops)
+  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
   if records is None:
     out = sys.stdout if distributed.is_primary() else open(os.devnull, "w")
     if encode is None:

@@ -21,6 +21,7 @@ import time
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxpar.cluster.preemption import stop_on_signals
 from jaxpar.inference import handlers
@@ -121,6 +122,16 @@ def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 
   @app.exception_handler(api.APIError)
   async def _api_error(_request, error: api.APIError):
     return JSONResponse(error.body(), status_code=error.status)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def _http_error(request: Request, error: StarletteHTTPException):
+    # Starlette's own replies (no such path, wrong method) in OpenAI's error shape too.
+    paths = ", ".join(sorted({route.path for route in app.routes if route.path.startswith(("/v1", "/health", "/metrics"))}))
+    message = (f"{request.method} {request.url.path}: {error.detail}" +
+               (f"; this server serves {paths}" if error.status_code in (404, 405) else ""))
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    reply = api.APIError(error.status_code, message, kind=kind)
+    return JSONResponse(reply.body(), status_code=error.status_code, headers=error.headers)
 
   @app.get("/health")
   async def health():

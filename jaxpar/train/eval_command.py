@@ -12,13 +12,14 @@ console = Console(soft_wrap=True)
 
 
 def _mesh(run, overrides):
-  """The mesh the run trained on (so the numbers match training's), `--mesh` overrides
-  applied; FSDP over every device when the saved one does not fit the devices here."""
+  """The mesh the run trained on (so the numbers match training's), or the one `--mesh`
+  gives instead (axes it does not name: fsdp the rest, the others 1); FSDP over every device
+  when the saved one does not fit the devices here."""
   from jaxpar.config import MeshConfig
   sizes = parse_mesh_sizes(overrides, "--mesh")
   saved = run.config.mesh
   if sizes:
-    return saved.model_copy(update=sizes)
+    return MeshConfig(rules=saved.rules, **sizes)
   import jax
   fixed = [size for size in saved.axis_sizes().values() if size != -1]
   needed, rest = 1, len(fixed) < len(saved.axis_sizes())

@@ -38,17 +38,19 @@ class MetricsLogger:
                show_progress: bool = True):
     self.writes = jax.process_index() == 0
     self.run_dir = Path(run_dir)
+    self.start_step = start_step
     if self.writes:
       self.run_dir.mkdir(parents=True, exist_ok=True)
+      _drop_records_after(self.run_dir / "metrics.jsonl", start_step)
     # Line-buffered: a job that dies (a peer failure exits at once) keeps every logged step.
     self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1) if self.writes else None
-    self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard")) if self.writes else None
+    self.tensorboard = None  # opened by the first record: a run that trains nothing adds no file
     self.console = console or Console()
     self.progress = Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("eta"),
         TimeRemainingColumn(), console=self.console, disable=not (show_progress and self.writes))
-    self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="")
+    self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="compiling the step")
     self.progress.start()
     self.history: list[dict] = []
     self.last_eval = ""
@@ -60,6 +62,11 @@ class MetricsLogger:
     if not self.writes:
       return
     self.jsonl.write(json.dumps(record) + "\n")
+    if self.tensorboard is None:
+      # purge_step: TensorBoard drops what an earlier, interrupted start wrote past the
+      # checkpoint. The suffix: two starts in one second would otherwise share a file name.
+      self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.start_step + 1,
+                                       filename_suffix=f".from{self.start_step}")
     for key, value in values.items():  # eval/NAME/loss stays as it is; the rest is train/...
       self.tensorboard.add_scalar(key if key.startswith("eval/") else f"train/{key}", value, step)
     extras = "".join(f"  {text.format(record[key])}" for key, text in PROGRESS_EXTRAS.items()
@@ -67,8 +74,8 @@ class MetricsLogger:
     evals = eval_line(record)
     if evals:
       self.last_eval = evals
-    status = (f"loss {record['loss']:.3f}  {record.get('tokens_per_s', 0):,.0f} tok/s  "
-              f"mfu {100 * record.get('mfu', 0):.1f}%{extras}")
+    status = f"loss {record['loss']:.3f}" + (f"  {record['tokens_per_s']:,.0f} tok/s  mfu {100 * record['mfu']:.1f}%"
+                                             if "tokens_per_s" in record else "") + extras
     if self.last_eval:
       status += f"  | eval {self.last_eval}"
     self.progress.update(self.task, completed=step, status=status)
@@ -86,7 +93,21 @@ class MetricsLogger:
     self.progress.stop()
     if self.writes:
       self.jsonl.close()
-      self.tensorboard.close()
+      if self.tensorboard is not None:
+        self.tensorboard.close()
+
+
+def _drop_records_after(path: Path, step: int):
+  """A resume from `step`: the records an interrupted start wrote after its checkpoint go
+  (they are trained again), so each step appears once; so does a line cut by a kill."""
+  if not path.exists():
+    return
+  lines = path.read_text().splitlines(keepends=True)
+  kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] <= step]
+  if len(kept) < len(lines):
+    partial = path.with_suffix(".jsonl.partial")
+    partial.write_text("".join(kept))
+    partial.replace(path)
 
 
 def eval_line(record: dict) -> str:

@@ -25,6 +25,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.runtime import Runtime, with_shardings
 from jaxpar.objectives import get_objective
 from jaxpar.train.frozen import FrozenWeights
+from jaxpar.train.resume import check_same_run, finished_line, remove_saved_run
 from jaxpar.train.state import TrainState
 from jaxpar.weights import SavedRun
 from jaxpar.train.step import make_train_step
@@ -77,6 +78,11 @@ class Trainer:
   def context(self):
     """The mesh and logical rules that tracing model code needs."""
     return self.runtime.context()
+
+  @property
+  def trained_params(self) -> int:
+    """The parameters the optimizer updates (under model.lora: the adapters alone)."""
+    return sum(leaf.size for leaf in jax.tree.leaves(self.frozen.trainable(self.runtime.abstract_params)))
 
   @property
   def optimizer_bytes_per_param(self) -> float:
@@ -151,14 +157,19 @@ class Trainer:
     return measure_matmul_flops(jnp.dtype(self.config.model.compute_dtype))
 
   def fit(self, state=None, batches=None, *, steps=None, show_progress=True,
-          restore=None) -> TrainResult:
+          restore=None, overwrite=False) -> TrainResult:
     """Train `steps` more steps (default: up to train.steps in all). With no `state`, starts
     from `restore` (a checkpoint dir or step dir), else the run's latest checkpoint, else fresh.
     Saves on the checkpoint schedule and at the end; SIGTERM/SIGINT stop after the current
     step (with several processes: the same step on all) with a checkpoint written
     (`summary["stopped_by"]`, `summary["checkpoint"]`). The run directory is locked meanwhile:
-    a second job on it fails with ValueError naming the holder."""
+    a second job on it fails with ValueError naming the holder. A saved run with other
+    settings is refused (jaxpar/train/resume.py); `overwrite` removes it first."""
     with hold_run_dirs(self._written_dirs(), say=self._say):
+      if overwrite:
+        removed = remove_saved_run(self.config)
+        if removed:
+          self._say(f"--overwrite: removed {', '.join(removed)}")
       return self._fit(state, batches, steps, show_progress, restore)
 
   def _written_dirs(self) -> list[Path]:
@@ -182,6 +193,8 @@ class Trainer:
         if state is None:
           state = self._start_state(checkpointer, batches, restore)
         start_step = int(state.step)
+        if steps is None and start_step >= cfg.train.steps:
+          self._say(finished_line(cfg, start_step))
         steps = max(cfg.train.steps - start_step, 0) if steps is None else steps
         stop.begin(start_step)
         evaluator = self.evaluator(getattr(batches, "tokenizer", None), getattr(batches, "sources", None)) \
@@ -208,6 +221,11 @@ class Trainer:
                           f"starts from objective.{start}; set objective.{start}={restore} instead")
     elif checkpointer is not None and checkpointer.latest_step() is not None:
       source = SavedRun(checkpointer.directory, checkpointer.latest_step())
+      try:
+        check_same_run(source.config, self.config, source.step)
+      except ConfigError:
+        source.close()
+        raise
     else:
       return self.init_state()
     with source:
