@@ -18,7 +18,7 @@ from jaxpar.cluster.run_lock import LOCK_NAME
 from jaxpar.config import Config, checkpoint_dir
 from jaxpar.errors import ConfigError
 
-# Keys a resume may change (docs/training.md lists them), each with everything under it.
+# Keys a resume may change (docs/checkpoints.md lists them), each with everything under it.
 SAFE_KEYS = ("train.steps", "train.log_every", "train.run_dir", "train.peak_flops_per_device",
              "train.microbatches", "train.sample_prompt", "train.sample_tokens", "train.sample_temperature",
              "train.sample_top_p", "model.remat", "model.scan_unroll", "model.attention",
