@@ -70,6 +70,7 @@ OFFLOADED = ("decoder_layer_input", "qkv_proj", "out_proj")
 
 
 @pytest.mark.tpu
+@pytest.mark.pod_fit
 def test_offloaded_activations_live_in_host_memory_not_hbm():
   # Eight scanned layers (compile time is flat in depth): at one layer the host-transfer
   # staging buffers outweigh the one layer's activations they move out of HBM.

@@ -43,7 +43,7 @@ def _one_layer(name):
   return replace(config, model={"num_layers": config.model.first_dense_layers + 1})
 
 
-@pytest.mark.slow
+@pytest.mark.pod_fit
 @pytest.mark.tpu
 @pytest.mark.parametrize("name", COMPILED)
 def test_config_compiles_and_fits_on_its_topology_at_one_layer(name):
@@ -67,7 +67,7 @@ def _narrowed(name):
                                 "mlp_dim": 512, "vocab_size": 1024})
 
 
-@pytest.mark.slow
+@pytest.mark.pod_fit
 @pytest.mark.tpu
 @pytest.mark.parametrize("name", PRESETS)
 def test_each_chip_flag_preset_compiles_on_the_whole_slice(name):

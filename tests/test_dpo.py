@@ -120,7 +120,9 @@ def test_full_model_dpo_against_a_frozen_copy(tmp_path):
   before = jax.device_get(reference)
   result = trainer.fit(state=state, show_progress=False)
   margins = [h["reward_margin"] for h in result.history]
-  assert margins[0] == 0.0 and np.mean(margins[-3:]) > 0.5
+  # Step 1's policy is the reference: margin 0 up to float rounding (the reference's forward,
+  # outside the gradient, may fuse otherwise than the policy's).
+  assert abs(margins[0]) < 1e-6 and np.mean(margins[-3:]) > 0.5
   leaves = lambda tree: jax.tree.leaves(jax.device_get(tree))  # noqa: E731
   assert all(np.array_equal(a, b) for a, b in zip(leaves(result.state.frozen[REFERENCE]), leaves(before)))
   assert any(not np.array_equal(a, b) for a, b in zip(leaves(result.state.params), leaves(before)))

@@ -124,7 +124,7 @@ def test_tiny_long_trains_a_few_steps_and_samples(tmp_path, capsys):
 
 
 @pytest.mark.tpu
-@pytest.mark.slow
+@pytest.mark.pod_fit
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
 def test_llama3_8b_at_131k_tokens_fits_v5p_with_ring_attention():
   """The real TPU compiler (libtpu), one layer of Llama 3.1 8B: 4 x 131,072 tokens on a
