@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from jaxpar.errors import ConfigError, did_you_mean
-from jaxpar.data.sources import BUNDLED, BUNDLED_CHAT, is_glob, set_name
+from jaxpar.data.sources import BUNDLED_FILES, is_glob, set_name
 from jaxpar.mesh.build import AXES as MESH_AXES
 from jaxpar.models import check_blocks, get_family
 from jaxpar.models.config import Frozen as _Frozen
@@ -79,7 +79,7 @@ SINGLE_SOURCE = "heldout"  # the name `data.source` goes by (its held-out docume
 
 
 def _check_path(key: str, path: str):
-  if path not in (BUNDLED, BUNDLED_CHAT) and not is_glob(path) and not Path(path).expanduser().exists():
+  if path not in BUNDLED_FILES and not is_glob(path) and not Path(path).expanduser().exists():
     raise ValueError(f"{key}={path!r} does not exist: give 'bundled', a data file (.txt, .jsonl, "
                      ".parquet, .arrow, .feather), a folder or glob of them, or a token cache")
 
@@ -94,8 +94,9 @@ class DataConfig(_Frozen):
   tokenizer: str = "byte"
   # chat: fine-tuning rows (`messages`, or `prompt` + `completion`) in JSON lines, packed with
   # loss on the assistant's tokens only (jaxpar/data/chat_batches.py); preference: DPO pairs
-  # (`prompt`, `chosen`, `rejected`: jaxpar/data/preference_batches.py); text: plain documents.
-  format: Literal["text", "chat", "preference"] = "text"
+  # (`prompt`, `chosen`, `rejected`: jaxpar/data/preference_batches.py); prompts: reinforcement
+  # learning's (`prompt`, `answer`, ...: jaxpar/rl/rollouts.py); text: plain documents.
+  format: Literal["text", "chat", "preference", "prompts"] = "text"
   chat_template: str | None = None  # a .jinja file, or chatml (bundled); default: the tokenizer's own
   seq_len: int = 128
   global_batch_size: int = 16
@@ -160,7 +161,7 @@ class TrainConfig(_Frozen):
   grad_clip: float | None = 1.0
   z_loss: float = 0.0
   # A registered objective (jaxpar/objectives/): lm (text), sft (chat rows), dpo (preference
-  # pairs); its own keys are the config's `objective:` section.
+  # pairs), grpo (prompts, reinforcement learning); its own keys are the config's `objective:` section.
   objective: str = "lm"
   microbatches: int = 1
   # Sequence positions per device in each chunk of the fused output-projection + loss

@@ -1,6 +1,7 @@
 """`jaxpar plot RUN_DIR [RUN_DIR ...]`: one PNG of what training logged (metrics.jsonl),
 runs overlaid in one colour each: loss (with eval loss dashed, when a run has one),
-learning rate, tokens/s and MFU against step.
+learning rate, tokens/s and MFU against step; reward (held-out pass@1 dashed) and response
+length too for reinforcement learning runs.
 
     fig = jaxpar.plot_runs(["runs/a", "runs/b"], output="runs.png")   # a matplotlib Figure
 
@@ -16,6 +17,8 @@ from jaxpar.errors import DataError, UserError
 # (panel title, metrics key, scale shown)
 PANELS = (("loss", "loss", 1.0), ("learning rate", "lr", 1.0), ("tokens/s", "tokens_per_s", 1.0),
           ("MFU (%)", "mfu", 100.0))
+# Reinforcement learning's, when a run logged them (train.objective=grpo).
+RL_PANELS = (("reward (held-out pass@1 dashed)", "reward", 1.0), ("response length (tokens)", "response_length", 1.0))
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -60,12 +63,15 @@ def plot_runs(run_dirs, output=None, *, labels=None):
     raise UserError("jaxpar plot needs matplotlib: pip install 'jaxpar[plot]'") from None
   runs = [read_metrics(d) for d in run_dirs]
   labels = labels or _labels(run_dirs)
-  figure = Figure(figsize=(12, 7.5), layout="constrained")
-  axes = list(figure.subplots(2, 2, sharex=True).flat)
+  panels = PANELS + (RL_PANELS if any("reward" in r for records in runs for r in records) else ())
+  figure = Figure(figsize=(12, 3.75 * len(panels) // 2), layout="constrained")
+  axes = list(figure.subplots(len(panels) // 2, 2, sharex=True).flat)
   colours = [f"C{i % 10}" for i in range(len(runs))]
-  for ax, (title, key, scale) in zip(axes, PANELS):
+  for ax, (title, key, scale) in zip(axes, panels):
     for records, label, colour in zip(runs, labels, colours):
       ax.plot(*_series(records, key, scale), color=colour, label=label, linewidth=1.4)
+      if key == "reward":
+        ax.plot(*_series(records, "heldout_pass@1", 1.0), color=colour, linestyle="--", marker="o", markersize=3)
       if key == "loss":
         for name in eval_loss_keys(records):
           ax.plot(*_series(records, name, 1.0), color=colour, linestyle="--", marker="o", markersize=3,
@@ -77,7 +83,7 @@ def plot_runs(run_dirs, output=None, *, labels=None):
   axes[0].legend(fontsize="small")
   axes[1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
   axes[2].yaxis.set_major_formatter(EngFormatter())
-  for ax in axes[2:]:
+  for ax in axes[-2:]:
     ax.set_xlabel("step")
   figure.suptitle("jaxpar: " + ", ".join(labels))
   if output is not None:

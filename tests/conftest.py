@@ -58,7 +58,8 @@ def _skip_tpu_tests_without_libtpu(items):
 SPLIT_FILES = {"test_compile_shipped.py"}
 OWN_GROUP = {"test_llama3_8b_at_131k_tokens_fits_v5p_with_ring_attention",
              "test_offloaded_activations_live_in_host_memory_not_hbm"}
-HEAVY_FIRST = ["test_compile_shipped.py", "test_long_context_train.py", "test_compile.py", "test_pipeline.py",
+HEAVY_FIRST = ["test_compile_shipped.py", "test_long_context_train.py", "test_compile.py", "test_grpo_learns.py",
+               "test_pipeline.py",
                "test_engine.py", "test_multiprocess.py", "test_quantization_quality.py", "test_moe_parallel.py",
                "test_train.py", "test_lora.py", "test_parallel.py", "test_checkpoint.py"]
 
@@ -71,6 +72,21 @@ def pytest_collection_modifyitems(config, items):
     alone = name in SPLIT_FILES or item.originalname in OWN_GROUP
     item.add_marker(pytest.mark.xdist_group(item.nodeid if alone else name))
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept within
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _optimized_when_marked(request):
+  """Modules marked `optimized` run long programs (training runs that learn): there XLA's
+  optimizations pay for themselves, in this process and the ones it starts."""
+  if request.node.get_closest_marker("optimized") is None:
+    yield
+    return
+  before = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"], jax.config.read("jax_disable_most_optimizations")
+  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "0"
+  jax.config.update("jax_disable_most_optimizations", False)
+  yield
+  os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = before[0]
+  jax.config.update("jax_disable_most_optimizations", before[1])
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,6 +19,9 @@ import sys
 import textwrap
 import tomllib
 
+import pytest
+
+pytestmark = pytest.mark.optimized  # the walk-throughs train and export in processes of their own
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "extending.md"

@@ -22,6 +22,8 @@ SHORT = [f"train.steps={STEPS}", "train.warmup_steps=5", "train.log_every=0", "d
 VARIANTS = {"unbalanced": ["model.moe.balance_loss=0", "model.moe.router_z_loss=0"],
             "balanced": []}  # tiny-moe's own: balance_loss 0.01, router_z_loss 0.001
 
+pytestmark = pytest.mark.optimized  # they train until the model learns
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

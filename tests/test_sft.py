@@ -37,6 +37,8 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
                 {"role": "assistant", "content": "4."}]
 BYTES = ByteTokenizer()
 
+pytestmark = pytest.mark.optimized  # they train until the model learns
+
 
 def _assistant_runs(tokens, mask) -> list[str]:
   """The text of each run of consecutive assistant tokens."""

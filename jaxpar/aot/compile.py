@@ -13,9 +13,10 @@ import jax.numpy as jnp
 from jaxpar.aot import hlo, roofline, traffic
 from jaxpar.aot.chips import parse_slice, topology_devices
 from jaxpar.aot.phases import silent
+from jaxpar.data.loader import TOKEN_KEYS
 from jaxpar.config import replace
 from jaxpar.train.flops import train_flops_per_token
-from jaxpar.train.trainer import BATCH_KEYS, Trainer
+from jaxpar.train.trainer import Trainer
 
 _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "HbmOom", "Ran out of memory")
 
@@ -23,8 +24,8 @@ _OOM_MARKERS = ("RESOURCE_EXHAUSTED", "HbmOom", "Ran out of memory")
 def abstract_batch(trainer) -> dict:
   data = trainer.config.data
   shape = (data.global_batch_size, data.seq_len)
-  return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32,
-                                  sharding=trainer.batch_sharding) for k in BATCH_KEYS}
+  return {k: jax.ShapeDtypeStruct(shape, jnp.int32 if k in TOKEN_KEYS else jnp.float32,
+                                  sharding=trainer.batch_sharding) for k in trainer.objective.batch_keys}
 
 
 def per_device_bytes(tree) -> int:

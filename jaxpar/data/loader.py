@@ -21,6 +21,7 @@ from jaxpar.data.tokenizer import load_tokenizer
 from jaxpar.errors import CheckpointError, ConfigError, DataError
 
 KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+TOKEN_KEYS = KEYS[:4]  # int32; the others (and any an objective adds) float32
 
 
 def rows_held_by(sharding, devices, batch: int, seq_len: int) -> np.ndarray:

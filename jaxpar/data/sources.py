@@ -26,6 +26,10 @@ from jaxpar.errors import DataError
 
 BUNDLED = "bundled"
 BUNDLED_CHAT = "bundled-chat"  # the small chat set configs/sft-tiny.yaml fine-tunes on (data.format=chat)
+# Arithmetic prompts for reinforcement learning: those the chat set never asks (configs/grpo-tiny.yaml
+# learns on them), and those it asks.
+BUNDLED_FILES = {BUNDLED: "austen.txt.gz", BUNDLED_CHAT: "tiny_chat.jsonl",
+                 "bundled-prompts": "tiny_prompts.jsonl", "bundled-prompts-seen": "tiny_prompts_seen.jsonl"}
 _KINDS = ".txt, .jsonl, .parquet, .arrow, .feather (text and JSON lines may be .gz or .zst)"
 
 
@@ -63,10 +67,8 @@ def _hf_dataset_files(folder: str) -> list[str] | None:
 
 def source_files(spec: str) -> list[str]:
   """The files of a source, in reading order."""
-  if spec == BUNDLED:
-    return [bundled_path()]
-  if spec == BUNDLED_CHAT:
-    return [bundled_path("tiny_chat.jsonl")]
+  if spec in BUNDLED_FILES:
+    return [bundled_path(BUNDLED_FILES[spec])]
   path = os.path.expanduser(spec)
   if is_glob(path):
     found = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p) and file_format(p))

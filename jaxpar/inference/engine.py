@@ -183,6 +183,30 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
       rows = (*rows[:4], np.asarray(picked, np.int32), *rows[4:])
     return self.programs.run(kind, self.params, self.model_state, self.cache, *rows)
 
+  def load_weights(self, params, model_state=None) -> int:
+    """Generate from `params` (and `model_state`) from now on: the same trees as the engine's,
+    e.g. a trainer's current weights. Arrays already laid out as the engine's programs expect
+    are used as they are; others are resharded device to device (another layout, or other
+    devices). The prefix cache is emptied (its pages hold the old weights' keys and values).
+    Returns the bytes that moved. Only between requests: one in flight would mix two models."""
+    if self.has_work:
+      raise RuntimeError("load_weights with requests in flight: finish or reset them first")
+    moved = 0
+
+    def place(x, want):
+      nonlocal moved
+      if x.sharding == want:
+        return x
+      moved += x.nbytes
+      return jax.device_put(x, want)
+    params_want, state_want = self.programs.state_shardings
+    self.params = jax.tree.map(place, params, params_want)
+    if model_state is not None:
+      self.model_state = jax.tree.map(place, model_state, state_want)
+    self.pool = PagePool(self.pool.num_pages, self.pool.page_size, cached_yield_to_order=self.pool.cached_yield_to_order)
+    self.sharing = PrefixSharing(self.pool, self.stats, self.sharing.enabled)
+    return moved
+
   # -- one step ----------------------------------------------------------------------
 
   def step(self) -> list:

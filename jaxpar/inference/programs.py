@@ -137,6 +137,11 @@ class Programs:
             if batch > 1 else PartitionSpec())
     return NamedSharding(self.runtime.mesh, spec)
 
+  @property
+  def state_shardings(self) -> tuple:
+    """(params, model_state) shardings the programs were compiled for."""
+    return tuple(jax.tree.map(lambda x: x.sharding, tree) for tree in self._state[:2])
+
   def compile(self, kind: str, batch: int, length: int, pages_per_seq: int, program: Kind | None = None):
     """Compile `kind` (one of KINDS, or any name for `program`) for [batch, length] tokens
     and page tables [batch, pages_per_seq]."""

@@ -15,7 +15,9 @@ class Completion:
   complete), "length" (max_tokens or the context limit) or "cancelled". logprobs: each
   token's; top_logprobs: each token's most likely alternatives [(token, logprob)];
   prompt_logprobs / prompt_top_logprobs: the same for the prompt (None at position 0).
-  draft_proposed / draft_accepted: speculative decoding's draft tokens for it, and those kept."""
+  draft_proposed / draft_accepted: speculative decoding's draft tokens for it, and those kept.
+  stop_token: (token, logprob) of the stop token that ended it (not in `tokens`; the logprob
+  NaN unless asked for), which reinforcement learning trains on as a sampled token."""
   prompt_tokens: list[int]
   tokens: list[int]
   text: str
@@ -26,6 +28,7 @@ class Completion:
   prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
   draft_proposed: int = 0
   draft_accepted: int = 0
+  stop_token: tuple[int, float] | None = None
 
 
 @dataclasses.dataclass
@@ -98,6 +101,7 @@ class Request:
     self.generated: list[int] = []
     self.logprobs: list[float] = []
     self.top_logprobs: list[list[tuple[int, float]]] = []
+    self.stop_token: tuple[int, float] | None = None
     self.matcher = None if sampling.constraint is None else sampling.constraint.matcher()
     wanted = sampling.prompt_logprobs is not None
     self.prompt_logprobs: list[float | None] | None = [None] * len(self.prompt) if wanted else None
@@ -141,7 +145,8 @@ class Request:
     return Completion(self.prompt, list(self.generated), self.text, self.finish_reason,
                       list(self.logprobs) if sampling.logprobs else None,
                       list(self.top_logprobs) if sampling.logprobs and sampling.top_logprobs else None,
-                      self.prompt_logprobs, self.prompt_top_logprobs, self.proposed, self.accepted)
+                      self.prompt_logprobs, self.prompt_top_logprobs, self.proposed, self.accepted,
+                      self.stop_token)
 
   def record_prompt_logprob(self, position: int, logprob: float, top: list[tuple[int, float]]):
     """The prompt token at `position` (>= 1) scored by the prefill (`processing.FILL_LOGPROBS`)."""
@@ -163,6 +168,7 @@ class Request:
     early = len(self.generated) <= sampling.min_tokens  # no stop string ends it yet
     stop_strings = () if early else sampling.stop
     if token in self.stop_token_ids:
+      self.stop_token = (token, logprob)
       self.generated.pop()  # the stop token itself is not part of the completion
       self.logprobs.pop()
       self.top_logprobs.pop()

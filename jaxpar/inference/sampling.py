@@ -13,6 +13,7 @@ import numpy as np
 from pydantic import Field
 
 from jaxpar.errors import UserError
+from jaxpar.models.logprobs import token_logprobs
 
 
 TOP_LOGPROBS = 20  # most alternatives a request may ask for at each position (as OpenAI's API allows)
@@ -264,8 +265,5 @@ def sample(logits, settings: dict, positions):
   tokens = jax.lax.cond(jnp.any(settings["temperature"] > 0), draw, lambda _: greedy, logits)
   tokens = tokens.astype(jnp.int32)
 
-  def logprobs():
-    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
-    return chosen - jax.nn.logsumexp(logits, axis=-1)
-  return tokens, jax.lax.cond(jnp.any(settings["logprobs"]), logprobs,
+  return tokens, jax.lax.cond(jnp.any(settings["logprobs"]), lambda: token_logprobs(logits, tokens),
                               lambda: jnp.full(tokens.shape, jnp.nan, jnp.float32))

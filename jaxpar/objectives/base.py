@@ -13,12 +13,17 @@ An objective is a registered class. The trainer names none: it asks the one that
 - its options (`Options`, the config's `objective:` section) and checks (`check`), run
   before anything compiles.
 Objectives that generate (reinforcement learning's rollouts, distillation's teacher) do so
-inside `batches`, from the trainer's runtime and the weights `batches` is handed each step.
+inside `batches`, from the trainer's runtime and the weights `batches` is handed each step:
+the trainer calls `batches.follow(state)` before each `next(batches)` where it has one, and
+logs `batches.host_metrics()` (a dict of floats) beside the step's, and adds
+`batches.finish(state)` (a dict) to the run's summary at its end. An objective whose
+batches carry other arrays than the language model's names them in `batch_keys`.
 """
 
 import logging
 from typing import ClassVar
 
+from jaxpar.data.loader import KEYS
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import Frozen
 from jaxpar.trees import join
@@ -40,11 +45,19 @@ class Objective:
   name: ClassVar[str]
   formats: ClassVar[tuple[str, ...]]  # the data.format values it trains on
   Options: ClassVar[type[Options]] = Options
+  batch_keys: ClassVar[tuple[str, ...]] = KEYS
 
-  def __init__(self, config, runtime):
+  def __init__(self, config, runtime, devices=None):
+    """devices: every device the trainer was given (default: the runtime's mesh)."""
     self.config, self.runtime = config, runtime
+    self.devices = list(runtime.mesh.devices.flat) if devices is None else list(devices)
     self.options = config.objective
     self.check()
+
+  @classmethod
+  def train_devices(cls, config, devices: list) -> list:
+    """The devices the policy trains on, of those given (all of them by default)."""
+    return devices
 
   def check(self):
     """One-line ConfigErrors for what this objective cannot train, before anything compiles."""
@@ -74,6 +87,18 @@ class Objective:
 
 
 OBJECTIVES: dict[str, type[Objective]] = {}
+# Imports the objective modules and entry points (set by the package): on first use, not at
+# import, since objectives that generate import the engine, which imports the config, which
+# imports this registry.
+_plugins = {"load": None}
+
+
+def registered() -> dict[str, type[Objective]]:
+  """Every objective, the plug-ins imported on the first call."""
+  load, _plugins["load"] = _plugins["load"], None
+  if load is not None:
+    load()
+  return OBJECTIVES
 
 
 def register_objective(cls: type[Objective]) -> type[Objective]:
@@ -85,7 +110,7 @@ def register_objective(cls: type[Objective]) -> type[Objective]:
 
 
 def get_objective(name: str) -> type[Objective]:
-  if name not in OBJECTIVES:
+  if name not in registered():
     raise ConfigError(f"train.objective={name!r} is not a registered objective; choose one of {sorted(OBJECTIVES)}")
   return OBJECTIVES[name]
 

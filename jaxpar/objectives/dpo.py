@@ -34,6 +34,7 @@ from pydantic import Field
 
 from jaxpar.data.preference_batches import PreferenceBatches
 from jaxpar.errors import ConfigError
+from jaxpar.models.logprobs import token_logprobs
 from jaxpar.objectives.base import BASE, Objective, Options, policy_weights, register_objective
 from jaxpar.trees import join
 
@@ -43,11 +44,7 @@ REFERENCE = "reference"  # TrainState.frozen's key for the reference network (wi
 def answer_logprobs(model, batch):
   """[rows] log-probability of each row's masked target tokens (the answer), summed."""
   logits, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-  logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  # A one-hot product, not a gather, so a vocab-sharded logits array stays sharded (loss.py).
-  target = jnp.sum(logits * jax.nn.one_hot(batch["targets"], logits.shape[-1], dtype=logits.dtype), -1)
-  return jnp.sum((target - log_z) * batch["loss_mask"].astype(jnp.float32), axis=-1)
+  return jnp.sum(token_logprobs(logits, batch["targets"]) * batch["loss_mask"].astype(jnp.float32), axis=-1)
 
 
 def dpo_loss(policy, reference, beta: float):

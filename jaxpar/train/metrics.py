@@ -15,7 +15,9 @@ from tensorboardX import SummaryWriter
 
 
 # Shown on the progress bar next to loss, tokens/s and MFU when a model reports them.
-PROGRESS_EXTRAS = {"moe/imbalance": "max/mean load {:.2f}", "moe/dropped": "dropped {:.1%}"}
+PROGRESS_EXTRAS = {"moe/imbalance": "max/mean load {:.2f}", "moe/dropped": "dropped {:.1%}",
+                   "reward": "reward {:.3f}", "response_length": "length {:.1f}",
+                   "heldout_pass@1": "held-out pass@1 {:.1%}"}
 
 
 def scalars(metrics: dict) -> dict[str, float]:
@@ -122,6 +124,10 @@ def summary_lines(summary: dict, config) -> list[str]:
   lines = []
   if "eval" in summary:
     lines.append(f"eval at step {summary['eval_step']}: {eval_line(summary['eval'])}")
+  if "heldout" in summary:  # reinforcement learning's held-out prompts, before and after
+    start, end = summary["heldout_start"], summary["heldout"]
+    lines.append("held-out prompts: " + ", ".join(
+        f"{k.removeprefix('heldout_')} {start.get(k, float('nan')):.3f} -> {v:.3f}" for k, v in end.items()))
   if "data_proportions" in summary:
     weights = {n: s.weight for n, s in config.data.named_sources().items() if s.weight > 0}
     total = sum(weights.values())

@@ -32,7 +32,6 @@ from jaxpar.train.step import make_train_step
 from jaxpar.cluster.xla_flags import compiler_options
 
 _log = logging.getLogger(__name__)
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
 @dataclass
@@ -51,9 +50,12 @@ class Trainer:
       raise ConfigError(f"model.quantization.mode={config.model.quantization.mode}: quantized "
                         "weights are for inference; train the float model, then `jaxpar quantize` "
                         "its checkpoint, or train adapters over it (model.lora: QLoRA)")
-    self.runtime = Runtime.from_config(config, devices)
+    objective = get_objective(config.train.objective)
+    devices = list(jax.devices() if devices is None else devices)
+    # An objective may keep some devices for itself (reinforcement learning's rollouts).
+    self.runtime = Runtime.from_config(config, objective.train_devices(config, devices))
     self.runtime.plan.check_training(config.model, config.data, config.train, self.rules)
-    self.objective = get_objective(config.train.objective)(config, self.runtime)
+    self.objective = objective(config, self.runtime, devices)
     self.frozen = FrozenWeights(self.runtime, self.objective)
     self.console = console or Console()
     # Under model.lora the optimizer sees the adapters only: the base is TrainState.frozen.
@@ -63,7 +65,7 @@ class Trainer:
     self.state_shardings = self._state_shardings()
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
     step = make_train_step(self.objective.loss(), self.optimizer, self.schedule, microbatches=config.train.microbatches)
-    batch_shardings = {k: self.batch_sharding for k in BATCH_KEYS}
+    batch_shardings = {k: self.batch_sharding for k in self.objective.batch_keys}
     self.xla_options, self.xla_notes = compiler_options(config.mesh.xla_flags, self.mesh.devices.flat)
     self._eval_step = None  # built with the first evaluator
     self.train_step = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),
@@ -201,6 +203,8 @@ class Trainer:
             if cfg.eval.every_steps and steps else None
         state, history, summary = self._loop(state, batches, start_step, steps, show_progress,
                                              checkpointer, stop, evaluator)
+        if hasattr(batches, "finish") and history:  # e.g. RL's held-out prompts on the final weights
+          summary.update(batches.finish(state))
       if checkpointer is not None and history:
         last = start_step + len(history)
         checkpointer.save(last, state.items(), data_state=_data_state(batches), config=cfg, force=True)
@@ -261,7 +265,11 @@ class Trainer:
     pending, started = None, time.perf_counter()
     try:
       for step in range(start_step + 1, start_step + steps + 1):
+        if hasattr(batches, "follow"):  # an objective that generates: from the current weights
+          batches.follow(state)
         state, metrics = self.step(state, next(batches))
+        if hasattr(batches, "host_metrics"):
+          metrics = {**metrics, **batches.host_metrics()}
         clock.watch(step, metrics)
         stopping = stop.check(step)
         if checkpointer is not None:
@@ -290,6 +298,9 @@ class Trainer:
                "final_loss": history[-1]["loss"] if history else None,
                "wall_s": time.perf_counter() - started, "stopped_by": stop.signal if stop else None,
                **{k: history[-1][k] for k in PROGRESS_EXTRAS if history and k in history[-1]}}
+    heldout = [{k: v for k, v in h.items() if k.startswith("heldout_")} for h in history]
+    if any(heldout):
+      summary["heldout_start"] = next(h for h in heldout if h)
     evals = [h for h in history if any(k.startswith("eval/") for k in h)]
     if evals:
       summary["eval_step"] = evals[-1]["step"]
