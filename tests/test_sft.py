@@ -140,3 +140,37 @@ def test_chat_config_errors_are_one_line(tmp_path, capsys):
   assert code == 2 and "cannot be told apart" in err and len(err.splitlines()) == 1
   assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "Hi", "--system", "Be brief."]) == 2
   assert "--system needs --chat" in capsys.readouterr().err
+
+
+def test_serve_and_export_keep_the_runs_chat_template(chat_run, tmp_path):
+  """The run's data.chat_template (chatml) is the one renderer's everywhere: `serve` answers
+  chats with it (the openai client drives it), --chat-template stands in where a run has none,
+  and the HF export carries it, so transformers' apply_chat_template renders the same prompt."""
+  import openai
+  import transformers
+  from starlette.testclient import TestClient
+
+  from jaxpar.convert.hf import jaxpar_to_hf
+  from jaxpar.data.sources import bundled_path
+  from jaxpar.inference import Engine
+  from jaxpar.inference.commands import run_chat_renderer
+  from jaxpar.inference.server import build_app
+
+  run, _, _ = chat_run
+  renderer, _ = run_chat_renderer(run)
+  with open(bundled_path("chatml.jinja")) as f:
+    assert renderer.source == f.read()
+  engine = Engine.from_checkpoint(run, slots=2, max_seq_len=128, prefill_chunks=(64,))
+  turn = [{"role": "user", "content": "What is 3 plus 4?"}]
+  with TestClient(build_app(engine, model_name="sft", chat=renderer)) as http:
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
+    # No stop given: the answer ends at the template's end of turn, as `generate --chat` ends it.
+    answer = client.chat.completions.create(model="sft", messages=turn, max_tokens=60, temperature=0)
+    assert re.fullmatch(r"\d plus \d is \d+\.", answer.choices[0].message.content), answer
+    assert answer.choices[0].finish_reason == "stop"
+  with TestClient(build_app(engine, model_name="sft")) as http:  # the byte tokenizer has no template
+    refused = http.post("/v1/chat/completions", json={"model": "sft", "messages": turn})
+    assert refused.status_code == 400 and "--chat-template" in refused.json()["error"]["message"]
+  out = jaxpar_to_hf(run, tmp_path / "hf")
+  exported = transformers.AutoTokenizer.from_pretrained(out)
+  assert exported.apply_chat_template(turn, add_generation_prompt=True, tokenize=False) == renderer.render(turn, True)

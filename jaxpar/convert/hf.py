@@ -24,6 +24,7 @@ from jaxpar.checkpoint import TOKENIZER_DIR, Checkpointer
 from jaxpar.config import Config, DataConfig, MeshConfig, ModelConfig, from_dict
 from jaxpar.convert.byte_tokenizer import write_byte_tokenizer
 from jaxpar.data import copy_tokenizer_files
+from jaxpar.data.chat_batches import chat_template_text
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models import family_names, get_family
 from jaxpar.models.transformer import layer_groups
@@ -262,6 +263,15 @@ def _bundle_tokenizer(hf_dir: Path, tokenizer, target: Path):
 
 # -- export ----------------------------------------------------------------------------
 
+def _set_chat_template(out: Path, template: str):
+  """Write `template` into out/tokenizer_config.json (where transformers reads it)."""
+  path = out / "tokenizer_config.json"
+  settings = json.loads(path.read_text()) if path.is_file() else {}
+  settings["chat_template"] = template
+  path.write_text(json.dumps(settings, indent=2) + "\n")
+  (out / "chat_template.jinja").unlink(missing_ok=True)  # it would take precedence over the one above
+
+
 def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
   """Write a jaxpar checkpoint's parameters as an HF directory that `transformers` loads
   (config.json + safetensors, sharded with an index past `max_shard_bytes`). `dtype`
@@ -280,10 +290,14 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
     run.load()
     params, model_state, root = run.params, run.model_state, run.directory
     byte_level = run.config.data.tokenizer == "byte" and not run.lacks_tokenizer
+    template = run.config.data.chat_template
+    template = chat_template_text(template, None) if template else None  # before anything is written
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
   if not copy_tokenizer_files(root / TOKENIZER_DIR, out) and byte_level:
     write_byte_tokenizer(out)  # what AutoTokenizer needs to read the byte-level model
+  if template:  # the template the run trained with: apply_chat_template renders the same prompts
+    _set_chat_template(out, template)
   (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg, dtype), indent=2) + "\n")
   shards, current, size = [], {}, 0
   # Parameters in `dtype`; model state (a router bias) in its own, float32, as transformers keeps it.

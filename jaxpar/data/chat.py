@@ -62,6 +62,7 @@ class ChatRenderer:
       self.template = _environment().from_string(template)
     except jinja2.TemplateError as e:
       raise DataError(f"the chat template does not parse: {e}") from None
+    self.source = template
     self.marked = bool(_HAS_GENERATION.search(template))
     self.special = {"bos_token": bos_token, "eos_token": eos_token}
 

@@ -15,6 +15,7 @@ next row, as TrainBatches' is the next sample.
 """
 
 import functools
+import os
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from jaxpar.data.chat import ChatRenderer, example_tokens
 from jaxpar.data.loader import KEYS, _globalize, _process_rows
 from jaxpar.data.readers import read_records
 from jaxpar.data.sources import bundled_path, source_files
-from jaxpar.errors import DataError
+from jaxpar.errors import ConfigError, DataError
 
 
 def pack_examples(examples, seq_len: int) -> tuple[dict, int]:
@@ -64,16 +65,24 @@ def read_rows(spec: str) -> list[dict]:
   return rows
 
 
-def chat_renderer(data_config, tokenizer) -> ChatRenderer:
-  """The template data.chat_template names (a file, or `chatml`: the bundled ChatML template,
-  with {% generation %} markers), else the tokenizer's own."""
-  template = tokenizer.chat_template
-  if data_config.chat_template:
-    path = bundled_path("chatml.jinja") if data_config.chat_template == "chatml" else data_config.chat_template
-    with open(path) as f:
-      template = f.read()
-  return ChatRenderer(template, bos_token=getattr(tokenizer, "bos_token", ""),
-                      eos_token=getattr(tokenizer, "eos_token", ""))
+def chat_template_text(name: str | None, tokenizer) -> str | None:
+  """A chat template's Jinja source: `name` a .jinja file, or `chatml` (the bundled ChatML
+  template, with {% generation %} markers); no name: the tokenizer's own (None if it has none)."""
+  if not name:
+    return getattr(tokenizer, "chat_template", None)
+  path = bundled_path("chatml.jinja") if name == "chatml" else name
+  if not os.path.isfile(path):
+    raise ConfigError(f"chat template {name!r} does not exist: give a .jinja file, or chatml")
+  with open(path) as f:
+    return f.read()
+
+
+def chat_renderer(data_config, tokenizer, template: str | None = None) -> ChatRenderer:
+  """The one renderer of chat prompts everywhere (SFT, RL, generate --chat, serve, export):
+  `template` (a --chat-template), else the template data.chat_template names, else the
+  tokenizer's own."""
+  return ChatRenderer(chat_template_text(template or data_config.chat_template, tokenizer),
+                      bos_token=getattr(tokenizer, "bos_token", ""), eos_token=getattr(tokenizer, "eos_token", ""))
 
 
 class ChatBatches:

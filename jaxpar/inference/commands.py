@@ -28,6 +28,9 @@ def add_engine_args(parser):
   """Options shared by `generate` and `serve`: what to load and how to lay it out."""
   parser.add_argument("--checkpoint", required=True, metavar="PATH",
                       help="a jaxpar checkpoint dir (its latest step) or one step dir")
+  parser.add_argument("--chat-template", metavar="FILE",
+                      help="the chat template (a .jinja file, or chatml) for chat prompts (generate --chat, "
+                      "serve's /v1/chat/completions); default: the run's data.chat_template, else its tokenizer's")
   parser.add_argument("mesh", nargs="*", metavar="mesh.AXIS=SIZE",
                       help="mesh axis sizes, e.g. mesh.tensor=8 (default: every device holds the "
                       "whole model; rows split over the devices when they divide)")
@@ -111,21 +114,30 @@ def _read_prompts(path: Path) -> list[dict]:
   return records
 
 
+def run_chat_renderer(checkpoint, template=None):
+  """(the chat renderer of a saved run: `template` (--chat-template), else its data.chat_template,
+  else its tokenizer's; None where it has none, the run's tokenizer)."""
+  from jaxpar.data.chat_batches import chat_renderer
+  from jaxpar.weights import SavedRun
+  with SavedRun(checkpoint) as run:
+    data, tokenizer = run.config.data, run.tokenizer
+  if not template and data.chat_template not in (None, "chatml") and not Path(data.chat_template).is_file():
+    raise ConfigError(f"{checkpoint}'s data.chat_template={data.chat_template} is not there any more: run from the "
+                      "directory it trained in, or give --chat-template FILE")
+  if not template and not data.chat_template and not tokenizer.chat_template:
+    return None, tokenizer
+  return chat_renderer(data, tokenizer, template), tokenizer
+
+
 def chat_turns(ns):
   """For --chat, before anything compiles: (user text -> prompt token ids, rendered with the
   run's chat template up to where the assistant answers; the stop settings that end the
   answer at the template's end of turn: its token when it is one, else its text)."""
-  from jaxpar.data.chat_batches import chat_renderer
-  from jaxpar.weights import SavedRun
-  with SavedRun(ns.checkpoint) as run:
-    data, tokenizer = run.config.data, run.tokenizer
-  if not data.chat_template and not tokenizer.chat_template:
+  renderer, tokenizer = run_chat_renderer(ns.checkpoint, ns.chat_template)
+  if renderer is None:
     raise ConfigError(f"--chat: {ns.checkpoint} has no chat template (no data.chat_template in its config, none "
-                      "in its tokenizer): drop --chat and write the prompt in the model's format")
-  if data.chat_template not in (None, "chatml") and not Path(data.chat_template).is_file():
-    raise ConfigError(f"--chat: the run's data.chat_template={data.chat_template} is not there any more: "
-                      "run from the directory it trained in, or drop --chat")
-  renderer = chat_renderer(data, tokenizer)
+                      "in its tokenizer): give --chat-template FILE (or chatml), or drop --chat and write the "
+                      "prompt in the model's format")
   system = [{"role": "system", "content": ns.system}] if ns.system else []
 
   def prompt_ids(text: str) -> list[int]:
@@ -203,6 +215,7 @@ def cmd_serve(ns):
   from jaxpar.weights import run_name
   name = ns.model_name or run_name(ns.checkpoint)
   adapters = adapter_paths(ns.adapter, name)
+  chat = run_chat_renderer(ns.checkpoint, ns.chat_template)[0]  # checked before compiling
   # Every program compiled before the first request: serving never pauses to compile.
   engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True,
                         adapters=adapters)
@@ -210,7 +223,7 @@ def cmd_serve(ns):
   announce = lambda url: notes.print(f"serving {served} on {url} ({ns.slots} slots, context "  # noqa: E731
                                      f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
   serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s,
-        announce=announce)
+        announce=announce, chat=chat)
 
 
 def add_parsers(commands):

@@ -12,9 +12,9 @@ import os
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from jaxpar.errors import DataError
 from jaxpar.inference import grammar
 from jaxpar.inference import openai_api as api
-from jaxpar.inference.chat import TemplateError, render_chat
 from jaxpar.inference.sampling import RequestError, SamplingParams
 
 
@@ -81,9 +81,13 @@ class Call:
                          f"is {limit} tokens and the prompt has {len(ids)}, so use at most {room}",
                          param="max_tokens", code="context_length_exceeded")
     eos = [] if body.ignore_eos else [self.engine.tokenizer.eos_id]
+    stop = tuple(body.stops())
+    if self.chat and not body.ignore_eos:  # the chat template's end of turn ends the answer
+      eos += list(self.server.chat_stop_ids)
+      stop += tuple(s for s in self.server.chat_stop if s not in stop)
     return SamplingParams(
         max_tokens=room if requested is None else requested, temperature=body.temperature,
-        top_k=max(body.top_k, 0), top_p=body.top_p, seed=seed, stop=body.stops(),
+        top_k=max(body.top_k, 0), top_p=body.top_p, seed=seed, stop=stop,
         stop_token_ids=tuple(dict.fromkeys(eos + list(body.stop_token_ids or []))), logprobs=bool(self.logprobs),
         top_logprobs=self.top, prompt_logprobs=self.top if self.echo and self.logprobs else None,
         min_tokens=body.min_tokens, logit_bias=tuple((body.logit_bias or {}).items()),
@@ -214,20 +218,19 @@ def completion_prompts(server, body) -> list[list[int]]:
 
 
 def chat_prompt(server, body) -> list[int]:
-  """A chat's prompt ids: the model's template rendered, encoded with special tokens only if
-  add_special_tokens (vLLM's default: no, the template writes them), and never with a second
-  BOS when the template already wrote one."""
-  tokenizer = server.engine.tokenizer
-  if not getattr(tokenizer, "chat_template", None):
-    raise api.APIError(400, f"model {server.model_name!r} has no chat template: use /v1/completions, or add a "
-                       "chat_template to its tokenizer_config.json", param="messages")
+  """A chat's prompt ids: the chat template rendered (the run's, --chat-template, or the
+  tokenizer's: `server.chat`), encoded with special tokens only if add_special_tokens (vLLM's
+  default: no, the template writes them), and never with a second BOS when the template
+  already wrote one."""
+  if server.chat is None:
+    raise api.APIError(400, f"model {body.model or server.model_name!r} has no chat template: use /v1/completions, "
+                       "or serve with --chat-template FILE (or chatml)", param="messages")
   try:
-    text = render_chat(tokenizer.chat_template, [{"role": m.role, "content": m.text()} for m in body.messages],
-                       bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token,
-                       add_generation_prompt=body.add_generation_prompt)
-  except TemplateError as e:
+    text = server.chat.render([{"role": m.role, "content": m.text()} for m in body.messages],
+                              add_generation_prompt=body.add_generation_prompt)
+  except DataError as e:
     raise api.APIError(400, str(e), param="messages") from None
-  return encode_without_double_bos(tokenizer, text, bool(body.add_special_tokens))
+  return encode_without_double_bos(server.engine.tokenizer, text, bool(body.add_special_tokens))
 
 
 def encode_without_double_bos(tokenizer, text: str, add_special_tokens: bool) -> list[int]:

@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxpar.cluster.preemption import stop_on_signals
+from jaxpar.data.chat import ChatRenderer
+from jaxpar.errors import DataError
 from jaxpar.inference import handlers
 from jaxpar.inference import openai_api as api
 from jaxpar.inference.metrics import CONTENT_TYPE, ServingMetrics
@@ -82,8 +84,19 @@ class EngineWorker:
 class Server:
   """What the routes share: the engine, its worker thread, the metrics, the model's name."""
 
-  def __init__(self, engine, model_name: str, max_queue: int):
+  def __init__(self, engine, model_name: str, max_queue: int, chat=None):
     self.engine, self.model_name, self.max_queue = engine, model_name, max_queue
+    # Chat prompts: the renderer given (the run's template, or --chat-template), else the tokenizer's own.
+    tokenizer = engine.tokenizer
+    own = getattr(tokenizer, "chat_template", None)
+    self.chat = chat if chat is not None or not own else ChatRenderer(
+        own, bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
+    # Where a chat answer ends, as `generate --chat` ends it: the template's end of turn, a stop
+    # token where the tokenizer has it as one, else a stop string (byte tokens).
+    end = _end_of_turn(self.chat)
+    end_ids = tokenizer.encode(end) if end else []
+    self.chat_stop_ids = tuple(end_ids) if len(end_ids) == 1 else ()
+    self.chat_stop = (end,) if len(end_ids) > 1 else ()
     self.metrics = ServingMetrics(engine)
     self.worker: EngineWorker | None = None
     self.draining = False
@@ -105,9 +118,19 @@ class Server:
       raise api.APIError(503, "the server is shutting down", kind="server_error")
 
 
-def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 30.0) -> FastAPI:
-  """The ASGI app serving `engine` as model `model_name`."""
-  server = Server(engine, model_name, max_queue)
+def _end_of_turn(chat) -> str:
+  """The text a chat template writes after an answer ("" without a template, or where the
+  template refuses the probe conversation)."""
+  try:
+    return chat.end_of_turn() if chat is not None else ""
+  except DataError:
+    return ""
+
+
+def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 30.0, chat=None) -> FastAPI:
+  """The ASGI app serving `engine` as model `model_name`; `chat`: the ChatRenderer of chat
+  prompts (default: the tokenizer's template)."""
+  server = Server(engine, model_name, max_queue, chat)
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
@@ -196,7 +219,7 @@ def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 
   async def tokenizer_info():
     tokenizer = engine.tokenizer
     return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token or None,
-            "bos_token": tokenizer.bos_token or None, "chat_template": getattr(tokenizer, "chat_template", None),
+            "bos_token": tokenizer.bos_token or None, "chat_template": server.chat.source if server.chat else None,
             "model_max_length": engine.max_seq_len}
 
   return app
@@ -222,11 +245,11 @@ async def _json(request: Request):
 
 
 def serve(engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64,
-          grace_s: float = 30.0, log_level: str = "info", announce=None):
+          grace_s: float = 30.0, log_level: str = "info", announce=None, chat=None):
   """Serve until SIGTERM / Ctrl-C (uvicorn stops taking requests and drains). The socket is
   bound first, so port 0 takes a free port with no race; announce(url) is called with the
   address bound, before the first request."""
-  app = build_app(engine, model_name=model_name, max_queue=max_queue, grace_s=grace_s)
+  app = build_app(engine, model_name=model_name, max_queue=max_queue, grace_s=grace_s, chat=chat)
   sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   sock.bind((host, port))
