@@ -23,6 +23,8 @@ batches carry other arrays than the language model's names them in `batch_keys`.
 import logging
 from typing import ClassVar
 
+from flax import nnx
+
 from jaxpar.data.loader import KEYS
 from jaxpar.errors import ConfigError
 from jaxpar.models.config import Frozen
@@ -30,6 +32,12 @@ from jaxpar.trees import join
 
 _log = logging.getLogger(__name__)
 BASE = "base"  # TrainState.frozen's key for the base weights under adapters (model.lora)
+
+
+def model_state_of(model) -> dict:
+  """What a loss returns beside its sums: the model's non-parameter state after the forward
+  (a router's bias, say), as a plain dict."""
+  return nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
 def policy_weights(params: dict, frozen: dict | None) -> dict:

@@ -35,7 +35,8 @@ from pydantic import Field
 from jaxpar.data.preference_batches import PreferenceBatches
 from jaxpar.errors import ConfigError
 from jaxpar.models.logprobs import token_logprobs
-from jaxpar.objectives.base import BASE, Objective, Options, policy_weights, register_objective
+from jaxpar.objectives.base import (BASE, Objective, Options, model_state_of, policy_weights,
+                                    register_objective)
 from jaxpar.trees import join
 
 REFERENCE = "reference"  # TrainState.frozen's key for the reference network (without adapters)
@@ -76,7 +77,7 @@ def make_dpo_objective(graphdef, beta: float):
             "metric/reward_margin": jnp.sum(margin),
             "metric/reward_accuracy": jnp.sum((margin > 0).astype(jnp.float32)),
             "metric/chosen_reward": jnp.sum(chosen), "metric/rejected_reward": jnp.sum(rejected)}
-    return total, (sums, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+    return total, (sums, model_state_of(model))
 
   return objective
 

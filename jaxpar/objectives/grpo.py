@@ -23,7 +23,8 @@ from pydantic import Field
 
 from jaxpar.errors import ConfigError
 from jaxpar.models.logprobs import token_logprobs
-from jaxpar.objectives.base import BASE, Objective, Options, policy_weights, register_objective
+from jaxpar.objectives.base import (BASE, Objective, Options, model_state_of, policy_weights,
+                                    register_objective)
 from jaxpar.rl.ahead import AheadRollouts
 from jaxpar.rl.losses import LOSSES, policy_loss
 from jaxpar.rl.rewards import Rewards
@@ -127,7 +128,7 @@ def make_grpo_loss(graphdef, options, *, reference_kept: bool):
     sums = {"ce_sum": total, "z_sum": jnp.zeros(()), "tokens": unit,
             **{f"metric/{k}": v for k, v in metrics.items()},
             "metric/entropy": jnp.sum(entropy(logits) * (mask if options.loss == "dapo" else per_row))}
-    return total, (sums, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+    return total, (sums, model_state_of(model))
   return loss
 
 

@@ -8,7 +8,7 @@ from flax import nnx
 from jaxpar.data import TrainBatches
 from jaxpar.data.chat_batches import ChatBatches
 from jaxpar.mesh import num_shards
-from jaxpar.objectives.base import Objective, policy_weights, register_objective
+from jaxpar.objectives.base import Objective, model_state_of, policy_weights, register_objective
 from jaxpar.pallas_kernels import zigzag
 from jaxpar.train.loss import causal_lm_loss, fused_lm_loss
 
@@ -47,7 +47,7 @@ def lm_loss(graphdef, *, z_loss: float, logits_chunk_len: int = 0, load_balance:
       sums[f"loss/{name}"] = tokens * value
     for name, value in aux["metrics"].items():
       sums[f"metric/{name}"] = tokens * value
-    return total, (sums, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param))))
+    return total, (sums, model_state_of(model))
 
   return objective
 
