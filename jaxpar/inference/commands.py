@@ -52,11 +52,11 @@ def add_engine_args(parser):
 
 
 def add_sampling_args(parser):
-  parser.add_argument("--max-tokens", type=int, default=64)
+  parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
   parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-  parser.add_argument("--top-k", type=int, default=0, help="0: off")
-  parser.add_argument("--top-p", type=float, default=1.0)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--top-k", type=int, default=0, help="0: off (default)")
+  parser.add_argument("--top-p", type=float, default=1.0, help="1: off (default)")
+  parser.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
   parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
   parser.add_argument("--logprobs", action="store_true", help="report each token's log-probability")
 
