@@ -42,6 +42,12 @@ from jaxpar.weights import open_run
 DEFAULT_CHUNKS = (16, 64, 256)
 
 
+def bytes_to_move(tree, shardings) -> int:
+  """Bytes of `tree`'s arrays not laid out as `shardings` (a tree of the same structure) say:
+  what placing it there copies between devices."""
+  return sum(x.nbytes for x, want in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)) if x.sharding != want)
+
+
 class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
   """Generate from a model on a device mesh (`Engine.from_checkpoint` to load one).
 
@@ -191,18 +197,12 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     Returns the bytes that moved. Only between requests: one in flight would mix two models."""
     if self.has_work:
       raise RuntimeError("load_weights with requests in flight: finish or reset them first")
-    moved = 0
-
-    def place(x, want):
-      nonlocal moved
-      if x.sharding == want:
-        return x
-      moved += x.nbytes
-      return jax.device_put(x, want)
     params_want, state_want = self.programs.state_shardings
-    self.params = jax.tree.map(place, params, params_want)
+    trees, wanted = (params, model_state or {}), (params_want, state_want if model_state is not None else {})
+    moved = bytes_to_move(trees, wanted)
+    self.params = jax.device_put(params, params_want)  # arrays already in place are not copied
     if model_state is not None:
-      self.model_state = jax.tree.map(place, model_state, state_want)
+      self.model_state = jax.device_put(model_state, state_want)
     self.pool = PagePool(self.pool.num_pages, self.pool.page_size, cached_yield_to_order=self.pool.cached_yield_to_order)
     self.sharing = PrefixSharing(self.pool, self.stats, self.sharing.enabled)
     return moved

@@ -16,6 +16,7 @@ import time
 
 import jax
 
+from jaxpar.inference.engine import bytes_to_move
 from jaxpar.objectives.base import policy_weights
 
 
@@ -41,7 +42,7 @@ class AheadRollouts:
       self._thread.start()
     wanted = self.rollouts.engine.programs.state_shardings
     started = time.perf_counter()
-    moving = sum(x.nbytes for x, want in zip(jax.tree.leaves(weights), jax.tree.leaves(wanted)) if x.sharding != want)
+    moving = bytes_to_move(weights, wanted)
     copied = jax.device_put(weights, wanted)  # before the next update donates them
     self._copy = {"sync_s": time.perf_counter() - started, "sync_bytes": float(moving)}
     with self._handed:

@@ -25,7 +25,7 @@ import numpy as np
 from jaxpar.data.chat_batches import chat_renderer, read_rows
 from jaxpar.data.loader import TOKEN_KEYS, _globalize, _process_rows
 from jaxpar.errors import DataError
-from jaxpar.inference.engine import Engine
+from jaxpar.inference.engine import Engine, bytes_to_move
 from jaxpar.inference.sampling import SamplingParams
 from jaxpar.objectives.base import policy_weights
 from jaxpar.rl.losses import group_advantages
@@ -176,8 +176,7 @@ class Rollouts:
     started = time.perf_counter()
     if self.engine is None:  # built on the first weights, laid out as the engine's runtime wants
       wanted = (self.runtime.param_shardings, self.runtime.model_state_shardings)
-      moved = sum(x.nbytes for x, want in zip(jax.tree.leaves((params, model_state)), jax.tree.leaves(wanted))
-                  if x.sharding != want)
+      moved = bytes_to_move((params, model_state), wanted)
       self.engine = self._engine(*jax.device_put((params, model_state), wanted))
     else:
       moved = self.engine.load_weights(self.changing(params), model_state)
