@@ -32,6 +32,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
+from packaging.version import Version  # noqa: E402
 
 # Compiling for TPU topologies on this CPU host needs libtpu (the `tpu` extra, which CI
 # installs): tests marked `tpu` skip where it is missing, and fail there when
@@ -64,6 +65,7 @@ HEAVY_FIRST = ["test_compile_shipped.py", "test_long_context_train.py", "test_co
                "test_train.py", "test_lora.py", "test_parallel.py", "test_checkpoint.py"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
   _skip_tpu_tests_without_libtpu(items)
   rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
@@ -72,6 +74,14 @@ def pytest_collection_modifyitems(config, items):
     alone = name in SPLIT_FILES or item.originalname in OWN_GROUP
     item.add_marker(pytest.mark.xdist_group(item.nodeid if alone else name))
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept within
+
+
+def pytest_configure(config):
+  # pytest-xdist 3.8 puts a test's group into its node id, which pytest 9.2 no longer reads:
+  # the groups would be ignored and each file's module fixtures built on both workers.
+  if config.getoption("dist", "no") == "loadgroup" and Version(pytest.__version__) >= Version("9.2"):
+    raise pytest.UsageError(f"--dist loadgroup does not group tests with pytest {pytest.__version__}: "
+                            "pip install 'pytest>=8,<9.2'")
 
 
 @pytest.fixture(scope="module", autouse=True)
