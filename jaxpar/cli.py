@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
   quantize.add_argument("out", metavar="OUT", help="a new checkpoint directory")
   quantize.add_argument("--mode", required=True, choices=("int8", "int4", "w8a8"))
   quantize.add_argument("--group-size", type=int, choices=(32, 64, 128),
-                        help="int4: rows sharing one scale (default 128)")
+                        help="int4: rows sharing one scale (default: the widest of 128, 64, 32 that divides the "
+                        "model's embed, head and mlp dims)")
   quantize.add_argument("--zero-point", action="store_true", help="int4: asymmetric groups")
   quantize.add_argument("--outlier-channels", type=int, default=0,
                         help="w8a8: keep this many input channels with the largest |x| in float")

@@ -16,11 +16,26 @@ from jaxpar.runtime import Runtime
 from jaxpar.weights import SavedRun, quantize_params
 
 
-def quantization_section(mode: str, group_size=None, zero_point=False, outlier_channels=0) -> dict:
-  """The `model.quantization` section for these options (int4: group size 128 by default)."""
+INT4_GROUP_SIZES = (128, 64, 32)  # model.quantization.group_size's choices, widest first
+
+
+def default_group_size(model) -> int:
+  """The widest int4 group that divides every contracted dim of `model` (a ModelConfig):
+  128 for the usual widths, less for small models (tiny's head_dim is 32)."""
+  dims = {"embed_dim": model.embed_dim, "head_dim": model.head_dim, "mlp_dim": model.mlp_dim}
+  for size in INT4_GROUP_SIZES:
+    if all(d % size == 0 for d in dims.values()):
+      return size
+  raise ConfigError(f"no int4 group size in {INT4_GROUP_SIZES} divides {dims}: quantize with --mode int8")
+
+
+def quantization_section(mode: str, group_size=None, zero_point=False, outlier_channels=0, model=None) -> dict:
+  """The `model.quantization` section for these options (int4: the group size given, or the
+  widest that fits `model`, or 128 without one)."""
   section = {"mode": mode}
   if mode == "int4":
-    section.update(group_size=group_size or 128, zero_point=zero_point)
+    default = default_group_size(model) if model is not None else INT4_GROUP_SIZES[0]
+    section.update(group_size=group_size or default, zero_point=zero_point)
   elif group_size is not None or zero_point:
     raise ConfigError(f"--group-size / --zero-point apply to --mode int4 only, not --mode {mode}")
   if outlier_channels:
@@ -38,7 +53,7 @@ def quantize_checkpoint(ckpt, out, mode: str, group_size=None, *, zero_point=Fal
       raise CheckpointError(f"checkpoint {ckpt} is already quantized (model.quantization.mode="
                             f"{config.model.quantization.mode}): quantize the float checkpoint instead")
     quant_config = replace(config, model={"quantization": quantization_section(
-        mode, group_size, zero_point, outlier_channels)})
+        mode, group_size, zero_point, outlier_channels, config.model)})
     with Checkpointer(out) as target:
       if target.all_steps():
         raise CheckpointError(f"{out} already holds checkpoints {target.all_steps()}: give an empty "
