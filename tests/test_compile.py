@@ -2,6 +2,7 @@
 matches hand computation, say DOES NOT FIT for weights that cannot fit, count collectives
 per loop trip, and see the DCN collectives of a multi-slice mesh."""
 
+import importlib.util
 import json
 import re
 
@@ -273,6 +274,16 @@ def test_small_numbers_get_the_units_they_need():
   assert traffic_line({**traffic, "wire_bytes": 10.3, "wire_bytes_as_written": 10.3}).endswith("(1.03x)")
 
 
+def test_cli_compile_without_libtpu_says_so_before_loading_anything(monkeypatch, capsys):
+  from jaxpar.aot import commands
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(commands.importlib.util, "find_spec",
+                      lambda name, *rest: None if name == "libtpu" else find_spec(name, *rest))
+  assert main(["compile", "no-such-config", "--topology", "v6e-8"]) == 2  # the config is never read
+  assert "needs libtpu on this host: pip install 'jaxpar[tpu]'" in capsys.readouterr().err
+
+
+@pytest.mark.tpu  # without libtpu, compile stops before it reads the topology
 def test_cli_compile_without_topology_says_how_to_give_one(capsys):
   assert main(["compile", "tiny"]) == 2
   assert "pass --topology" in capsys.readouterr().err

@@ -73,5 +73,5 @@ def topology_devices(name: str, num_slices: int = 1) -> tuple[Chip, list]:
                                             num_slices=num_slices)
   except Exception as e:  # missing libtpu raises various types; say what to install
     raise ConfigError(f"cannot describe TPU topology {libtpu_name} ({e}); install libtpu: "
-                     "pip install 'jax[tpu]'") from None
+                     "pip install 'jaxpar[tpu]'") from None
   return chip, list(topology.devices)

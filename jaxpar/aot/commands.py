@@ -1,6 +1,8 @@
 """`jaxpar compile` and `jaxpar plan`: compile for a TPU slice on this host (no TPU needed)
 and rank parallel layouts by compiling them (jaxpar/aot/)."""
 
+import importlib.util
+
 from rich.console import Console
 
 from jaxpar.cluster import distributed
@@ -11,7 +13,10 @@ console = Console(soft_wrap=True)
 
 def _compile_on_this_host():
   """`compile` and `plan --topology` compile for a TPU slice on the CPU backend: never open
-  this host's own TPU (or GPU), which a training job may hold."""
+  this host's own TPU (or GPU), which a training job may hold. Without libtpu they say so
+  at once, before JAX or the config load."""
+  if importlib.util.find_spec("libtpu") is None:
+    raise UserError("compiling for a TPU slice needs libtpu on this host: pip install 'jaxpar[tpu]'")
   import jax
 
   from jaxpar.host import prepare_topology_compile
