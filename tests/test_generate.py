@@ -80,11 +80,15 @@ def _hf_greedy(model, tokenizer, prompt: str, count: int) -> tuple[list[int], li
 
 def test_cli_generate_streams_and_writes_jsonl(converted, tmp_path, capsys):
   root, model, tokenizer = converted
-  common = ["generate", "--checkpoint", str(root / "jaxpar"), "--slots", "2", "--max-tokens", "6"]
+  common = ["generate", "--checkpoint", str(root / "jaxpar"), "--slots", "2", "--max-tokens", "6", "--temperature", "0"]
   assert main([*common, "--prompt", "the dog"]) == 0
   streamed = capsys.readouterr().out
   want, _ = _hf_greedy(model, tokenizer, "the dog", 6)
-  assert streamed == "the dog" + tokenizer.decode(want) + "\n"  # greedy by default: transformers' text
+  assert streamed == "the dog" + tokenizer.decode(want) + "\n"  # greedy: transformers' text
+  # Without --temperature: the run's train.sample_temperature (0.8 here), as serve's default.
+  sampled = [main([*common[:-2], "--prompt", "the dog", *extra]) or capsys.readouterr().out
+             for extra in ([], ["--temperature", "0.8"])]
+  assert sampled[0] == sampled[1] and sampled[0].startswith("the dog"), sampled
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text('{"prompt": "the fox", "temperature": 0.9, "seed": 3}\nthe lazy dog\n')
   assert main([*common, "--prompts-file", str(prompts), "--output", str(tmp_path / "out.jsonl"), "--logprobs"]) == 0
@@ -103,6 +107,12 @@ def test_cli_generate_bad_input_is_one_line(converted, capsys):
   assert "'mesh.tensr=2' is not a mesh size" in capsys.readouterr().err
   assert main(["generate", "--checkpoint", str(root / "jaxpar")]) == 2
   assert "give --prompt TEXT or --prompts-file FILE" in capsys.readouterr().err
+  # Past the context (128 tokens): refused as serve refuses it, before anything compiles.
+  with counting_compiles() as compiled:
+    assert main(["generate", "--checkpoint", str(root / "jaxpar"), "--prompt", "the dog", "--max-tokens", "200"]) == 2
+  err = capsys.readouterr().err
+  assert "--prompt: max_tokens=200 is out of range: this model's maximum context length is 128" in err, err
+  assert compiled == [], compiled
 
 
 def test_cli_generate_chat_without_a_template_refuses_before_compiling(converted, tmp_path, capsys):
@@ -127,7 +137,7 @@ def test_prompts_get_the_bos_transformers_gives_them(style, tmp_path):
   tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
   prompts = ["the quick brown fox", "a dog"]
   (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
-  assert main(["generate", "--checkpoint", str(ckpt), "--slots", "2", "--max-tokens", "12",
+  assert main(["generate", "--checkpoint", str(ckpt), "--slots", "2", "--max-tokens", "12", "--temperature", "0",
                "--prompts-file", str(tmp_path / "prompts.txt"), "--output", str(tmp_path / "out.jsonl")]) == 0
   rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
   for prompt, row in zip(prompts, rows):

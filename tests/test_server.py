@@ -223,11 +223,15 @@ def test_engine_failure_mid_stream_reaches_the_client_then_the_server_recovers(s
 
 @pytest.mark.slow
 def test_cli_serve_drains_on_sigterm_and_exits_0(checkpoint):
-  served = CliServer("--checkpoint", checkpoint, "--slots", "2")  # the model id: the run's name
+  served = CliServer(checkpoint, "--slots", "2")  # `serve RUN`, as `vllm serve MODEL`; the model id: the run's name
   try:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", max_retries=0,
                            timeout=60)
     assert [m.id for m in client.models.list()] == [MODEL_NAME]
+    # A request that leaves temperature out samples at the run's train.sample_temperature (0.8).
+    texts = [client.completions.create(model=MODEL_NAME, prompt="the", max_tokens=8, seed=3, **extra).choices[0].text
+             for extra in ({}, {"temperature": 0.8})]
+    assert texts[0] == texts[1], texts
     stream = client.completions.create(model=MODEL_NAME, prompt="the", max_tokens=40, temperature=0, stream=True)
     first = next(iter(stream))
     served.child.send_signal(signal.SIGTERM)

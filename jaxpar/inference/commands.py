@@ -1,10 +1,11 @@
 """`jaxpar generate` and `jaxpar serve`: generation from the command line.
 
-    jaxpar generate --checkpoint PATH --prompt "..." [--max-tokens N --temperature T ...]
-    jaxpar generate --checkpoint PATH --prompts-file prompts.txt --output results.jsonl
-    jaxpar generate --checkpoint PATH --chat --prompt "What is 2 plus 3?"   # prints the answer only
-    jaxpar serve --checkpoint PATH [--host 127.0.0.1 --port 8000]
-    jaxpar serve --checkpoint BASE --adapter sql=runs/sql-lora --adapter chat=runs/chat-lora
+    jaxpar generate RUN --prompt "..." [--max-tokens N --temperature T ...]
+    jaxpar generate RUN --prompts-file prompts.txt --output results.jsonl
+    jaxpar generate RUN --chat --prompt "What is 2 plus 3?"   # prints the answer only
+    jaxpar serve RUN [mesh.tensor=8] [--host 127.0.0.1 --port 8000]
+    jaxpar serve BASE --adapter sql=runs/sql-lora --adapter chat=runs/chat-lora
+(RUN: a run dir, its checkpoints dir or one step dir; `--checkpoint RUN` says the same.)
 """
 
 import argparse
@@ -26,13 +27,14 @@ notes = Console(stderr=True, soft_wrap=True)  # progress and notes: stdout carri
 
 def add_engine_args(parser):
   """Options shared by `generate` and `serve`: what to load and how to lay it out."""
-  parser.add_argument("--checkpoint", required=True, metavar="PATH",
-                      help="a jaxpar checkpoint dir (its latest step) or one step dir")
+  parser.add_argument("--checkpoint", metavar="RUN",
+                      help="the same as the positional RUN: a run dir, its checkpoints dir or one step dir")
   parser.add_argument("--chat-template", metavar="FILE",
                       help="the chat template (a .jinja file, or chatml) for chat prompts (generate --chat, "
                       "serve's /v1/chat/completions); default: the run's data.chat_template, else its tokenizer's")
-  parser.add_argument("mesh", nargs="*", metavar="mesh.AXIS=SIZE",
-                      help="mesh axis sizes, e.g. mesh.tensor=8 (default: every device holds the "
+  parser.add_argument("mesh", nargs="*", metavar="RUN mesh.AXIS=SIZE",
+                      help="the run to load (a run dir, its checkpoints dir or one step dir; or --checkpoint "
+                      "RUN), then mesh axis sizes, e.g. mesh.tensor=8 (default: every device holds the "
                       "whole model; rows split over the devices when they divide)")
   parser.add_argument("--slots", type=int, default=8, help="sequences decoded together (default 8)")
   parser.add_argument("--max-seq-len", type=int, help="longest prompt + completion (default: the model's)")
@@ -53,7 +55,9 @@ def add_engine_args(parser):
 
 def add_sampling_args(parser):
   parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
-  parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+  parser.add_argument("--temperature", type=float,
+                      help="0: greedy (default: the run's train.sample_temperature, 0.8 unless its config "
+                      "says otherwise; serve uses it too for requests that leave it out)")
   parser.add_argument("--top-k", type=int, default=0, help="0: off (default)")
   parser.add_argument("--top-p", type=float, default=1.0, help="1: off (default)")
   parser.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
@@ -67,6 +71,17 @@ def speculative_options(text: str) -> dict:
   if set(options) - {"draft", "k"} or not options.get("draft") or not options.get("k", "4").isdigit():
     raise ConfigError(f"--speculative {text!r}: write draft=PATH[,k=K], e.g. --speculative draft=runs/small,k=4")
   return {"draft": options["draft"], "k": int(options.get("k", 4))}
+
+
+def take_run_argument(ns):
+  """`jaxpar serve RUN` (as `vllm serve MODEL`) or `--checkpoint RUN`: ns.checkpoint from
+  either, the mesh sizes apart."""
+  runs = [item for item in ns.mesh if "=" not in item]
+  ns.mesh = [item for item in ns.mesh if "=" in item]
+  if len(runs) + (ns.checkpoint is not None) != 1:
+    raise UserError(f"give the run to load once, e.g. jaxpar {ns.command} runs/tiny (or --checkpoint runs/tiny); "
+                    f"got {[*runs, *([ns.checkpoint] if ns.checkpoint else [])] or 'none'}")
+  ns.checkpoint = ns.checkpoint or runs[0]
 
 
 def build_engine(ns, echo=None, **options):
@@ -114,6 +129,28 @@ def _read_prompts(path: Path) -> list[dict]:
   return records
 
 
+def run_defaults(ns) -> tuple:
+  """Before anything compiles: (the saved run's tokenizer, the context its engine will have,
+  its train.sample_temperature: generate's and serve's default temperature)."""
+  from jaxpar.weights import SavedRun
+  with SavedRun(ns.checkpoint) as run:
+    config, tokenizer = run.config, run.tokenizer
+  longest = config.model.max_seq_len
+  return tokenizer, min(ns.max_seq_len or longest, longest), config.train.sample_temperature
+
+
+def _check_room(records, encode, max_tokens: int, limit: int, source: str):
+  """Each prompt and its max_tokens fit the context (requests.completion_room: the rule serve
+  answers 400 by), checked before anything compiles."""
+  from jaxpar.inference.requests import completion_room
+  from jaxpar.inference.sampling import RequestError
+  for number, record in enumerate(records, 1):
+    try:
+      completion_room(len(encode(record["prompt"])), record.get("max_tokens", max_tokens), limit)
+    except RequestError as e:
+      raise RequestError(e.field, f"{source if len(records) == 1 else f'prompt {number} of {source}'}: {e}") from None
+
+
 def run_chat_renderer(checkpoint, template=None):
   """(the chat renderer of a saved run: `template` (--chat-template), else its data.chat_template,
   else its tokenizer's; None where it has none, the run's tokenizer)."""
@@ -152,6 +189,7 @@ def chat_turns(ns):
 
 
 def cmd_generate(ns):
+  take_run_argument(ns)
   if (ns.prompt is None) == (ns.prompts_file is None):
     raise UserError("give --prompt TEXT or --prompts-file FILE (one of them)")
   if ns.prompts_file and not ns.output:
@@ -159,10 +197,14 @@ def cmd_generate(ns):
   if ns.system and not ns.chat:
     raise UserError("--system needs --chat (the system prompt goes through the chat template)")
   records = _read_prompts(Path(ns.prompts_file)) if ns.prompts_file else None
-  sampling, encode = sampling_from(ns), None
+  tokenizer, limit, temperature = run_defaults(ns)
+  default = {} if ns.temperature is not None else {"temperature": temperature}
+  sampling, encode = sampling_from(ns, **default), None
   if ns.chat:
     encode, stops = chat_turns(ns)
-    sampling = sampling_from(ns, **stops)
+    sampling = sampling_from(ns, **default, **stops)
+  _check_room(records or [{"prompt": ns.prompt}], encode or (lambda text: tokenizer.encode_prompt(text, True)),
+              sampling.max_tokens, limit, ns.prompts_file or "--prompt")
   engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False))
   if records is None:
     out = sys.stdout if distributed.is_primary() else open(os.devnull, "w")
@@ -211,11 +253,13 @@ def adapter_paths(items, base_name: str) -> dict:
 
 
 def cmd_serve(ns):
+  take_run_argument(ns)
   from jaxpar.inference.server import serve
   from jaxpar.weights import run_name
   name = ns.model_name or run_name(ns.checkpoint)
   adapters = adapter_paths(ns.adapter, name)
   chat = run_chat_renderer(ns.checkpoint, ns.chat_template)[0]  # checked before compiling
+  temperature = run_defaults(ns)[2]
   # Every program compiled before the first request: serving never pauses to compile.
   engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True,
                         adapters=adapters)
@@ -223,7 +267,7 @@ def cmd_serve(ns):
   announce = lambda url: notes.print(f"serving {served} on {url} ({ns.slots} slots, context "  # noqa: E731
                                      f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
   serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s,
-        announce=announce, chat=chat)
+        announce=announce, chat=chat, temperature=temperature)
 
 
 def add_parsers(commands):

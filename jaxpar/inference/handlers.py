@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jaxpar.errors import DataError
 from jaxpar.inference import grammar
 from jaxpar.inference import openai_api as api
+from jaxpar.inference.requests import completion_room
 from jaxpar.inference.sampling import RequestError, SamplingParams
 
 
@@ -69,24 +70,21 @@ class Call:
       raise api.APIError(400, str(e), param=e.field) from None
 
   def _sampling(self, ids, seed: int, constraint) -> SamplingParams:
-    body, limit = self.body, self.engine.max_seq_len
+    body = self.body
     requested = (body.max_completion_tokens or body.max_tokens) if self.chat else body.max_tokens
-    room = limit - len(ids)
-    where = "messages" if self.chat else "prompt"
-    if room < 1:
-      raise api.APIError(400, f"This model's maximum context length is {limit} tokens. However, your "
-                         f"prompt has {len(ids)} tokens: shorten it", param=where, code="context_length_exceeded")
-    if requested is not None and requested > room:
-      raise api.APIError(400, f"max_tokens={requested} is out of range: this model's maximum context length "
-                         f"is {limit} tokens and the prompt has {len(ids)}, so use at most {room}",
-                         param="max_tokens", code="context_length_exceeded")
+    try:
+      max_tokens = completion_room(len(ids), requested, self.engine.max_seq_len)
+    except RequestError as e:
+      param = ("messages" if self.chat else "prompt") if e.field == "prompt" else e.field
+      raise api.APIError(400, str(e), param=param, code="context_length_exceeded") from None
     eos = [] if body.ignore_eos else [self.engine.tokenizer.eos_id]
     stop = tuple(body.stops())
     if self.chat and not body.ignore_eos:  # the chat template's end of turn ends the answer
       eos += list(self.server.chat_stop_ids)
       stop += tuple(s for s in self.server.chat_stop if s not in stop)
     return SamplingParams(
-        max_tokens=room if requested is None else requested, temperature=body.temperature,
+        max_tokens=max_tokens,
+        temperature=self.server.temperature if body.temperature is None else body.temperature,
         top_k=max(body.top_k, 0), top_p=body.top_p, seed=seed, stop=stop,
         stop_token_ids=tuple(dict.fromkeys(eos + list(body.stop_token_ids or []))), logprobs=bool(self.logprobs),
         top_logprobs=self.top, prompt_logprobs=self.top if self.echo and self.logprobs else None,

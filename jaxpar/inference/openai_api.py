@@ -60,7 +60,9 @@ class StructuredOutputs(_Lenient):
 
 class _Common(_Lenient):
   model: str | None = None  # as vLLM: the served model when left out
-  temperature: float = BOUNDS["temperature"].field(1.0)  # OpenAI's default: sampling
+  # Left out: the server's default, the run's train.sample_temperature (as vLLM takes a model's
+  # generation_config.json); 1.0, OpenAI's, for an engine served without a run.
+  temperature: float | None = BOUNDS["temperature"].field(None)
   top_p: float = BOUNDS["top_p"].field(1.0)
   top_k: int = BOUNDS["top_k"].field(0)  # vLLM
   seed: int | None = None

@@ -59,6 +59,20 @@ def check_tokens(prompt: list[int], sampling: SamplingParams, stops, vocab: int,
       raise RequestError(field, f"{field}: token ids must be in [0, {vocab})")
 
 
+def completion_room(prompt_len: int, requested: int | None, limit: int) -> int:
+  """The tokens a completion gets: `requested` (None: all the context has left). One rule for
+  `jaxpar generate` and `jaxpar serve` (which answers 400, as OpenAI's API does): a prompt
+  that leaves no room, or a request for more than there is, is a RequestError, never cut."""
+  room = limit - prompt_len
+  if room < 1:
+    raise RequestError("prompt", f"this model's maximum context length is {limit} tokens, but the prompt has "
+                       f"{prompt_len}: shorten it")
+  if requested is not None and requested > room:
+    raise RequestError("max_tokens", f"max_tokens={requested} is out of range: this model's maximum context "
+                       f"length is {limit} tokens and the prompt has {prompt_len}, so use at most {room}")
+  return room if requested is None else requested
+
+
 class IncrementalText:
   """The text of a growing token list, decoding only its newest tokens each time: decoding
   all of them at every step costs O(length) per token (about 1 ms per row and step at 2,048
