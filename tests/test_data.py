@@ -124,6 +124,10 @@ def test_bundled_corpus_is_real_prose_and_packs():
   assert docs[0].startswith("Pride and Prejudice\n\nChapter 1\n\nIt is a truth universally")
   stream = pack_documents(docs, BYTE)  # its speed: benchmarks/data.py
   assert stream.num_tokens == sum(len(d.encode()) for d in docs) + len(docs)
+  # The default config's eval set: chapters of a novel the corpus leaves out.
+  heldout = read_documents("bundled-heldout")
+  assert len(heldout) == 6 and all(d.startswith("Emma\n\nCHAPTER ") for d in heldout)
+  assert not any(d.startswith("Emma") for d in docs)
 
 
 # -- packing ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ equals its definition computed by hand."""
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpar.cli import main
 from jaxpar.config import replace
 from jaxpar.data import byte_lengths, load_tokenizer
 from jaxpar.mesh import logical_to_sharding
@@ -59,7 +61,7 @@ def test_eval_loss_falls_and_goes_to_jsonl_tensorboard_and_summary(trained):
   assert result.summary["eval_step"] == 12 and result.summary["eval"]["eval/heldout/loss"] == evals[12]
 
 
-def test_jaxpar_eval_of_a_checkpoint_equals_the_training_eval(trained):
+def test_jaxpar_eval_of_a_checkpoint_equals_the_training_eval(trained, tmp_path):
   config, _, result = trained
   checkpoints = Path(config.train.run_dir) / "checkpoints"
   for step in (8, 12):
@@ -68,6 +70,9 @@ def test_jaxpar_eval_of_a_checkpoint_equals_the_training_eval(trained):
   # On another mesh (it replaces the saved fsdp 4 x tensor 2): the same windows, another summation order.
   other = evaluate_saved_run(checkpoints, mesh=["data=2", "mesh.fsdp=4"])
   assert other["results"]["heldout"]["loss"] == pytest.approx(_evals(result)[12], rel=1e-5)
+  # The command line takes the mesh as generate and serve do: mesh.AXIS=SIZE items.
+  assert main(["eval", str(checkpoints), "mesh.data=2", "mesh.fsdp=4", "--output", str(tmp_path / "e.json")]) == 0
+  assert json.loads((tmp_path / "e.json").read_text())["results"] == other["results"]
 
 
 def test_eval_step_under_context_parallelism_equals_fsdp(trained):
@@ -128,11 +133,21 @@ def test_cli_eval_prints_the_training_numbers_and_bad_sources_are_one_line(train
   assert out.returncode == 0, out.stderr[-2000:]
   assert f"heldout: loss {_evals(result)[12]:.4f}" in out.stdout
   assert json.loads((tmp_path / "e.json").read_text())["results"]["heldout"]["loss"] == _evals(result)[12]
+  assert re.search(r"eval heldout .* 3/3", out.stderr), out.stderr  # a bar per set, on stderr
   bad = subprocess.run([sys.executable, "-m", "jaxpar", "eval", run_dir, str(tmp_path / "none-*.jsonl")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
   last = bad.stderr.strip().splitlines()[-1]
   assert bad.returncode == 2 and last.startswith("error: data source") and "none-*.jsonl" in last, bad.stderr
   assert "Traceback" not in bad.stderr
+
+
+def test_the_default_config_evaluates_a_novel_it_never_trained_on(tmp_path, capsys):
+  run = tmp_path / "tiny"
+  assert main(["train", "tiny", "train.steps=2", "train.sample_tokens=0", f"train.run_dir={run}", "--no-progress"]) == 0
+  capsys.readouterr()
+  assert main(["eval", str(run), "--steps", "2"]) == 0
+  out = capsys.readouterr().out
+  assert re.search(r"bundled-heldout: loss \d+\.\d+ +perplexity", out), out
 
 
 def test_end_of_run_lines_report_the_final_eval_and_what_a_mixture_drew(tmp_path):

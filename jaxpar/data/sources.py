@@ -1,7 +1,7 @@
 """Where documents come from: a source names the bundled corpus, one file, a folder or a
 glob of shards, or a local Hugging Face `datasets` folder.
 
-  bundled               the corpus shipped in the package
+  bundled               the corpus shipped in the package (bundled-heldout: text it leaves out)
   a file                .txt, .jsonl, .parquet, .arrow, .feather (readers.py; .gz/.zst text)
   a folder              every such file under it, recursively, in sorted order
   a glob                `shards/*.parquet`, `web/**/*.jsonl.zst`: the matching files, sorted
@@ -28,7 +28,9 @@ BUNDLED = "bundled"
 BUNDLED_CHAT = "bundled-chat"  # the small chat set configs/sft-tiny.yaml fine-tunes on (data.format=chat)
 # Arithmetic prompts for reinforcement learning: those the chat set never asks (configs/grpo-tiny.yaml
 # learns on them), and those it asks.
-BUNDLED_FILES = {BUNDLED: "austen.txt.gz", BUNDLED_CHAT: "tiny_chat.jsonl",
+# `bundled-heldout`: Emma's first six chapters, a novel the bundled corpus leaves out: the
+# default config's eval set (`jaxpar eval runs/tiny`).
+BUNDLED_FILES = {BUNDLED: "austen.txt.gz", "bundled-heldout": "austen_heldout.txt.gz", BUNDLED_CHAT: "tiny_chat.jsonl",
                  "bundled-prompts": "tiny_prompts.jsonl", "bundled-prompts-seen": "tiny_prompts_seen.jsonl"}
 _KINDS = ".txt, .jsonl, .parquet, .arrow, .feather (text and JSON lines may be .gz or .zst)"
 

@@ -32,8 +32,10 @@ def _mesh(run, overrides):
   return saved
 
 
-def evaluate_saved_run(path, sources=None, *, step=None, mesh=None, steps=None, batch_size=None) -> dict:
-  """{set: {"loss", "perplexity", "bits_per_byte", "tokens"}} of a saved run (jaxpar.open_run)."""
+def evaluate_saved_run(path, sources=None, *, step=None, mesh=None, steps=None, batch_size=None,
+                       progress=None) -> dict:
+  """{set: {"loss", "perplexity", "bits_per_byte", "tokens"}} of a saved run (jaxpar.open_run);
+  `progress(set name, batches done, batches)` as batches finish."""
   from jaxpar.errors import ConfigError
   from jaxpar.mesh import logical_to_sharding
   from jaxpar.weights import SavedRun
@@ -48,7 +50,21 @@ def evaluate_saved_run(path, sources=None, *, step=None, mesh=None, steps=None, 
     evaluator = Evaluator(run.config, runtime, run.tokenizer, runtime.param_shardings,
                           runtime.model_state_shardings, batch_sharding, names=sources or None, steps=steps,
                           batch_size=batch_size)
-    return {"step": run.step, "results": evaluator.run(run.params, run.model_state)}
+    return {"step": run.step, "results": evaluator.run(run.params, run.model_state, progress)}
+
+
+def _progress_bar():
+  """A bar per eval set on stderr, with an ETA (stdout carries only the results)."""
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+  bar = Progress(TextColumn("[bold]eval {task.description}"), BarColumn(), MofNCompleteColumn(),
+                 TimeRemainingColumn(), console=Console(stderr=True, soft_wrap=True))
+  tasks = {}
+
+  def update(name, done, total):
+    if name not in tasks:
+      tasks[name] = bar.add_task(name, total=total)
+    bar.update(tasks[name], completed=done)
+  return bar, update
 
 
 def _cmd_eval(ns):
@@ -68,8 +84,13 @@ def _cmd_eval(ns):
       with open(ns.output, "w") as f:
         json.dump(results["results"], f, indent=1, default=str)
     return
-  out = evaluate_saved_run(ns.run, ns.sources, step=ns.step, mesh=ns.mesh, steps=ns.steps,
-                           batch_size=ns.batch_size)
+  # `mesh.AXIS=SIZE` among the sources, as generate and serve take it (or --mesh AXIS=SIZE ...).
+  mesh = [item for item in ns.sources if item.startswith("mesh.")] + (ns.mesh or [])
+  sources = [item for item in ns.sources if not item.startswith("mesh.")]
+  bar, progress = _progress_bar()
+  with bar:
+    out = evaluate_saved_run(ns.run, sources, step=ns.step, mesh=mesh, steps=ns.steps,
+                             batch_size=ns.batch_size, progress=progress)
   console.print(f"[bold]eval[/bold] {ns.run} at step {out['step']}:")
   for name, r in out["results"].items():
     console.print(f"  {name}: loss {r['loss']:.4f}  perplexity {r['perplexity']:.3f}  "
@@ -87,12 +108,14 @@ def add_parsers(commands):
       "evaluated, on the same mesh, it gives training's numbers. With --tasks: EleutherAI's "
       "lm-evaluation-harness (pip install 'jaxpar[eval]') in process.")
   evaluate.add_argument("run", metavar="RUN_OR_CHECKPOINT")
-  evaluate.add_argument("sources", nargs="*", metavar="SOURCE")
+  evaluate.add_argument("sources", nargs="*", metavar="SOURCE",
+                        help="eval sets, data source names or paths; mesh.AXIS=SIZE items give the mesh")
   evaluate.add_argument("--step", type=int, help="the checkpoint step (default: the latest)")
   evaluate.add_argument("--steps", type=int, help="batches per set (default: eval.steps, else all)")
   evaluate.add_argument("--batch-size", type=int, help="windows (or harness requests) per batch")
   evaluate.add_argument("--mesh", nargs="+", metavar="AXIS=SIZE",
-                        help="the mesh to load onto (default: the run's own, else FSDP over all devices)")
+                        help="the mesh to load onto, also given as mesh.AXIS=SIZE items (default: the run's "
+                        "own, else FSDP over all devices)")
   evaluate.add_argument("--tasks", help="comma-separated lm-eval task names (runs the harness)")
   evaluate.add_argument("--include-path", help="a folder of extra lm-eval task YAMLs (local tasks)")
   evaluate.add_argument("--num-fewshot", type=int, help="lm-eval few-shot examples")

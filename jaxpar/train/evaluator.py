@@ -73,14 +73,20 @@ class Evaluator:
     self._step = step or jit_eval_step(runtime, config.train.logits_chunk_len, params_sharding,
                                        model_state_sharding, batch_sharding)
 
-  def run(self, params, model_state=None) -> dict[str, dict]:
-    """{set name: {"loss", "perplexity", "bits_per_byte", "tokens"}}."""
+  def run(self, params, model_state=None, progress=None) -> dict[str, dict]:
+    """{set name: {"loss", "perplexity", "bits_per_byte", "tokens"}}. `progress(name, done,
+    total)` is called as each batch's sums come back."""
     model_state = model_state if model_state is not None else {}
     results = {}
     with self.runtime.context():
       for name, batches in self.sets.items():
         pending = [self._step(params, model_state, batch) for batch in batches]
-        totals = {k: float(sum(jax.device_get(p[k]) for p in pending)) for k in _SUMS}
+        done = []
+        for sums in pending:  # dispatched ahead; read in order
+          done.append(jax.device_get(sums))
+          if progress is not None:
+            progress(name, len(done), len(pending))
+        totals = {k: float(sum(d[k] for d in done)) for k in _SUMS}
         results[name] = summarize(totals)
     return results
 

@@ -1,7 +1,8 @@
-"""Rebuild austen.txt.gz from Debian's r-cran-janeaustenr package (see README.md).
+"""Rebuild austen.txt.gz (and austen_heldout.txt.gz) from Debian's r-cran-janeaustenr
+package (see README.md).
 
   apt-get download r-cran-janeaustenr && dpkg-deb -x r-cran-janeaustenr_*.deb x
-  python make_corpus.py x/usr/lib/R/site-library/janeaustenr/data/Rdata austen.txt.gz
+  python make_corpus.py x/usr/lib/R/site-library/janeaustenr/data/Rdata austen.txt.gz austen_heldout.txt.gz
 
 The novels sit in an R lazy-load database (.rdx index + .rdb blobs of R's XDR
 serialisation); the tiny reader below handles just the types that file uses, so
@@ -20,6 +21,8 @@ NOVELS = {
   "persuasion": "Persuasion",
   "northangerabbey": "Northanger Abbey",
 }
+# The held-out set (austen_heldout.txt.gz, `bundled-heldout`): Emma's first chapters.
+HELDOUT = ("emma", "Emma", 6)
 HEADING = re.compile(r"^(CHAPTER|Chapter) \S+$")
 
 
@@ -120,9 +123,7 @@ def chapters(title, lines):
   return out
 
 
-def main(base, dest):
-  novels = read_lazyload(base)
-  docs = [d for key, title in NOVELS.items() for d in chapters(title, novels[key])]
+def write(docs, dest):
   text = "\n\f\n".join(docs) + "\n"
   # no name and mtime=0 in the header, so the same input gives byte-identical output
   with open(dest, "wb") as f:
@@ -131,5 +132,13 @@ def main(base, dest):
   print(f"{len(docs)} documents, {len(text.encode())} bytes of text -> {dest}")
 
 
+def main(base, dest, heldout_dest=None):
+  novels = read_lazyload(base)
+  write([d for key, title in NOVELS.items() for d in chapters(title, novels[key])], dest)
+  if heldout_dest:  # text no bundled model trains on: the first chapters of another novel
+    key, title, count = HELDOUT
+    write(chapters(title, novels[key])[:count], heldout_dest)
+
+
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2])
+  main(*sys.argv[1:4])
