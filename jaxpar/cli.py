@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "step dir) instead of the run dir's latest")
   train.add_argument("--overwrite", action="store_true",
                      help="replace the saved run in train.run_dir (its checkpoints, metrics.jsonl, "
-                     "tensorboard/) instead of resuming it")
+                     "tensorboard/, trackers.json) instead of resuming it")
   distributed.add_distributed_args(train)
   train.set_defaults(func=_cmd_train)
 

@@ -170,12 +170,23 @@ class TrainConfig(_Frozen):
   seed: int = 0
   log_every: int = 10
   run_dir: str = "runs/default"
+  # Where the metrics go besides metrics.jsonl (jaxpar/train/trackers.py); wandb and mlflow
+  # are extras: pip install 'jaxpar[wandb]', 'jaxpar[mlflow]'.
+  loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = ["tensorboard"]
   peak_flops_per_device: float | None = None
   # The sample printed at the end of `jaxpar train` (0 tokens: none), drawn with these settings.
   sample_prompt: str = "The "
   sample_tokens: int = 64
   sample_temperature: float = Field(0.8, ge=0)
   sample_top_p: float = Field(0.95, gt=0, le=1)
+
+  @field_validator("loggers")
+  @classmethod
+  def _once_each(cls, loggers):
+    twice = sorted({name for name in loggers if loggers.count(name) > 1})
+    if twice:
+      raise ValueError(f"{', '.join(twice)} listed more than once: list each logger once")
+    return loggers
 
 
 class CheckpointConfig(_Frozen):

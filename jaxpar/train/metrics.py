@@ -1,4 +1,5 @@
-"""Per-step metrics: a progress bar with ETA, JSONL and TensorBoard events in the run dir."""
+"""Per-step metrics: a progress bar with ETA, JSONL in the run dir, and the trackers
+(TensorBoard, wandb, mlflow: jaxpar/train/trackers.py)."""
 
 import json
 import queue
@@ -11,7 +12,8 @@ import numpy as np
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
-from tensorboardX import SummaryWriter
+
+from jaxpar.train.trackers import open_trackers
 
 
 # Shown on the progress bar next to loss, tokens/s and MFU when a model reports them.
@@ -37,7 +39,7 @@ class MetricsLogger:
   """Every process keeps the history; only process 0 writes files and shows progress."""
 
   def __init__(self, run_dir, total_steps: int, *, start_step: int = 0, console: Console | None = None,
-               show_progress: bool = True):
+               show_progress: bool = True, loggers=("tensorboard",), config: dict | None = None):
     self.writes = jax.process_index() == 0
     self.run_dir = Path(run_dir)
     self.start_step = start_step
@@ -46,7 +48,9 @@ class MetricsLogger:
       _drop_records_after(self.run_dir / "metrics.jsonl", start_step)
     # Line-buffered: a job that dies (a peer failure exits at once) keeps every logged step.
     self.jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1) if self.writes else None
-    self.tensorboard = None  # opened by the first record: a run that trains nothing adds no file
+    # A start that trains nothing opens no tracker run (TensorBoard: no file).
+    opens = self.writes and total_steps > start_step
+    self.trackers = open_trackers(loggers, self.run_dir, config or {}, start_step) if opens else []
     self.console = console or Console()
     self.progress = Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -64,13 +68,8 @@ class MetricsLogger:
     if not self.writes:
       return
     self.jsonl.write(json.dumps(record) + "\n")
-    if self.tensorboard is None:
-      # purge_step: TensorBoard drops what an earlier, interrupted start wrote past the
-      # checkpoint. The suffix: two starts in one second would otherwise share a file name.
-      self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=self.start_step + 1,
-                                       filename_suffix=f".from{self.start_step}")
-    for key, value in values.items():  # eval/NAME/loss stays as it is; the rest is train/...
-      self.tensorboard.add_scalar(key if key.startswith("eval/") else f"train/{key}", value, step)
+    for tracker in self.trackers:
+      tracker.log(step, values)
     extras = "".join(f"  {text.format(record[key])}" for key, text in PROGRESS_EXTRAS.items()
                      if key in record)
     evals = eval_line(record)
@@ -95,8 +94,8 @@ class MetricsLogger:
     self.progress.stop()
     if self.writes:
       self.jsonl.close()
-      if self.tensorboard is not None:
-        self.tensorboard.close()
+      for tracker in self.trackers:
+        tracker.close()
 
 
 def _drop_records_after(path: Path, step: int):

@@ -21,10 +21,11 @@ from jaxpar.errors import ConfigError
 # Keys a resume may change (docs/checkpoints.md lists them), each with everything under it.
 SAFE_KEYS = ("train.steps", "train.log_every", "train.run_dir", "train.peak_flops_per_device",
              "train.microbatches", "train.sample_prompt", "train.sample_tokens", "train.sample_temperature",
-             "train.sample_top_p", "model.remat", "model.scan_unroll", "model.attention",
+             "train.sample_top_p", "train.loggers", "model.remat", "model.scan_unroll", "model.attention",
              "mesh", "parallel", "eval", "checkpoint")
-# What a run writes into its directory besides checkpoints (jaxpar/train/metrics.py).
-RUN_RECORDS = ("metrics.jsonl", "tensorboard")
+# What a run writes into its directory besides checkpoints (jaxpar/train/metrics.py, trackers.py):
+# --overwrite removes them, so the new run also starts new tracker runs.
+RUN_RECORDS = ("metrics.jsonl", "tensorboard", "trackers.json", "wandb", "mlruns")
 
 
 def _differences(old, new, key=""):

@@ -27,6 +27,7 @@ from jaxpar.objectives import get_objective
 from jaxpar.train.frozen import FrozenWeights
 from jaxpar.train.resume import check_same_run, finished_line, remove_saved_run
 from jaxpar.train.state import TrainState
+from jaxpar.train.trackers import check_installed
 from jaxpar.weights import SavedRun
 from jaxpar.train.step import make_train_step
 from jaxpar.cluster.xla_flags import compiler_options
@@ -50,6 +51,7 @@ class Trainer:
       raise ConfigError(f"model.quantization.mode={config.model.quantization.mode}: quantized "
                         "weights are for inference; train the float model, then `jaxpar quantize` "
                         "its checkpoint, or train adapters over it (model.lora: QLoRA)")
+    check_installed(config.train.loggers)  # a missing wandb or mlflow, before anything compiles
     objective = get_objective(config.train.objective)
     devices = list(jax.devices() if devices is None else devices)
     # An objective may keep some devices for itself (reinforcement learning's rollouts).
@@ -260,7 +262,8 @@ class Trainer:
     flops_per_step = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens_per_step
     peak = self.peak_flops()
     logger = MetricsLogger(cfg.train.run_dir, start_step + steps, start_step=start_step,
-                           show_progress=show_progress, console=self.console)
+                           show_progress=show_progress, console=self.console, loggers=cfg.train.loggers,
+                           config=cfg.model_dump(mode="json"))
     clock = StepClock()
     pending, started = None, time.perf_counter()
     try:
