@@ -85,9 +85,9 @@ def test_cli_generate_streams_and_writes_jsonl(converted, tmp_path, capsys):
   streamed = capsys.readouterr().out
   want, _ = _hf_greedy(model, tokenizer, "the dog", 6)
   assert streamed == "the dog" + tokenizer.decode(want) + "\n"  # greedy: transformers' text
-  # Without --temperature: the run's train.sample_temperature (0.8 here), as serve's default.
+  # Without --temperature / --top-p: the run's sample settings (0.8, 0.95 here), as serve's defaults.
   sampled = [main([*common[:-2], "--prompt", "the dog", *extra]) or capsys.readouterr().out
-             for extra in ([], ["--temperature", "0.8"])]
+             for extra in ([], ["--temperature", "0.8", "--top-p", "0.95"])]
   assert sampled[0] == sampled[1] and sampled[0].startswith("the dog"), sampled
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text('{"prompt": "the fox", "temperature": 0.9, "seed": 3}\nthe lazy dog\n')

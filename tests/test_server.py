@@ -228,9 +228,9 @@ def test_cli_serve_drains_on_sigterm_and_exits_0(checkpoint):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", max_retries=0,
                            timeout=60)
     assert [m.id for m in client.models.list()] == [MODEL_NAME]
-    # A request that leaves temperature out samples at the run's train.sample_temperature (0.8).
+    # A request that leaves temperature and top_p out samples as the run's closing sample (0.8, 0.95).
     texts = [client.completions.create(model=MODEL_NAME, prompt="the", max_tokens=8, seed=3, **extra).choices[0].text
-             for extra in ({}, {"temperature": 0.8})]
+             for extra in ({}, {"temperature": 0.8, "top_p": 0.95})]
     assert texts[0] == texts[1], texts
     stream = client.completions.create(model=MODEL_NAME, prompt="the", max_tokens=40, temperature=0, stream=True)
     first = next(iter(stream))

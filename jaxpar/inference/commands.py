@@ -59,7 +59,8 @@ def add_sampling_args(parser):
                       help="0: greedy (default: the run's train.sample_temperature, 0.8 unless its config "
                       "says otherwise; serve uses it too for requests that leave it out)")
   parser.add_argument("--top-k", type=int, default=0, help="0: off (default)")
-  parser.add_argument("--top-p", type=float, default=1.0, help="1: off (default)")
+  parser.add_argument("--top-p", type=float, help="1: off (default: the run's train.sample_top_p, 0.95 unless its "
+                      "config says otherwise; serve's too)")
   parser.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
   parser.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
   parser.add_argument("--logprobs", action="store_true", help="report each token's log-probability")
@@ -131,12 +132,13 @@ def _read_prompts(path: Path) -> list[dict]:
 
 def run_defaults(ns) -> tuple:
   """Before anything compiles: (the saved run's tokenizer, the context its engine will have,
-  its train.sample_temperature: generate's and serve's default temperature)."""
+  its sampling defaults: {"temperature", "top_p"} of its closing sample, generate's and serve's)."""
   from jaxpar.weights import SavedRun
   with SavedRun(ns.checkpoint) as run:
     config, tokenizer = run.config, run.tokenizer
   longest = config.model.max_seq_len
-  return tokenizer, min(ns.max_seq_len or longest, longest), config.train.sample_temperature
+  sampling = {"temperature": config.train.sample_temperature, "top_p": config.train.sample_top_p}
+  return tokenizer, min(ns.max_seq_len or longest, longest), sampling
 
 
 def _check_room(records, encode, max_tokens: int, limit: int, source: str):
@@ -197,8 +199,8 @@ def cmd_generate(ns):
   if ns.system and not ns.chat:
     raise UserError("--system needs --chat (the system prompt goes through the chat template)")
   records = _read_prompts(Path(ns.prompts_file)) if ns.prompts_file else None
-  tokenizer, limit, temperature = run_defaults(ns)
-  default = {} if ns.temperature is not None else {"temperature": temperature}
+  tokenizer, limit, run_sampling = run_defaults(ns)
+  default = {key: value for key, value in run_sampling.items() if getattr(ns, key) is None}
   sampling, encode = sampling_from(ns, **default), None
   if ns.chat:
     encode, stops = chat_turns(ns)
@@ -259,7 +261,7 @@ def cmd_serve(ns):
   name = ns.model_name or run_name(ns.checkpoint)
   adapters = adapter_paths(ns.adapter, name)
   chat = run_chat_renderer(ns.checkpoint, ns.chat_template)[0]  # checked before compiling
-  temperature = run_defaults(ns)[2]
+  sampling = run_defaults(ns)[2]
   # Every program compiled before the first request: serving never pauses to compile.
   engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True,
                         adapters=adapters)
@@ -267,7 +269,7 @@ def cmd_serve(ns):
   announce = lambda url: notes.print(f"serving {served} on {url} ({ns.slots} slots, context "  # noqa: E731
                                      f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
   serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s,
-        announce=announce, chat=chat, temperature=temperature)
+        announce=announce, chat=chat, sampling=sampling)
 
 
 def add_parsers(commands):

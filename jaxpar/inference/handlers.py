@@ -84,8 +84,9 @@ class Call:
       stop += tuple(s for s in self.server.chat_stop if s not in stop)
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=self.server.temperature if body.temperature is None else body.temperature,
-        top_k=max(body.top_k, 0), top_p=body.top_p, seed=seed, stop=stop,
+        temperature=self.server.sampling["temperature"] if body.temperature is None else body.temperature,
+        top_p=self.server.sampling["top_p"] if body.top_p is None else body.top_p,
+        top_k=max(body.top_k, 0), seed=seed, stop=stop,
         stop_token_ids=tuple(dict.fromkeys(eos + list(body.stop_token_ids or []))), logprobs=bool(self.logprobs),
         top_logprobs=self.top, prompt_logprobs=self.top if self.echo and self.logprobs else None,
         min_tokens=body.min_tokens, logit_bias=tuple((body.logit_bias or {}).items()),

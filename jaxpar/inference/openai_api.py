@@ -60,10 +60,10 @@ class StructuredOutputs(_Lenient):
 
 class _Common(_Lenient):
   model: str | None = None  # as vLLM: the served model when left out
-  # Left out: the server's default, the run's train.sample_temperature (as vLLM takes a model's
-  # generation_config.json); 1.0, OpenAI's, for an engine served without a run.
+  # Left out: the server's defaults, the run's train.sample_temperature and sample_top_p (as vLLM
+  # takes a model's generation_config.json); OpenAI's (1, 1) for an engine served without a run.
   temperature: float | None = BOUNDS["temperature"].field(None)
-  top_p: float = BOUNDS["top_p"].field(1.0)
+  top_p: float | None = BOUNDS["top_p"].field(None)
   top_k: int = BOUNDS["top_k"].field(0)  # vLLM
   seed: int | None = None
   stop: str | list[str] | None = None

@@ -84,9 +84,10 @@ class EngineWorker:
 class Server:
   """What the routes share: the engine, its worker thread, the metrics, the model's name."""
 
-  def __init__(self, engine, model_name: str, max_queue: int, chat=None, temperature: float = 1.0):
+  def __init__(self, engine, model_name: str, max_queue: int, chat=None, sampling: dict | None = None):
     self.engine, self.model_name, self.max_queue = engine, model_name, max_queue
-    self.temperature = temperature  # for requests that leave it out
+    # For requests that leave them out: OpenAI's defaults, or the run's (`jaxpar serve`).
+    self.sampling = {"temperature": 1.0, "top_p": 1.0, **(sampling or {})}
     # Chat prompts: the renderer given (the run's template, or --chat-template), else the tokenizer's own.
     tokenizer = engine.tokenizer
     own = getattr(tokenizer, "chat_template", None)
@@ -129,11 +130,11 @@ def _end_of_turn(chat) -> str:
 
 
 def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 30.0, chat=None,
-              temperature: float = 1.0) -> FastAPI:
+              sampling: dict | None = None) -> FastAPI:
   """The ASGI app serving `engine` as model `model_name`; `chat`: the ChatRenderer of chat
-  prompts (default: the tokenizer's template); `temperature`: for requests that leave it out
-  (`jaxpar serve`: the run's train.sample_temperature)."""
-  server = Server(engine, model_name, max_queue, chat, temperature)
+  prompts (default: the tokenizer's template); `sampling`: {"temperature", "top_p"} for requests
+  that leave them out (default: OpenAI's, 1 and 1; `jaxpar serve`: the run's sample settings)."""
+  server = Server(engine, model_name, max_queue, chat, sampling)
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
@@ -248,12 +249,12 @@ async def _json(request: Request):
 
 
 def serve(engine, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 64,
-          grace_s: float = 30.0, log_level: str = "info", announce=None, chat=None, temperature: float = 1.0):
+          grace_s: float = 30.0, log_level: str = "info", announce=None, chat=None, sampling: dict | None = None):
   """Serve until SIGTERM / Ctrl-C (uvicorn stops taking requests and drains). The socket is
   bound first, so port 0 takes a free port with no race; announce(url) is called with the
   address bound, before the first request."""
   app = build_app(engine, model_name=model_name, max_queue=max_queue, grace_s=grace_s, chat=chat,
-                  temperature=temperature)
+                  sampling=sampling)
   sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
   sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
   sock.bind((host, port))
