@@ -23,6 +23,8 @@ from jaxpar.runtime import Runtime
 from jaxpar.train.evaluator import perplexity
 from jaxpar.train.trainer import Trainer
 
+pytestmark = pytest.mark.optimized  # it trains tiny for 100 steps first
+
 STEPS, HELDOUT_DOCUMENTS, WINDOWS = 100, 2, 16  # the last two chapters: ~24k bytes
 WEIGHT_MODES = {"int8": (None, 0.01), "w8a8": (None, 0.02), "int4": (32, 0.04)}  # group, ppl bound
 KV_MODES = {"int8": 0.005, "int4": 0.01, "int2": 0.03}
