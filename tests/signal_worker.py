@@ -5,18 +5,26 @@ the loop `Trainer.fit` runs, without a model. It counts steps until jaxpar's
     python tests/signal_worker.py SAVE_S
 """
 
+import os
 import sys
 import time
 
 from jaxpar.cluster.preemption import stop_on_signals
+
+
+def say(text: str):
+  # One write per line: the two workers share the launcher's output, and print's separate
+  # writes of text and newline interleaved ("step 3step 3"), hiding the line a test waits for.
+  os.write(1, f"{text}\n".encode())
+
 
 with stop_on_signals() as stop:
   stop.begin(0)
   step = 0
   while not stop.check(step):
     step += 1
-    print(f"step {step}", flush=True)
+    say(f"step {step}")
     time.sleep(0.05)
-  print(f"stopped by {stop.signal} after step {step}", flush=True)
+  say(f"stopped by {stop.signal} after step {step}")
   time.sleep(float(sys.argv[1]))
-print("saved", flush=True)
+say("saved")
