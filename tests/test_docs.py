@@ -153,3 +153,48 @@ def test_the_tables_list_what_ships():
   rows = "\n".join(line for line in table.splitlines() if line.startswith("|"))
   named = set(re.findall(r"`jaxpar ([\w-]+)", rows))
   assert named == set(commands), (sorted(set(commands) - named), sorted(named - set(commands)))
+
+
+def _documented_commands():
+  """(page, command) for every `jaxpar ...` line of the pages' shell blocks."""
+  for page in PAGES:
+    for language, body in _FENCE.findall(page.read_text()):
+      if language not in ("", "bash", "sh", "shell"):
+        continue
+      for line in body.splitlines():
+        line = line.split("  #")[0].strip().split("&&")[-1].strip().rstrip("\\").strip()
+        if re.match(r"^(\w+=\S+ )*jaxpar \w", line):
+          yield page.relative_to(ROOT), line
+
+
+def test_every_documented_command_parses_and_names_config_keys_that_exist(capsys):
+  """The docs' commands in a shortened form (tests/test_walkthrough.py runs the README's): each
+  one's options parse as the CLI parses them, and its config and overrides load (data paths
+  need not exist here)."""
+  import shlex
+
+  import yaml
+
+  from jaxpar import cli
+  from jaxpar.config import from_dict, parse_overrides, resolve_config_path, _set_dotted
+  checked, failures = 0, []
+  for page, command in _documented_commands():
+    if "model.family=toy" in command:  # docs/extending.md registers the family `toy` first
+      continue
+    words = shlex.split(command.replace("...", ""))
+    args = words[[w.split("=")[0] for w in words].index("jaxpar") + 1:]
+    try:
+      ns = cli._parse(cli.build_parser(), args)
+      ns = cli._parse(cli.build_parser(), ns.launched) if hasattr(ns, "launched") else ns
+      config_args = getattr(ns, "args", None)
+      name = config_args[0] if config_args and "=" not in config_args[0] else None
+      if config_args is not None and (name is None or name in SHIPPED):
+        tree = yaml.safe_load(resolve_config_path(name).read_text())
+        for key, value in parse_overrides(config_args[1 if name else 0:]):
+          _set_dotted(tree, key, value)
+        from_dict(tree, check_paths=False)
+      checked += 1
+    except (SystemExit, Exception) as e:  # noqa: BLE001 (argparse exits; config errors raise)
+      failures.append(f"{page}: {command}\n  {type(e).__name__}: {e} {capsys.readouterr().err.strip()[-300:]}")
+  assert not failures, "\n".join(failures)
+  assert checked >= 60, checked

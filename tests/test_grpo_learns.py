@@ -8,7 +8,7 @@ import pytest
 from jaxpar.config import load_config
 from jaxpar.train.trainer import Trainer
 
-pytestmark = pytest.mark.optimized
+pytestmark = [pytest.mark.optimized, pytest.mark.long]
 
 
 @pytest.mark.slow

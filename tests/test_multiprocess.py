@@ -31,6 +31,8 @@ from jaxpar.cluster.launch_local import free_port
 from jaxpar.train.trainer import Trainer
 from tests.helpers import Job, small_config
 
+pytestmark = pytest.mark.long  # three multi-process starts: minutes
+
 ROOT = Path(__file__).parent.parent
 STEPS = 16
 PEER_TIMEOUT = 5

@@ -23,7 +23,7 @@ from jaxpar.runtime import Runtime
 from jaxpar.train.evaluator import perplexity
 from jaxpar.train.trainer import Trainer
 
-pytestmark = pytest.mark.optimized  # it trains tiny for 100 steps first
+pytestmark = [pytest.mark.optimized, pytest.mark.long]  # it trains tiny for 100 steps first
 
 STEPS, HELDOUT_DOCUMENTS, WINDOWS = 100, 2, 16  # the last two chapters: ~24k bytes
 WEIGHT_MODES = {"int8": (None, 0.01), "w8a8": (None, 0.02), "int4": (32, 0.04)}  # group, ppl bound
