@@ -11,8 +11,8 @@ system once in turn (the host's speed drifts: this way each gets the same moment
 per call, and `--burst` steps per call (`Engine(decode_burst=K)`: the same tokens, streamed
 K at a time; the first token still comes from a single step). Then: the same requests on an engine
 sized for 2048 positions, with and without narrower page tables; continuous batching under a
-stream of mixed-length requests, and speculative decoding with a small draft model (both
-trained here for a few minutes on the bundled corpus, so that they agree as real ones do).
+stream of mixed-length requests. Speculative decoding: benchmarks/speculative.py (it uses
+`trained_engine` from here).
 """
 
 import argparse
@@ -28,7 +28,6 @@ from jaxpar.config import MeshConfig, load_config  # noqa: E402
 from jaxpar.data import ByteTokenizer  # noqa: E402
 from jaxpar.convert.hf import hf_config_from_model  # noqa: E402
 from jaxpar.inference import Engine, SamplingParams  # noqa: E402
-from jaxpar.inference.speculative import DraftModel  # noqa: E402
 from jaxpar.runtime import Runtime  # noqa: E402
 
 
@@ -138,25 +137,6 @@ def trained_engine(overrides, steps, slots, **options):
                 slots=slots, max_seq_len=256, page_size=16, prefill_chunks=(64,), **options)
 
 
-def speculative(steps=300, batch=8, new=96, k=4):
-  target = trained_engine([], steps, batch)  # tiny: 4 layers, embed 128
-  draft = trained_engine(["model.num_layers=1", "model.embed_dim=64", "model.mlp_dim=192",
-                          "model.head_dim=16", "model.scan_unroll=1"], steps, batch, prefix_caching=False)
-  speculating = Engine(target.runtime, target.params, target.tokenizer, model_state=target.model_state,
-                       slots=batch, max_seq_len=256, page_size=16, prefill_chunks=(64,),
-                       speculative=DraftModel(draft, k))
-  prompts = ["It is a truth universally acknowledged", "Mr. Darcy", "She was", "The ball at Netherfield",
-             "Elizabeth", "My dear", "In vain have I struggled", "Lady Catherine"][:batch]
-  settings = SamplingParams(max_tokens=new, stop_token_ids=())
-  plain = best(lambda: target.generate(prompts, settings), 2)
-  fast = best(lambda: speculating.generate(prompts, settings), 2)
-  done = speculating.generate(prompts, settings)
-  same = [r.tokens for r in done] == [r.tokens for r in target.generate(prompts, settings)]
-  stats = {"acceptance_rate": sum(r.draft_accepted for r in done) / max(sum(r.draft_proposed for r in done), 1),
-           "tokens_per_target_step": sum(len(r.tokens) for r in done) / max(sum(r.draft_proposed for r in done) / k, 1)}
-  return plain, fast, stats, same
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -188,11 +168,6 @@ def main():
   print(f"\ncontinuous batching: 48 requests (prompts 8-200, outputs 8-64 tokens), 8 slots: "
         f"{rate:,.0f} generated tokens/s ({stats['decode_steps']} decode steps, "
         f"{stats['prefill_tokens']} prompt tokens prefilled, {stats['preemptions']} preemptions)")
-  plain, spec, s, same = speculative()
-  print(f"speculative decoding (greedy, 8 prompts x 96 tokens; target: the embedded default, 4 layers "
-        f"x 128, trained 300 steps; draft: 1 layer x 64, trained alike; k=4): {plain:.2f} s plain vs "
-        f"{spec:.2f} s ({plain / spec:.2f}x); acceptance {s['acceptance_rate']:.0%}, "
-        f"{s['tokens_per_target_step']:.2f} tokens per target step; same tokens as the target alone: {same}")
 
 
 if __name__ == "__main__":

@@ -292,10 +292,12 @@ def test_metrics_parse_as_prometheus_text_and_move_with_the_traffic(server):
 
 
 @pytest.mark.slow
-def test_cli_serve_speculative_gives_the_plain_greedy_tokens(checkpoint, reference):
-  """`jaxpar serve --speculative draft=PATH,k=3` (the model as its own draft): the openai
-  client gets exactly the plain engine's greedy text, streamed or not."""
-  served = CliServer("--checkpoint", checkpoint, "--slots", "2", "--speculative", f"draft={checkpoint},k=3")
+@pytest.mark.parametrize("source", ["draft", "ngram"])
+def test_cli_serve_speculative_gives_the_plain_greedy_tokens(checkpoint, reference, source):
+  """`jaxpar serve --speculative draft=PATH,k=3` (the model as its own draft) or `ngram,k=3`
+  (prompt lookup): the openai client gets exactly the plain engine's greedy text, streamed or not."""
+  spec = f"draft={checkpoint},k=3" if source == "draft" else "ngram,k=3"
+  served = CliServer("--checkpoint", checkpoint, "--slots", "2", "--speculative", spec)
   try:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused", max_retries=0,
                            timeout=60)

@@ -11,7 +11,7 @@ from jaxpar.config import MeshConfig, ModelConfig
 from jaxpar.data import ByteTokenizer
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.errors import ConfigError, UserError
-from jaxpar.inference.speculative import DraftModel, verify
+from jaxpar.inference.speculative import DraftModel, NgramDraft, ngram_lookup, verify
 from jaxpar.runtime import Runtime
 from tests.helpers import SMALL_MODEL
 
@@ -48,6 +48,35 @@ def test_verify_outputs_follow_the_target_distribution():
   assert 0 < accepted.mean() < k  # some proposals kept, some rejected: both paths ran
 
 
+def test_verify_with_a_deterministic_draft_and_fewer_proposals_follows_the_target():
+  """An n-gram draft's proposals (q one-hot at each), 0 to k of them per row: the first token
+  still follows the target's distribution, and a row with none draws from it directly."""
+  rng = np.random.default_rng(1)
+  rows, k, vocab = 20000, 3, 6
+  p = rng.dirichlet(np.ones(vocab), size=k + 1).astype(np.float32)
+  proposed = rng.integers(0, vocab, (rows, k)).astype(np.int32)
+  limit = rng.integers(0, k + 1, rows).astype(np.int32)
+  settings = {"temperature": np.ones(rows, np.float32), "top_k": np.zeros(rows, np.int32),
+              "top_p": np.ones(rows, np.float32), "seed": np.arange(rows, dtype=np.uint32)}
+  positions = np.broadcast_to(np.arange(1, k + 2, dtype=np.int32), (rows, k + 1))
+  accepted, bonus = map(np.asarray, verify(jnp.broadcast_to(p, (rows, k + 1, vocab)), None, proposed, settings,
+                                           positions, limit))
+  assert (accepted <= limit).all() and (accepted[limit == 0] == 0).all()
+  first = np.where(accepted >= 1, proposed[:, 0], bonus)
+  for chosen in (limit > 0, limit == 0):
+    statistic, df = _chi2(np.bincount(first[chosen], minlength=vocab), p[0])
+    assert statistic < CHI2_999[df], statistic
+  assert 0 < accepted[limit > 0].mean() < limit[limit > 0].mean()
+
+
+def test_ngram_lookup_takes_the_longest_tail_that_occurred_and_its_latest_place():
+  assert ngram_lookup([5, 1, 2, 9, 1, 2, 7, 8, 3, 1, 2], k=3, max_n=3) == [7, 8, 3]  # "1 2": latest is 4..5
+  assert ngram_lookup([1, 2, 3, 9, 2, 3, 4, 1, 2, 3], k=2, max_n=3) == [9, 2]  # "1 2 3" beats "2 3"
+  assert ngram_lookup([4, 6, 4], k=4, max_n=3) == [6, 4]  # as many as follow
+  assert ngram_lookup([1, 2, 3], k=4, max_n=3) == [] and ngram_lookup([7], k=4, max_n=3) == []
+  assert ngram_lookup([1, 2, 8, 2], k=2, max_n=2, min_n=2) == []  # "8 2" never occurred; n=1 not allowed
+
+
 def _engine(vocab, seed, slots=8, num_pages=None, draft=None, **model):
   config = ModelConfig(**{**SMALL_MODEL, "max_seq_len": 64, "vocab_size": vocab, **model})
   runtime = Runtime(config, MeshConfig(fsdp=1), jax.devices()[:1], seed=seed)
@@ -80,6 +109,19 @@ def test_greedy_speculative_equals_target_alone(plain):
     assert target.pool.free == target.pool.num_pages and draft.pool.free == draft.pool.num_pages
 
 
+def test_greedy_ngram_speculation_equals_target_alone(plain):
+  """Prompt lookup: the repeated prompt's rows get proposals (some kept), the others few or none;
+  every row's tokens are the target's own."""
+  target = _engine(512, 0, draft=NgramDraft(k=3))
+  done = target.generate(PROMPTS, GREEDY_15)
+  assert [r.tokens for r in done] == plain
+  proposed, accepted = (target.stats[f"speculative_{x}"] for x in ("proposed", "accepted"))
+  assert 0 < accepted <= proposed, target.stats
+  # Each kept proposal saves a pass (less where a row's last round kept more than it needed).
+  assert 3 * 15 - accepted <= target.stats["speculative_rounds"] < 3 * 15
+  assert sum(r.draft_proposed for r in done) == proposed
+
+
 def test_speculative_rounds_join_continuous_batching(plain):
   """Requests that arrive while others decode, and a pool so small that rows are preempted
   and recomputed, still get exactly the target's greedy tokens."""
@@ -97,6 +139,10 @@ def test_speculative_rounds_join_continuous_batching(plain):
 
 
 def test_speculative_refuses_what_it_cannot_do():
+  with pytest.raises(ConfigError, match="min_n <= max_n"):
+    NgramDraft(k=3, max_n=2, min_n=3)
+  with pytest.raises(ConfigError, match="at least one token"):
+    NgramDraft(k=0)
   with pytest.raises(ConfigError, match="share a vocabulary"):
     _engine(512, 0, draft=DraftModel(_engine(256, 1), k=2))
   target = _engine(512, 0, draft=DraftModel(_engine(512, 1, num_layers=1), k=2))
@@ -105,11 +151,12 @@ def test_speculative_refuses_what_it_cannot_do():
 
 
 @pytest.mark.slow
-def test_sampled_speculative_matches_the_target_distribution():
+@pytest.mark.parametrize("source", ["draft", "ngram"])
+def test_sampled_speculative_matches_the_target_distribution(source):
   vocab = 16
-  draft = _engine(vocab, 5, num_layers=1)
-  target = _engine(vocab, 0, draft=DraftModel(draft, k=2))
-  prompt = [3, 1, 4]
+  draft = DraftModel(_engine(vocab, 5, num_layers=1), k=2) if source == "draft" else NgramDraft(k=2, max_n=2)
+  target = _engine(vocab, 0, draft=draft)
+  prompt = [3, 1, 4] if source == "draft" else [3, 1, 4, 3, 1]  # "3 1" occurred: lookup proposes "4 3"
   draws = []
   for start in range(0, 640, 8):
     results = target.generate([prompt] * 8, [SamplingParams(max_tokens=2, temperature=1.0, seed=start + i,

@@ -48,9 +48,11 @@ def add_engine_args(parser):
   parser.add_argument("--decode-burst", type=int, default=1, metavar="K",
                       help="decode steps per device call while no request needs the host between "
                       "tokens: fewer round trips, tokens streamed K at a time (default 1)")
-  parser.add_argument("--speculative", metavar="draft=PATH,k=K",
-                      help="speculative decoding: the checkpoint at PATH (a smaller model on the same tokenizer) "
-                      "proposes K tokens (default 4) that the model checks in one pass; the same greedy tokens")
+  parser.add_argument("--speculative", metavar="draft=PATH,k=K | ngram,k=K,n=N",
+                      help="speculative decoding: the checkpoint at PATH (a smaller model on the same tokenizer), "
+                      "or prompt lookup (ngram: what followed the latest earlier occurrence of the last N tokens, "
+                      "default 3), proposes up to K tokens (default 4) that the model checks in one pass; the same "
+                      "greedy tokens, the same sampling distribution")
 
 
 def add_sampling_args(parser):
@@ -67,10 +69,17 @@ def add_sampling_args(parser):
 
 
 def speculative_options(text: str) -> dict:
-  """`draft=PATH,k=4` -> {"draft": PATH, "k": 4}."""
-  options = dict(item.partition("=")[::2] for item in text.split(","))
-  if set(options) - {"draft", "k"} or not options.get("draft") or not options.get("k", "4").isdigit():
-    raise ConfigError(f"--speculative {text!r}: write draft=PATH[,k=K], e.g. --speculative draft=runs/small,k=4")
+  """`draft=PATH,k=4` -> {"draft": PATH, "k": 4}; `ngram,k=4,n=3` -> {"ngram": True, "k": 4, "n": 3}."""
+  items = text.split(",")
+  ngram = items[0] == "ngram"
+  options = dict(item.partition("=")[::2] for item in items[ngram:])
+  allowed = {"k", "n"} if ngram else {"draft", "k"}
+  numbers = all(options.get(key, "1").isdigit() for key in ("k", "n"))
+  if set(options) - allowed or not (ngram or options.get("draft")) or not numbers:
+    raise ConfigError(f"--speculative {text!r}: write draft=PATH[,k=K] or ngram[,k=K][,n=N], e.g. "
+                      "--speculative draft=runs/small,k=4 or --speculative ngram,k=4")
+  if ngram:
+    return {"ngram": True, "k": int(options.get("k", 4)), "n": int(options.get("n", 3))}
   return {"draft": options["draft"], "k": int(options.get("k", 4))}
 
 
@@ -87,10 +96,12 @@ def take_run_argument(ns):
 
 def build_engine(ns, echo=None, **options):
   from jaxpar.inference import Engine
-  from jaxpar.inference.speculative import DraftModel
+  from jaxpar.inference.speculative import DraftModel, NgramDraft
   mesh = parse_mesh_sizes(ns.mesh) or None
-  if ns.speculative:
-    spec = speculative_options(ns.speculative)
+  spec = speculative_options(ns.speculative) if ns.speculative else {}
+  if spec.get("ngram"):
+    options["speculative"] = NgramDraft(spec["k"], max_n=spec["n"])
+  elif spec:
     if echo:
       echo(f"loading the speculative draft {spec['draft']}")
     draft = Engine.from_checkpoint(spec["draft"], mesh=mesh, slots=ns.slots, max_seq_len=ns.max_seq_len,

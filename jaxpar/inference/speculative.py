@@ -8,8 +8,12 @@ max(0, p - q) renormalised, and when all k are kept one more comes from the targ
 distribution. The output then follows the target's distribution exactly; greedy rows (one-
 hot p and q) give exactly the target's greedy tokens.
 
-A draft is a source of proposals behind one interface (`DraftModel`: a smaller model on the
-same tokenizer). The draft model keeps its own paged cache: a request's context is prefilled
+A draft is a source of proposals behind one interface: `DraftModel`, a smaller model on the
+same tokenizer, and `NgramDraft`, prompt lookup with no weights (the tokens that followed the
+last earlier occurrence of a row's final n-gram). Each row gets up to k proposals a round (a
+row with none decodes one token, exactly as plain decoding does). A deterministic draft's q
+is one-hot at its proposal, so it keeps a proposal with probability p(x) and resamples from p
+without x. The draft model keeps its own paged cache: a request's context is prefilled
 into it when the request first decodes, then each round feeds what it lacks (the last token,
 and the one before it when every proposal was kept) and proposes k. Positions past what was
 accepted hold stale keys and values in both caches, never read (attention stops at each
@@ -68,13 +72,13 @@ def _draft_round(k, graphdef, kv, params, model_state, cache, tokens, positions,
 
 
 def _target_round(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings,
-                  draft_probs, proposed):
+                  draft_probs, proposed, limit):
   """The target's pass over [last token, *proposed] and the acceptance test -> (accepted
-  count [B], the token after them [B], cache)."""
+  count [B], the token after them [B], cache). draft_probs None: a deterministic draft."""
   logits, cache = nnx.merge(graphdef, params, model_state).decode(tokens, positions, cache, page_table,
                                                                   kv_quantization=kv, tail_index=rows)
   target_probs = jax.vmap(filtered_probs, in_axes=(1, None), out_axes=1)(logits.astype(jnp.float32), settings)
-  accepted, token = verify(target_probs, draft_probs, proposed, settings, jnp.maximum(positions, 0) + 1)
+  accepted, token = verify(target_probs, draft_probs, proposed, settings, jnp.maximum(positions, 0) + 1, limit)
   return accepted, token, cache
 
 
@@ -82,27 +86,44 @@ def _draft_program(k):
   return Kind(functools.partial(_draft_round, k), settings_extra, (None, None))
 
 
-def _target_extra(batch, length, vocab):
-  return (settings_struct(batch), jax.ShapeDtypeStruct((batch, length - 1, vocab), jnp.float32),
-          jax.ShapeDtypeStruct((batch, length - 1), jnp.int32))
+def _proposals(batch, length):
+  """The proposed tokens [B, k] and how many of each row's are proposals [B]."""
+  return (jax.ShapeDtypeStruct((batch, length - 1), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32))
 
 
-TARGET_PROGRAM = Kind(_target_round, _target_extra, ("rows", "rows"))
+TARGET_PROGRAM = Kind(_target_round, lambda batch, length, vocab: (
+    settings_struct(batch), jax.ShapeDtypeStruct((batch, length - 1, vocab), jnp.float32), *_proposals(batch, length)),
+    ("rows", "rows"))
+# A deterministic draft's (NgramDraft): no distributions to pass, q is one-hot at each proposal.
+DETERMINISTIC_TARGET_PROGRAM = Kind(
+    lambda graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings, proposed, limit:
+    _target_round(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings, None,
+                  proposed, limit),
+    lambda batch, length, vocab: (settings_struct(batch), *_proposals(batch, length)), ("rows", "rows"))
 
 
-def verify(target_probs, draft_probs, proposed, settings, positions):
-  """target_probs [B, k+1, V], draft_probs [B, k, V], proposed [B, k] int; positions [B, k+1]:
-  where each checked token would go. -> (accepted count [B], the token after them [B])."""
-  k = proposed.shape[1]
+def verify(target_probs, draft_probs, proposed, settings, positions, limit=None):
+  """target_probs [B, k+1, V], draft_probs [B, k, V] (None: a deterministic draft, q one-hot at
+  each proposal), proposed [B, k] int; positions [B, k+1]: where each checked token would go;
+  limit [B]: how many of each row's k are proposals (None: all). -> (accepted count [B], the
+  token after them [B])."""
+  batch, k = proposed.shape
+  limit = jnp.full((batch,), k, jnp.int32) if limit is None else limit
   p_of = jnp.take_along_axis(target_probs[:, :k], proposed[..., None], axis=-1)[..., 0]
-  q_of = jnp.take_along_axis(draft_probs, proposed[..., None], axis=-1)[..., 0]
+  q_of = (jnp.ones_like(p_of) if draft_probs is None
+          else jnp.take_along_axis(draft_probs, proposed[..., None], axis=-1)[..., 0])
   keys = jax.vmap(lambda pos: row_keys(settings, pos, _ACCEPT), in_axes=1, out_axes=1)(positions[:, :k])
   uniform = jax.vmap(jax.vmap(jax.random.uniform))(keys)
-  keep = uniform * q_of < p_of  # u < p / q, without dividing by a zero q
+  keep = (uniform * q_of < p_of) & (jnp.arange(k)[None] < limit[:, None])  # u < p / q, without dividing by a zero q
   accepted = jnp.sum(jnp.cumprod(keep, axis=1), axis=1)
-  rows = jnp.arange(proposed.shape[0])
+  rows = jnp.arange(batch)
   p_next = target_probs[rows, accepted]
-  q_next = jnp.concatenate([draft_probs, jnp.zeros_like(draft_probs[:, :1])], axis=1)[rows, accepted]
+  rejected = (accepted < limit)[:, None]  # else every proposal was kept: the next token comes from p
+  if draft_probs is None:
+    at = jnp.minimum(accepted, k - 1)
+    q_next = jnp.where(rejected, jax.nn.one_hot(proposed[rows, at], p_next.shape[-1], dtype=p_next.dtype), 0.0)
+  else:
+    q_next = jnp.where(rejected, draft_probs[rows, jnp.minimum(accepted, k - 1)], 0.0)
   residual = jnp.maximum(p_next - q_next, 0.0)
   residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_next)
   keys = row_keys(settings, positions[rows, accepted], _RESIDUAL)
@@ -110,13 +131,26 @@ def verify(target_probs, draft_probs, proposed, settings, positions):
   return accepted, token.astype(jnp.int32)
 
 
+def _check_round(k: int, *engines):
+  """What every draft source needs of the engines a round runs on."""
+  if k < 1:
+    raise ConfigError(f"speculative k={k}: the draft must propose at least one token")
+  for engine in engines:
+    if engine.local_window is not None and k + 1 > engine.local_window:
+      raise ConfigError(f"speculative k={k}: a round writes k + 1 positions, more than the local layers' window "
+                        f"({engine.local_window}) keeps; use k < {engine.local_window}")
+    if engine.adapters:
+      raise ConfigError("speculative decoding does not serve stacked adapters: merge the adapter "
+                        "(`jaxpar lora merge`) and use the merged model as the target")
+
+
 class DraftModel:
   """Proposals from `engine`, a smaller model on the target's tokenizer, `k` per round. Its
   engine serves only this draft (its cache holds the target's requests by their slot)."""
+  target_program = TARGET_PROGRAM
 
   def __init__(self, engine, k: int = 4):
-    if k < 1:
-      raise ConfigError(f"speculative k={k}: the draft must propose at least one token")
+    _check_round(k)
     self.engine, self.k = engine, k
     self.shadows: dict[int, Request] = {}  # target request id -> the draft's copy of it
 
@@ -125,13 +159,7 @@ class DraftModel:
     draft, k = self.engine, self.k
     if target.runtime.model_config.vocab_size != draft.runtime.model_config.vocab_size:
       raise ConfigError("the speculative draft and the target must share a vocabulary (and tokenizer)")
-    for engine in (target, draft):
-      if engine.local_window is not None and k + 1 > engine.local_window:
-        raise ConfigError(f"speculative k={k}: a round writes k + 1 positions, more than the local layers' window "
-                          f"({engine.local_window}) keeps; use k < {engine.local_window}")
-    if target.adapters or draft.adapters:
-      raise ConfigError("speculative decoding does not serve stacked adapters: merge the adapter "
-                        "(`jaxpar lora merge`) and use the merged model as the target")
+    _check_round(k, target, draft)
     if len(draft.slots) < len(target.slots) or draft.max_seq_len < target.max_seq_len:
       raise ConfigError(f"the draft engine needs the target's {len(target.slots)} slots and context "
                         f"{target.max_seq_len} (it has {len(draft.slots)} and {draft.max_seq_len})")
@@ -139,8 +167,9 @@ class DraftModel:
     draft.programs.compile("propose", self.batch, 2, draft.pages_per_seq, _draft_program(k))
 
   def propose(self, rows, starts, settings):
-    """k proposals [B, k] (host) for each row (a target Request or None), and the draft's
-    distributions they came from [B, k, V] (device); `starts`: where each row's next token goes."""
+    """k proposals [B, k] (host) for each row (a target Request or None), how many of each
+    row's are proposals [B] (k, or 0 for no request), and the draft's distributions they came
+    from [B, k, V] (device); `starts`: where each row's next token goes."""
     draft, k = self.engine, self.k
     tokens = np.zeros((self.batch, 2), np.int32)
     positions = np.full((self.batch, 2), -1, np.int32)
@@ -159,7 +188,8 @@ class DraftModel:
     proposed, probs, draft.cache = draft.programs.run(
         "propose", draft.params, draft.model_state, draft.cache, tokens, positions, table,
         np.arange(self.batch, dtype=np.int32), settings)
-    return np.asarray(proposed), probs
+    limit = np.asarray([0 if shadow is None else k for shadow in shadows], np.int32)
+    return np.asarray(proposed), limit, probs
 
   def _admit(self, request: Request, row: int) -> Request:
     """The draft's copy of `request`, its context but the last token prefilled on first use."""
@@ -186,6 +216,53 @@ class DraftModel:
       self.engine.pool.release(shadow.pages)
 
 
+def ngram_lookup(tokens, k: int, max_n: int, min_n: int = 1) -> list[int]:
+  """Up to k tokens that followed the latest earlier occurrence of the last n tokens of
+  `tokens`, for the longest n in [min_n, max_n] that occurs earlier; [] when none does."""
+  tokens = np.asarray(tokens)
+  for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+    windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # each ends before the last token
+    starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+    if starts.size:
+      return tokens[starts[-1] + n:starts[-1] + n + k].tolist()
+  return []
+
+
+class NgramDraft:
+  """Prompt lookup (no second model): each row proposes up to k tokens that followed the
+  latest earlier occurrence of its last n tokens (n from max_n down to min_n) in its prompt
+  and output so far. Text that repeats itself (code, extraction, quoting the prompt) is
+  proposed for free; a row whose tail occurs nowhere earlier proposes nothing that round."""
+  target_program = DETERMINISTIC_TARGET_PROGRAM
+
+  def __init__(self, k: int = 4, max_n: int = 3, min_n: int = 1):
+    _check_round(k)
+    if not 1 <= min_n <= max_n:
+      raise ConfigError(f"speculative ngram n={min_n}..{max_n}: give 1 <= min_n <= max_n")
+    self.k, self.max_n, self.min_n = k, max_n, min_n
+
+  def bind(self, target):
+    _check_round(self.k, target)
+    self.batch = len(target.slots)
+
+  def propose(self, rows, starts, settings):
+    """Proposals [B, k] (host; past a row's own count, zeros), how many each row has [B], None
+    (no distributions: the target's pass takes q one-hot at each proposal)."""
+    proposed = np.zeros((self.batch, self.k), np.int32)
+    limit = np.zeros(self.batch, np.int32)
+    for i, request in enumerate(rows):
+      if request is not None:
+        found = ngram_lookup(request.context, self.k, self.max_n, self.min_n)
+        proposed[i, :len(found)], limit[i] = found, len(found)
+    return proposed, limit, None
+
+  def advance(self, request: Request, start: int):
+    pass  # nothing kept per request: the lookup reads the request's own tokens
+
+  def forget(self, request: Request):
+    pass
+
+
 class SpeculativeCalls:
   """The engine's speculative rounds (`Engine` inherits them; `self.draft` proposes)."""
 
@@ -200,7 +277,7 @@ class SpeculativeCalls:
     rows = [r if r is not None and not r.prefilling else None for r in self.slots]
     starts = [0 if r is None else r.length for r in rows]
     settings = row_arrays([r.sampling if r else None for r in rows])
-    proposed, draft_probs = self.draft.propose(rows, starts, settings)
+    proposed, limit, draft_probs = self.draft.propose(rows, starts, settings)
     tokens = np.zeros((len(rows), k + 1), np.int32)
     positions = np.full((len(rows), k + 1), -1, np.int32)
     for i, (request, n) in enumerate(zip(rows, starts)):
@@ -209,14 +286,15 @@ class SpeculativeCalls:
         at = np.arange(n - 1, n + k)
         positions[i] = np.where(at < self.max_seq_len, at, -1)  # past the context: written nowhere
     table = page_table_rows([r.pages if r else [] for r in rows], self.pages_per_seq, self.pool.num_pages)
+    given = (proposed, limit) if draft_probs is None else (draft_probs, proposed, limit)
     accepted, bonus, self.cache = self._run("speculate", tokens, positions, table,
-                                            np.arange(len(rows), dtype=np.int32), settings, draft_probs, proposed)
+                                            np.arange(len(rows), dtype=np.int32), settings, *given)
     accepted, bonus = np.asarray(accepted).tolist(), np.asarray(bonus).tolist()
     events = []
     for i, (request, n) in enumerate(zip(rows, starts)):
       if request is None:
         continue
-      request.proposed += k
+      request.proposed += int(limit[i])
       request.accepted += accepted[i]
       self.stats["speculative_rounds"] += 1
       for token in [*proposed[i, :accepted[i]].tolist(), bonus[i]]:
@@ -228,6 +306,6 @@ class SpeculativeCalls:
           break
       else:
         self.draft.advance(request, n)
-    self.stats["speculative_proposed"] += k * sum(r is not None for r in rows)
+    self.stats["speculative_proposed"] += int(limit.sum())
     self.stats["speculative_accepted"] += sum(a for a, r in zip(accepted, rows) if r is not None)
     return events
