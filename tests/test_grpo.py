@@ -31,9 +31,9 @@ def _prompts(path, count=24):
   return str(path)
 
 
-def _config(tmp_path, mesh=None, objective=None, rows=None, **train):
+def _config(tmp_path, mesh=None, objective=None, rows=None, checkpoint=None, **train):
   source = rows or _prompts(tmp_path / "prompts.jsonl")
-  return small_config(mesh=mesh or {"fsdp": 1}, tmp_path=tmp_path,
+  return small_config(mesh=mesh or {"fsdp": 1}, tmp_path=tmp_path, checkpoint=checkpoint,
                       data={"source": source, "format": "prompts", "seq_len": 26, "global_batch_size": 8},
                       train={"objective": "grpo", "steps": 2, "learning_rate": 1e-2, "warmup_steps": 0, **train},
                       objective={"group_size": 4, "max_tokens": 6, "kl_coef": 0.1, **(objective or {})})
@@ -330,3 +330,20 @@ def test_off_policy_rollouts_run_ahead_within_the_staleness_bound(tmp_path):
   assert all(np.isfinite(h["loss"]) for h in result.history)
   with pytest.raises(ConfigError, match="give them devices of their own"):
     Trainer(_config(tmp_path, objective={"max_staleness": 1}), devices=jax.devices()[:1])
+
+
+def test_a_resumed_rl_run_takes_the_same_next_steps(tmp_path):
+  """4 steps straight, against 2 steps and a resume to 4: the checkpoint holds the rollout
+  state (the next prompt, the rollouts drawn), so steps 3 and 4 sample the same completions
+  and take the same updates."""
+  def run(name, steps):
+    (tmp_path / name).mkdir(exist_ok=True)
+    # A constant schedule: the learning rate of steps 1-2 must not depend on train.steps.
+    config = _config(tmp_path / name, steps=steps, log_every=1, schedule="constant", checkpoint={"every_steps": 2})
+    return Trainer(config, devices=jax.devices()[:1]).fit(show_progress=False).history
+  straight = run("straight", 4)
+  run("resumed", 2)
+  resumed = run("resumed", 4)
+  assert [h["step"] for h in resumed] == [3, 4]
+  for key in ("loss", "reward", "response_length", "grad_norm"):
+    assert [h[key] for h in resumed] == [h[key] for h in straight[2:]], key
