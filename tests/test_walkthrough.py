@@ -1,7 +1,8 @@
 """The README's commands, in the order it gives them, in a fresh folder, as a new user runs
 them: each exits 0, none prints a traceback, and none silently does nothing (a training
 command that finds its run already finished). Shortened where the README's form takes
-minutes: training runs stop after 2 steps, TPU compiles and plans take one layer.
+minutes: training runs stop after 2 steps, TPU compiles and plans take one layer (and the
+plan compiles one candidate).
 
 Minutes in all, so it runs in .ci/run's second pass (the `long` marker), beside the pod
 fits, not in the README's test command.
@@ -13,6 +14,8 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -51,17 +54,29 @@ def shortened(command: str) -> tuple[dict, list[str]]:
     args += SHORT_TRAINING
   elif args[0] in ("compile", "plan"):
     args += ["model.num_layers=1"]
+    if "--top" in args:  # the plan compiles one candidate, not three
+      args[args.index("--top") + 1] = "1"
   return env, args
 
 
 def _serve(args, cwd, env) -> tuple[int, str]:
-  """`jaxpar serve ...` until it announces its address, then SIGTERM: it drains and exits 0."""
+  """`jaxpar serve ...` until /health answers at the address it announces, then SIGTERM: it
+  drains and exits 0."""
   child = subprocess.Popen([sys.executable, "-m", "jaxpar", *args, "--port", "0"], cwd=cwd, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   output = []
   for line in child.stdout:
     output.append(line)
-    if re.search(r" on http://\S+/v1", line):
+    found = re.search(r" on (http://\S+)/v1", line)
+    if found:
+      deadline = time.monotonic() + 60
+      while time.monotonic() < deadline:
+        try:
+          with urllib.request.urlopen(f"{found[1]}/health", timeout=5) as reply:
+            output.append(f"health {reply.status}\n")
+            break
+        except OSError:
+          time.sleep(0.2)
       child.send_signal(signal.SIGTERM)
   return child.wait(timeout=120), "".join(output)
 
