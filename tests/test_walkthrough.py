@@ -82,6 +82,7 @@ def _serve(args, cwd, env) -> tuple[int, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # about 20 minutes alone on 2 cores: past the suite's 1200 s bound
 def test_the_readme_commands_run_in_order_in_a_fresh_folder(tmp_path):
   commands = readme_commands()
   assert commands[0] == "jaxpar train" and len(commands) >= 15, commands  # the README's main job first
@@ -91,6 +92,7 @@ def test_the_readme_commands_run_in_order_in_a_fresh_folder(tmp_path):
       continue
     extra_env, args = shortened(command)
     env = {**os.environ, **extra_env}
+    started = time.monotonic()
     if args[0] == "serve":
       code, output = _serve(args, tmp_path, env)
     else:
@@ -98,6 +100,7 @@ def test_the_readme_commands_run_in_order_in_a_fresh_folder(tmp_path):
                            text=True, timeout=900)
       code, output = run.returncode, run.stdout + run.stderr
     ran += 1
+    print(f"{time.monotonic() - started:6.1f} s  {command}")  # -s shows where the minutes go
     if code != 0 or "Traceback" in output or "already at step" in output:
       failures.append(f"{command}\n  exit {code}: {output.strip()[-1500:]}")
   assert not failures, "\n\n".join(failures)
