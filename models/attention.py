@@ -51,12 +51,13 @@ class Attention(nnx.Module):
     # Not decayed: a sink is a logit offset, as a norm scale is a gain.
     self.sinks = (nnx.Param(jnp.zeros((h,), param_dtype), out_sharding=("heads",), weight_decay=False)
                   if cfg.attention_sinks else None)
-    self.dtype = compute_dtype
+    self.dtype, self.precision = compute_dtype, cfg.train_precision
 
   def __call__(self, x, context, cache, options):
     """x [B, L, embed] -> ([B, L, embed], cache)."""
     dt = self.dtype
-    q, k, v = (checkpoint_name(dense(x, getattr(self, n), dtype=dt, adapter=lora.adapter(self.lora, n)), "qkv_proj")
+    q, k, v = (checkpoint_name(dense(x, getattr(self, n), dtype=dt, adapter=lora.adapter(self.lora, n),
+                                     precision=self.precision), "qkv_proj")
                for n in ("q", "k", "v"))
     if self.use_bias:
       q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
@@ -70,7 +71,7 @@ class Attention(nnx.Module):
     sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
     out, cache = cache.update_and_attend(q, k, v, context, options.attention, sinks=sinks)
     out = checkpoint_name(out, "attention_out")
-    o = dense(out, self.o, contract=2, dtype=dt, adapter=lora.adapter(self.lora, "o"))
+    o = dense(out, self.o, contract=2, dtype=dt, adapter=lora.adapter(self.lora, "o"), precision=self.precision)
     if self.o_bias is not None:
       o = o + self.o_bias[...].astype(dt)
     return checkpoint_name(o, "out_proj"), cache

@@ -234,6 +234,10 @@ class ModelConfig(Frozen):
   attention_options: Annotated[dict[str, bool | int | float | str],
                                AfterValidator(_check_attention_options)] = HashableDict()
   quantization: QuantizationConfig | None = None  # None: float projections
+  # The projections' matmuls while training (models/low_precision.py): fp8 (per-tensor
+  # scales), fp8_blockwise (DeepSeek-V3's 128-wide tiles) or int8 (per row), quantized on
+  # the fly over float weights; compute_dtype: no quantization.
+  train_precision: Literal["compute_dtype", "fp8", "fp8_blockwise", "int8"] = "compute_dtype"
   lora: LoRAConfig | None = None  # None: no adapters
 
   @model_validator(mode="after")
@@ -242,6 +246,9 @@ class ModelConfig(Frozen):
       raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide "
                        f"model.num_heads={self.num_heads}")
     q = self.quantization
+    if q is not None and self.train_precision != "compute_dtype":
+      raise ValueError(f"model.train_precision={self.train_precision} quantizes float weights on the fly; "
+                       "a model.quantization model stores them quantized: set one of the two")
     if q is not None and q.group_size is not None:
       # Groups run along each projection's last contracted dim: embed (q/k/v/gate/up),
       # head_dim (o) and mlp (down).

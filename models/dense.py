@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxpar import pallas_kernels
 from jaxpar.mesh import num_shards
+from jaxpar.models.low_precision import low_precision_matmul
 
 # The activation-side name of a parameter axis: what the quantized matmul's shard_map splits.
 _ACTIVATION_NAME = {"heads": "act_heads", "kv_heads": "act_kv_heads", "mlp": "act_mlp",
@@ -84,9 +85,10 @@ def projection(init, key, shape, names, *, param_dtype, quantization=None, contr
   return QuantizedKernel(value, names, contract, quantization)
 
 
-def dense(x, kernel, *, contract: int = 1, dtype=None, adapter=None):
+def dense(x, kernel, *, contract: int = 1, dtype=None, adapter=None, precision="compute_dtype"):
   """Contract the last `contract` dims of x with the first `contract` dims of kernel, plus
-  the low-rank term of `adapter` (a models/lora.py LoRA) when given.
+  the low-rank term of `adapter` (a models/lora.py LoRA) when given. A float kernel's matmul
+  runs in `precision` (model.train_precision: models/low_precision.py).
 
   kernel: an array, an nnx.Param (cast to `dtype` when given) or a QuantizedKernel.
   [B, L, ...in] x [...in, ...out] -> [B, L, ...out], computed as [B*L, in] @ [in, out]:
@@ -96,18 +98,23 @@ def dense(x, kernel, *, contract: int = 1, dtype=None, adapter=None):
   length (context or sequence parallelism) as well as the batch, B*L would interleave
   the two splits, which XLA can only undo by gathering: then the contraction keeps B, L.
   """
-  y = kernel(x) if isinstance(kernel, QuantizedKernel) else _float_dense(x, kernel, contract, dtype)
+  if isinstance(kernel, QuantizedKernel):
+    y = kernel(x)
+  else:
+    y = _float_dense(x, kernel, contract, dtype, precision)
   return y if adapter is None else y + adapter(x, dtype)
 
 
-def _float_dense(x, kernel, contract, dtype):
+def _float_dense(x, kernel, contract, dtype, precision):
   kernel = kernel[...] if dtype is None else kernel[...].astype(dtype)
   lead = x.shape[:x.ndim - contract]
   n_in = math.prod(kernel.shape[:contract])
   out = kernel.shape[contract:]
+  flat = kernel.reshape(n_in, math.prod(out))
+  if precision != "compute_dtype":
+    matmul = lambda a, b: low_precision_matmul(a, b, precision)  # noqa: E731
+  else:
+    matmul = lambda a, b: jnp.tensordot(a, b, axes=1)  # noqa: E731
   if num_shards("residual_length") > 1:
-    flat = kernel.reshape(n_in, math.prod(out))
-    y = jnp.tensordot(x.reshape(*lead, n_in), flat, axes=1)
-    return y.reshape(*lead, *out)
-  y = x.reshape(math.prod(lead), n_in) @ kernel.reshape(n_in, math.prod(out))
-  return y.reshape(*lead, *out)
+    return matmul(x.reshape(*lead, n_in), flat).reshape(*lead, *out)
+  return matmul(x.reshape(math.prod(lead), n_in), flat).reshape(*lead, *out)

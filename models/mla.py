@@ -50,6 +50,9 @@ class MLAttention(nnx.Module):
     if cfg.quantization is not None:
       raise ConfigError("model.quantization with model.attention_block=mla is not supported yet: "
                         "keep the latent projections float")
+    if cfg.train_precision != "compute_dtype":
+      raise ConfigError(f"model.train_precision={cfg.train_precision} does not reach the latent "
+                        "projections of model.attention_block=mla yet: train with model.train_precision=compute_dtype")
     self.mla, e, h = m, cfg.embed_dim, cfg.num_heads
     init = lambda shape, names, in_axis=0, out_axis=-1: projection(  # noqa: E731
         fan_in(in_axis, out_axis), rngs.params(), shape, names, param_dtype=param_dtype)

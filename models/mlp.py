@@ -34,13 +34,14 @@ class MLP(nnx.Module):
   """
 
   def __init__(self, embed_dim, mlp_dim, *, param_dtype, compute_dtype, rngs: nnx.Rngs,
-               quantization=None, chunks: int = 1, remat="none", adapters=None, activation: str = "silu"):
+               quantization=None, chunks: int = 1, remat="none", adapters=None, activation: str = "silu",
+               precision: str = "compute_dtype"):
     init, proj = fan_in(), dict(param_dtype=param_dtype, quantization=quantization)
     self.gate = projection(init, rngs.params(), (embed_dim, mlp_dim), ("embed", "mlp"), **proj)
     self.up = projection(init, rngs.params(), (embed_dim, mlp_dim), ("embed", "mlp"), **proj)
     self.down = projection(init, rngs.params(), (mlp_dim, embed_dim), ("mlp", "embed"), **proj)
     self.lora = lora.adapters(adapters, rngs, gate=self.gate, up=self.up, down=self.down)
-    self.dtype, self.glu = compute_dtype, gated(activation)
+    self.dtype, self.glu, self.precision = compute_dtype, gated(activation), precision
     self.chunks = chunks if quantization is None else 1
     # A piece keeps or recomputes its activations as the layer does.
     self.piece_policy = None if remat == "none" else remat_policy(remat)
@@ -60,14 +61,16 @@ class MLP(nnx.Module):
     return merge_length(jax.lax.map(piece, split_length(x, self.chunks, spans))), {}
 
   def _feed_forward(self, x, gate_kernel, up_kernel, down_kernel):
-    adapter = lambda name: lora.adapter(self.lora, name)  # noqa: E731
-    gate = checkpoint_name(dense(x, gate_kernel, dtype=self.dtype, adapter=adapter("gate")), "mlp_in")
-    up = checkpoint_name(dense(x, up_kernel, dtype=self.dtype, adapter=adapter("up")), "mlp_in")
+    run = lambda x, kernel, name: dense(x, kernel, dtype=self.dtype, adapter=lora.adapter(self.lora, name),  # noqa: E731
+                                        precision=self.precision)
+    gate = checkpoint_name(run(x, gate_kernel, "gate"), "mlp_in")
+    up = checkpoint_name(run(x, up_kernel, "up"), "mlp_in")
     hidden = constrain(self.glu(gate, up), ("batch", "length", "act_mlp"))
-    return checkpoint_name(dense(hidden, down_kernel, dtype=self.dtype, adapter=adapter("down")), "mlp_out")
+    return checkpoint_name(run(hidden, down_kernel, "down"), "mlp_out")
 
 
 register_block("feed_forward", "dense",
                lambda cfg, **kwargs: MLP(cfg.embed_dim, cfg.mlp_dim, quantization=cfg.quantization,
                                          chunks=cfg.mlp_chunks, remat=cfg.remat, adapters=cfg.lora,
-                                         activation=cfg.mlp_activation, **kwargs))
+                                         activation=cfg.mlp_activation, precision=cfg.train_precision,
+                                         **kwargs))

@@ -10,6 +10,7 @@ compute (sorting, grouped matmuls, the all-to-all of expert parallelism) happens
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.errors import ConfigError
 from jaxpar.models import lora, router
 from jaxpar.models.dense import dense
 from jaxpar.models.activations import gated
@@ -38,6 +39,9 @@ class MoE(nnx.Module):
   """
 
   def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    if cfg.train_precision != "compute_dtype":
+      raise ConfigError(f"model.train_precision={cfg.train_precision} does not reach the experts' grouped "
+                        "matmuls yet: train MoE models with model.train_precision=compute_dtype")
     m = self.moe = cfg.moe
     e, d, f = m.num_experts, cfg.embed_dim, m.expert_mlp_dim
     self.router = nnx.Param(fan_in()(rngs.params(), (d, e), param_dtype), out_sharding=("embed", None))

@@ -1,0 +1,114 @@
+"""Training in less precision (`model.train_precision`): loss curves and step times, side by side.
+
+    python benchmarks/precision_memory.py --part curves [--config tiny] [--steps 300]
+    python benchmarks/precision_memory.py --part step     # on a GPU: 12 x 768 Llama, bf16; on CPU: tiny
+
+curves: every scheme trains the same config from the same initial weights on the same
+batches (the bundled corpus); the table gives the loss at every `--every` steps and each
+scheme's final loss relative to the float run's. It runs wherever jaxpar runs (on CPU the
+low-precision dots are converted by XLA: same numbers, no speed-up).
+
+step: the seconds per train step of each scheme on this backend's first device (median of
+`--repeats` steps after two warm-ups, one repeated batch; the schemes one after another in
+one process), the tokens/s ratio against the bf16 run, and the compiled program's cuBLAS fp8
+and int8 GEMM calls (what tells a native low-precision matmul from a converted one on GPU).
+"""
+
+import argparse
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jaxpar.config import load_config
+from jaxpar.models.low_precision import SCHEMES
+from jaxpar.train.trainer import Trainer
+
+PRECISIONS = ("compute_dtype", *SCHEMES)
+# The `jaxpar check` train step's model on accelerators (GPT-2-small-sized Llama, bf16).
+GPU_MODEL = ["model.embed_dim=768", "model.num_layers=12", "model.num_heads=12", "model.num_kv_heads=12",
+             "model.head_dim=64", "model.mlp_dim=3072", "model.max_seq_len=1024",
+             "model.compute_dtype=bfloat16", "data.seq_len=1024", "data.global_batch_size=8"]
+
+
+def _trainer(config_name, precision, extra):
+  overrides = [f"model.train_precision={precision}", "checkpoint.enabled=false", "mesh.fsdp=1",
+               f"train.run_dir=runs/precision-{precision}", *extra]
+  return Trainer(load_config(config_name, overrides), jax.local_devices()[:1])
+
+
+def curves(args):
+  losses = {}
+  for precision in PRECISIONS:
+    trainer = _trainer(args.config, precision, [f"train.steps={args.steps}"])
+    state, batches = trainer.init_state(), trainer.batches()
+    start = time.perf_counter()
+    values = []
+    for _ in range(args.steps):
+      state, metrics = trainer.step(state, next(batches))
+      values.append(metrics["loss"])
+    losses[precision] = np.array(jax.device_get(values), np.float64)
+    print(f"{precision}: {args.steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
+  marks = list(range(0, args.steps, args.every)) + [args.steps - 1]
+  print(f"\n{args.config}, loss at step (mean of the {args.window} steps ending there):\n")
+  print("| step | " + " | ".join(PRECISIONS) + " |")
+  print("|" + " --- |" * (len(PRECISIONS) + 1))
+  window = lambda v, i: v[max(0, i + 1 - args.window):i + 1].mean()  # noqa: E731
+  for i in marks:
+    print(f"| {i + 1} | " + " | ".join(f"{window(losses[p], i):.4f}" for p in PRECISIONS) + " |")
+  final = {p: window(losses[p], args.steps - 1) for p in PRECISIONS}
+  print("| final vs float | " + " | ".join(f"{100 * (final[p] / final['compute_dtype'] - 1):+.2f}%"
+                                          for p in PRECISIONS) + " |")
+
+
+def _gemm_calls(trainer, state, batch) -> str:
+  text = trainer.train_step.lower(state, batch).compile().as_text()
+  fp8 = sum(line.count("f8e4m3fn") > 0 and "custom-call" in line and "cublas" in line for line in text.splitlines())
+  int8 = sum("custom-call" in line and "cublas" in line and "s8[" in line for line in text.splitlines())
+  return f"{fp8} fp8 / {int8} int8"
+
+
+def step(args):
+  print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}\n")
+  rows = []
+  for precision in PRECISIONS:
+    accelerated = jax.default_backend() != "cpu"
+    trainer = _trainer("bench-20m" if accelerated else "tiny", precision, GPU_MODEL if accelerated else [])
+    state, batch = trainer.init_state(), next(trainer.batches())
+    calls = _gemm_calls(trainer, state, batch)
+    first = None
+    for _ in range(2):
+      state, metrics = trainer.step(state, batch)
+      first = first if first is not None else float(metrics["loss"])
+    seconds = []
+    for _ in range(args.repeats):
+      start = time.perf_counter()
+      state, metrics = trainer.step(state, batch)
+      jax.block_until_ready(metrics)
+      seconds.append(time.perf_counter() - start)
+    tokens = trainer.config.data.global_batch_size * trainer.config.data.seq_len
+    rows.append((precision, statistics.median(seconds), tokens, calls, first, float(metrics["loss"])))
+    print(f"{precision}: {1e3 * rows[-1][1]:.2f} ms", flush=True)
+  base = rows[0][1]
+  print("\n| precision | step ms | tokens/s | vs compute_dtype | cuBLAS GEMMs in the program | loss first -> last (one batch) |")
+  print("| --- | --- | --- | --- | --- | --- |")
+  for precision, seconds, tokens, calls, first, last in rows:
+    print(f"| {precision} | {1e3 * seconds:.2f} | {tokens / seconds:,.0f} | {base / seconds:.2f}x | {calls} | "
+          f"{first:.3f} -> {last:.3f} |")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--part", choices=["curves", "step"], default="curves")
+  parser.add_argument("--config", default="tiny", help="curves: the config trained")
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--every", type=int, default=50)
+  parser.add_argument("--window", type=int, default=10)
+  parser.add_argument("--repeats", type=int, default=10)
+  args = parser.parse_args()
+  curves(args) if args.part == "curves" else step(args)
+
+
+if __name__ == "__main__":
+  main()

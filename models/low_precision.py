@@ -1,0 +1,102 @@
+"""Projection matmuls in fp8 or int8 while training (`model.train_precision`).
+
+The weights stay float (param_dtype) and the optimizer sees float gradients: each projection's
+three matmuls (forward, the input's gradient, the weight's gradient) quantize their operands
+on the fly, multiply in the low-precision type with f32 accumulation, and scale the result
+back. The schemes:
+
+- fp8: e4m3 operands forward, e5m2 incoming gradients backward, one scale per tensor from its
+  current absolute maximum (current scaling).
+- fp8_blockwise: DeepSeek-V3's fine-grained scaling: every operand is scaled per 128-long
+  tile of the contracted axis (activations and gradients in 1 x 128 tiles, weights in
+  128 x 1 tiles of each output column) and each tile's product is scaled and summed in f32.
+- int8: symmetric int8 with one scale per row of each operand across the contraction (per
+  token for activations, per output channel for weights, per token or channel for
+  gradients), as AQT trains; int32 accumulation.
+
+Quantizing is straight-through: the gradient of round-to-the-grid is taken as one.
+`low_precision_reference.py` defines each scheme in plain jnp; this module runs it through
+qwix's quantized-training dot (the one its QtProvider calls), which keeps the operands in
+their low-precision type so the backend's native fp8/int8 dot runs where it has one.
+Where it has none, XLA converts the operands and the numbers are the same: one logged line
+says so (`announce`).
+"""
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+# qwix's provider finds its dots by intercepting every dot_general inside flax modules (the
+# attention scores too); jaxpar's projections pass one door (models/dense.py), so it calls the
+# quantized-training dot itself. It lives under qwix._src: pyproject pins the version.
+from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
+
+SCHEMES = ("fp8", "fp8_blockwise", "int8")
+BLOCK = 128  # fp8_blockwise's tile along the contraction (DeepSeek-V3's)
+
+log = logging.getLogger(__name__)
+
+
+def _tile(size: int) -> int | None:
+  """fp8_blockwise's tile along an axis of `size`: BLOCK, or the whole axis (one scale per row)
+  where BLOCK does not divide it (a narrow projection, a batch of tokens not a multiple)."""
+  return BLOCK if size % BLOCK == 0 else None
+
+
+def _config(scheme: str, contracted: int, outputs: int, tokens: int) -> DotGeneralQtConfig:
+  """The qwix config of `scheme` for [..., tokens, contracted] @ [contracted, outputs]
+  (`tokens`: the last axis the weight gradient contracts, which fp8_blockwise tiles)."""
+  e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+  if scheme == "fp8":
+    per_tensor = dict(lhs_disable_channelwise_axes=True, rhs_disable_channelwise_axes=True,
+                      dlhs_grad_disable_channelwise_axes=True, drhs_grad_disable_channelwise_axes=True)
+    return DotGeneralQtConfig(lhs_qtype=e4m3, rhs_qtype=e4m3, dlhs_grad_qtype=e5m2,
+                              drhs_grad_qtype=e5m2, **per_tensor)
+  if scheme == "fp8_blockwise":
+    # Tiled operands cannot be reused across the backward's other contraction: the backward
+    # requantizes the saved float operands in tiles of its own contracted axis.
+    return DotGeneralQtConfig(lhs_qtype=e4m3, rhs_qtype=e4m3, tile_size=_tile(contracted),
+                              dlhs_grad_qtype=e5m2, drhs_grad_qtype=e5m2, dlhs_tile_size=_tile(outputs),
+                              drhs_tile_size=_tile(tokens), use_original_residuals=True,
+                              dlhs_residual_qtype=e4m3, drhs_residual_qtype=e4m3)
+  if scheme == "int8":
+    return DotGeneralQtConfig(lhs_qtype=jnp.int8, rhs_qtype=jnp.int8, dlhs_grad_qtype=jnp.int8,
+                              drhs_grad_qtype=jnp.int8)
+  raise ValueError(f"unknown train precision {scheme!r}: one of {', '.join(SCHEMES)}")
+
+
+def low_precision_matmul(x, w, scheme: str):
+  """x [..., K] @ w [K, N] -> [..., N] in x's dtype, under `scheme` (one of SCHEMES).
+
+  The operands enter in f32: qwix accumulates in its operands' scale type, which would be
+  bf16 for a bf16 model, and each scheme accumulates in f32. The quantized values are the
+  same (a bf16 value is exact in f32); only the scales and the sums are wider."""
+  announce(scheme)
+  dims = (((x.ndim - 1,), (0,)), ((), ()))
+  config = _config(scheme, w.shape[0], w.shape[1], x.shape[-2])
+  f32 = jnp.float32
+  return dot_general_qt(x.astype(f32), w.astype(f32), dims, config).astype(x.dtype)
+
+
+def native(scheme: str, device) -> bool:
+  """Whether `device` multiplies the scheme's operands in their own type (else XLA converts
+  them first: same numbers, no speed-up). fp8 tensor cores: NVIDIA compute capability 8.9+
+  (Ada, Hopper, Blackwell). int8: NVIDIA tensor cores, and the TPU v5e/v5p/v6e matrix units."""
+  if device.platform == "gpu":
+    capability = tuple(int(c) for c in getattr(device, "compute_capability", "0.0").split("."))
+    return scheme == "int8" or capability >= (8, 9)
+  if device.platform == "tpu":
+    kind = device.device_kind.lower()
+    return scheme == "int8" and any(v in kind for v in ("v5", "v6"))
+  return False
+
+
+@functools.cache
+def announce(scheme: str, device=None) -> None:
+  """Log once per scheme and device kind whether its dots run natively or converted."""
+  device = device or jax.devices()[0]
+  if not native(scheme, device):
+    log.warning("model.train_precision=%s: %s has no native %s matmul, so XLA converts the "
+                "operands to a wider type: the same numbers, without the speed-up", scheme,
+                device.device_kind, "fp8" if scheme.startswith("fp8") else "int8")

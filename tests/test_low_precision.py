@@ -1,0 +1,168 @@
+"""`model.train_precision`: the projections' matmuls in fp8 or int8 while training.
+
+The door (models/low_precision.py, through qwix) equals the plain-jnp definition of each scheme
+(models/low_precision_reference.py) forward and backward; its gradients are straight-through
+(they match finite differences of the float layer within the scheme's rounding); in a model,
+exactly the projections' matmuls are low-precision, and a few steps of training stay beside
+the float run."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxpar.config import ModelConfig
+from jaxpar.errors import ConfigError
+from jaxpar.models import build_model, low_precision
+from jaxpar.models.low_precision import low_precision_matmul
+from jaxpar.models.low_precision_reference import reference_matmul
+from tests.helpers import SMALL_MODEL
+
+SCHEMES = low_precision.SCHEMES
+KEYS = jax.random.split(jax.random.key(0), 3)
+# K = 384 and M = 256 split in 128-wide tiles; N = 192 does not (fp8_blockwise: one scale per row).
+X = jax.random.normal(KEYS[0], (256, 384))
+W = jax.random.normal(KEYS[1], (384, 192)) * 0.05
+G = jax.random.normal(KEYS[2], (256, 192))
+
+
+def _value_and_grads(matmul, scheme, dtype, cast, x, w, g):
+  y, back = jax.vjp(lambda x, w: matmul(x.astype(cast), w.astype(cast), scheme).astype(dtype),
+                    x.astype(dtype), w.astype(dtype))
+  return (y, *back(g.astype(dtype)))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_door_equals_the_schemes_definition(scheme):
+  """f32 operands: forward, dx and dw equal the reference bitwise (fp8_blockwise: to f32
+  rounding, its tiles are summed in another order). bf16 operands: the door quantizes them as
+  f32 (qwix would otherwise accumulate in bf16), so it equals the reference on their f32 values."""
+  door = jax.jit(_value_and_grads, static_argnums=(0, 1, 2, 3))
+  for dtype in (jnp.float32, jnp.bfloat16):
+    ours = door(low_precision_matmul, scheme, dtype, dtype, X, W, G)
+    reference = door(reference_matmul, scheme, dtype, jnp.float32, X, W, G)
+    for name, a, b in zip(("y", "dx", "dw"), ours, reference):
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      if scheme == "fp8_blockwise":  # one bf16 step where two f32 sums round across it
+        tolerance = 1e-6 if dtype == jnp.float32 else 2 ** -7
+        assert np.abs(a - b).max() <= tolerance * np.abs(b).max(), (name, dtype)
+      else:
+        np.testing.assert_array_equal(a, b, err_msg=f"{name} {dtype}")
+
+
+# Relative error of each scheme's gradients against the float layer's, on these operands:
+# e5m2 keeps 2 mantissa bits (fp8 gradients ~7%), int8 ~1.5%.
+ROUNDING = {"fp8": 0.1, "fp8_blockwise": 0.1, "int8": 0.03}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gradients_are_straight_through(scheme):
+  """The door's gradients are the float layer's within the scheme's rounding, and along the
+  float gradient's direction they match the float layer's central finite difference within a
+  fifth of it: the quantizer's zero derivative never reaches them, nor does a wrong scale."""
+  c = jax.random.normal(jax.random.key(7), (256, 192))
+  loss = lambda x, w: jnp.sum(low_precision_matmul(x, w, scheme) * c)  # noqa: E731
+  float_loss = lambda x, w: jnp.sum((x @ w) * c)  # noqa: E731
+  grads = jax.grad(loss, argnums=(0, 1))(X, W)
+  float_grads = jax.grad(float_loss, argnums=(0, 1))(X, W)
+  h = 1e-2
+  for i, (grad, float_grad) in enumerate(zip(grads, float_grads)):
+    assert jnp.linalg.norm(grad - float_grad) <= ROUNDING[scheme] * jnp.linalg.norm(float_grad)
+    direction = float_grad / jnp.linalg.norm(float_grad)
+    shifted = lambda d: float_loss(*[(X, W)[j] + (d if j == i else 0) for j in (0, 1)])  # noqa: E731
+    difference = (shifted(h * direction) - shifted(-h * direction)) / (2 * h)
+    assert abs(float(jnp.sum(grad * direction)) - float(difference)) <= ROUNDING[scheme] / 5 * float(difference)
+
+
+def _model(**overrides):
+  return build_model(ModelConfig(**{**SMALL_MODEL, "embed_dim": 128, "mlp_dim": 256, **overrides}),
+                     nnx.Rngs(0))
+
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 258, (4, 32)), jnp.int32)
+
+
+def _loss(model):
+  logits = model(TOKENS[:, :-1])[0]
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), TOKENS[:, 1:, None], -1))
+
+
+def _dots(model):
+  """The gradient step's dot_generals, as (lhs, rhs) operand types, from its StableHLO."""
+  text = nnx.jit(nnx.grad(_loss)).lower(model).as_text()
+  lines = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+  return [tuple(t.split("x")[-1] for t in line.rsplit(": (", 1)[1].split(")")[0].split(", "))
+          for line in lines]
+
+
+@pytest.mark.parametrize("scheme,low", [("fp8", "f8E4M3FN"), ("fp8_blockwise", "f8E4M3FN"), ("int8", "i8")])
+def test_only_the_projections_run_in_low_precision(scheme, low):
+  """Each layer's 7 projections (q, k, v, o, gate, up, down) run 3 low-precision dots each
+  (forward, dx, dw; the layers are scanned, so the body appears once); fp8's gradients are
+  e5m2. The attention scores, the output projection and their gradients stay float."""
+  plain, quantized = _dots(_model()), _dots(_model(train_precision=scheme))
+  is_low = lambda types: any(t.startswith(low) or t.startswith("f8E5M2") for t in types)  # noqa: E731
+  assert not any(map(is_low, plain))
+  low_dots = [d for d in quantized if is_low(d)]
+  float_dots = [d for d in quantized if not is_low(d)]
+  # fp8_blockwise's tiles run as a batch dimension of one dot per matmul.
+  assert len(low_dots) == 3 * 7
+  assert float_dots and len(float_dots) == len(plain) - 3 * 7
+  if scheme.startswith("fp8"):
+    assert sum("f8E5M2" in d for d in map("".join, low_dots)) == 2 * 7
+
+
+def test_training_steps_stay_beside_the_float_run():
+  """Ten Adam steps on one batch: every scheme's loss falls as the float run's does, within the
+  rounding this model shows (fp8: 2%, int8: 0.5% of the float loss)."""
+  import optax
+
+  def train(scheme):
+    model = _model(train_precision=scheme)
+    optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+      loss, grads = nnx.value_and_grad(_loss)(model)
+      optimizer.update(model, grads)
+      return loss
+    return np.array([float(step(model, optimizer)) for _ in range(10)])
+
+  float_losses = train("compute_dtype")
+  assert float_losses[-1] < float_losses[0] - 0.5
+  for scheme, margin in (("fp8", 0.02), ("fp8_blockwise", 0.02), ("int8", 0.005)):
+    losses = train(scheme)
+    assert np.abs(losses - float_losses).max() <= margin * float_losses[0], (scheme, losses, float_losses)
+
+
+def test_refusals_and_the_emulation_line(caplog):
+  with pytest.raises(ValueError, match="set one of the two"):
+    ModelConfig(**SMALL_MODEL, train_precision="fp8", quantization={"mode": "int8"})
+  from jaxpar.config import from_dict
+  moe = from_dict({"model": {"family": "mixtral", **SMALL_MODEL, "train_precision": "int8",
+                             "moe": {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 64}}}).model
+  with pytest.raises(ConfigError, match="experts' grouped matmuls"):
+    build_model(moe, nnx.Rngs(0))
+  low_precision.announce.cache_clear()
+  with caplog.at_level(logging.WARNING, logger="jaxpar.models.low_precision"):
+    for _ in range(2):
+      jax.jit(lambda x, w: low_precision_matmul(x, w, "fp8")).lower(X, W)
+  assert [r.getMessage().split(":")[0] for r in caplog.records] == ["model.train_precision=fp8"]
+  assert "no native fp8 matmul" in caplog.records[0].getMessage()
+
+
+def test_native_table():
+  class Device:
+    def __init__(self, platform, device_kind, compute_capability=None):
+      self.platform, self.device_kind = platform, device_kind
+      if compute_capability:
+        self.compute_capability = compute_capability
+  assert low_precision.native("fp8", Device("gpu", "NVIDIA H100 80GB HBM3", "9.0"))
+  assert not low_precision.native("fp8", Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0"))
+  assert low_precision.native("int8", Device("gpu", "NVIDIA A100-SXM4-80GB", "8.0"))
+  assert low_precision.native("int8", Device("tpu", "TPU v6 lite"))
+  assert not low_precision.native("fp8", Device("tpu", "TPU v6 lite"))
+  assert not low_precision.native("int8", Device("cpu", "cpu"))
