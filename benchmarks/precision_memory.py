@@ -17,6 +17,7 @@ and int8 GEMM calls (what tells a native low-precision matmul from a converted o
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -62,8 +63,7 @@ def curves(args):
                                           for p in PRECISIONS) + " |")
 
 
-def _gemm_calls(trainer, state, batch) -> str:
-  text = trainer.train_step.lower(state, batch).compile().as_text()
+def _gemm_calls(text: str) -> str:
   fp8 = sum(line.count("f8e4m3fn") > 0 and "custom-call" in line and "cublas" in line for line in text.splitlines())
   int8 = sum("custom-call" in line and "cublas" in line and "s8[" in line for line in text.splitlines())
   return f"{fp8} fp8 / {int8} int8"
@@ -76,17 +76,22 @@ def step(args):
     accelerated = jax.default_backend() != "cpu"
     trainer = _trainer("bench-20m" if accelerated else "tiny", precision, GPU_MODEL if accelerated else [])
     state, batch = trainer.init_state(), next(trainer.batches())
-    calls = _gemm_calls(trainer, state, batch)
-    first = None
-    for _ in range(2):
-      state, metrics = trainer.step(state, batch)
-      first = first if first is not None else float(metrics["loss"])
-    seconds = []
-    for _ in range(args.repeats):
-      start = time.perf_counter()
-      state, metrics = trainer.step(state, batch)
-      jax.block_until_ready(metrics)
-      seconds.append(time.perf_counter() - start)
+    with trainer.context():
+      compiled = trainer.train_step.lower(state, batch).compile()
+      text = compiled.as_text()
+      if args.save_hlo:
+        Path(args.save_hlo, f"{precision}.hlo.txt").write_text(text)
+      first = None
+      for _ in range(2):
+        state, metrics = compiled(state, batch)
+        first = first if first is not None else float(metrics["loss"])
+      seconds = []
+      for _ in range(args.repeats):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        seconds.append(time.perf_counter() - start)
+    calls = _gemm_calls(text)
     tokens = trainer.config.data.global_batch_size * trainer.config.data.seq_len
     rows.append((precision, statistics.median(seconds), tokens, calls, first, float(metrics["loss"])))
     print(f"{precision}: {1e3 * rows[-1][1]:.2f} ms", flush=True)
@@ -106,6 +111,7 @@ def main():
   parser.add_argument("--every", type=int, default=50)
   parser.add_argument("--window", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--save-hlo", metavar="DIR", help="step: write each compiled program's HLO text there")
   args = parser.parse_args()
   curves(args) if args.part == "curves" else step(args)
 
