@@ -10,11 +10,17 @@ low-precision dots are converted by XLA: same numbers, no speed-up).
 
 step: the seconds per train step of each scheme on this backend's first device (median of
 `--repeats` steps after two warm-ups, one repeated batch; the schemes one after another in
-one process), the tokens/s ratio against the bf16 run, and the compiled program's cuBLAS fp8
-and int8 GEMM calls (what tells a native low-precision matmul from a converted one on GPU).
+one process), the tokens/s ratio against the bf16 run, and the compiled program's native fp8
+and int8 dots (what tells a native low-precision matmul from a converted one). `--set` changes
+the model, e.g. four Llama-3-8B layers:
+
+    python benchmarks/precision_memory.py --part step --set model.num_layers=4 model.embed_dim=4096 \
+        model.num_heads=32 model.num_kv_heads=8 model.head_dim=128 model.mlp_dim=14336 \
+        model.max_seq_len=2048 data.seq_len=2048 data.global_batch_size=4
 """
 
 import argparse
+import re
 import statistics
 import time
 from pathlib import Path
@@ -63,9 +69,12 @@ def curves(args):
                                           for p in PRECISIONS) + " |")
 
 
-def _gemm_calls(text: str) -> str:
-  fp8 = sum(line.count("f8e4m3fn") > 0 and "custom-call" in line and "cublas" in line for line in text.splitlines())
-  int8 = sum("custom-call" in line and "cublas" in line and "s8[" in line for line in text.splitlines())
+def _low_precision_dots(text: str) -> str:
+  """The compiled program's fp8 GEMMs (cuBLASLt's fp8 matmul calls on GPU) and its int8 dots
+  (s8 x s8 -> s32, which XLA's GPU backend runs as Triton GEMM fusions): native matmuls, not
+  converted ones."""
+  fp8 = text.count('custom_call_target="__cublas$lt$matmul$f8"')
+  int8 = len(re.findall(r"= s32\[[0-9,]*\]\{[0-9,]*\} dot\(", text))
   return f"{fp8} fp8 / {int8} int8"
 
 
@@ -74,7 +83,8 @@ def step(args):
   rows = []
   for precision in PRECISIONS:
     accelerated = jax.default_backend() != "cpu"
-    trainer = _trainer("bench-20m" if accelerated else "tiny", precision, GPU_MODEL if accelerated else [])
+    trainer = _trainer("bench-20m" if accelerated else "tiny", precision,
+                       [*(GPU_MODEL if accelerated else []), *args.set])
     state, batch = trainer.init_state(), next(trainer.batches())
     with trainer.context():
       compiled = trainer.train_step.lower(state, batch).compile()
@@ -91,12 +101,12 @@ def step(args):
         state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         seconds.append(time.perf_counter() - start)
-    calls = _gemm_calls(text)
+    calls = _low_precision_dots(text)
     tokens = trainer.config.data.global_batch_size * trainer.config.data.seq_len
     rows.append((precision, statistics.median(seconds), tokens, calls, first, float(metrics["loss"])))
     print(f"{precision}: {1e3 * rows[-1][1]:.2f} ms", flush=True)
   base = rows[0][1]
-  print("\n| precision | step ms | tokens/s | vs compute_dtype | cuBLAS GEMMs in the program | loss first -> last (one batch) |")
+  print("\n| precision | step ms | tokens/s | vs compute_dtype | low-precision dots in the program | loss first -> last (one batch) |")
   print("| --- | --- | --- | --- | --- | --- |")
   for precision, seconds, tokens, calls, first, last in rows:
     print(f"| {precision} | {1e3 * seconds:.2f} | {tokens / seconds:,.0f} | {base / seconds:.2f}x | {calls} | "
@@ -111,6 +121,8 @@ def main():
   parser.add_argument("--every", type=int, default=50)
   parser.add_argument("--window", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                      help="step: config overrides after the default model's (another width, say)")
   parser.add_argument("--save-hlo", metavar="DIR", help="step: write each compiled program's HLO text there")
   args = parser.parse_args()
   curves(args) if args.part == "curves" else step(args)
