@@ -81,7 +81,7 @@ def _low_precision_dots(text: str) -> str:
 def step(args):
   print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}\n")
   rows = []
-  for precision in PRECISIONS:
+  for precision in args.precisions:
     accelerated = jax.default_backend() != "cpu"
     trainer = _trainer("bench-20m" if accelerated else "tiny", precision,
                        [*(GPU_MODEL if accelerated else []), *args.set])
@@ -121,6 +121,8 @@ def main():
   parser.add_argument("--every", type=int, default=50)
   parser.add_argument("--window", type=int, default=10)
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS,
+                      help="step: these, the first as the baseline")
   parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                       help="step: config overrides after the default model's (another width, say)")
   parser.add_argument("--save-hlo", metavar="DIR", help="step: write each compiled program's HLO text there")
