@@ -18,8 +18,8 @@ Quantizing is straight-through: the gradient of round-to-the-grid is taken as on
 `low_precision_reference.py` defines each scheme in plain jnp; this module runs it through
 qwix's quantized-training dot (the one its QtProvider calls), which keeps the operands in
 their low-precision type so the backend's native fp8/int8 dot runs where it has one.
-Where it has none, XLA converts the operands and the numbers are the same: one logged line
-says so (`announce`).
+Where it has none, the compiler emulates the dot with the same numbers: one logged line says
+so (`announce`).
 """
 
 import functools
@@ -80,8 +80,8 @@ def low_precision_matmul(x, w, scheme: str):
 
 
 def native(scheme: str, device) -> bool:
-  """Whether `device` multiplies the scheme's operands in their own type (else XLA converts
-  them first: same numbers, no speed-up). fp8 tensor cores: NVIDIA compute capability 8.9+
+  """Whether `device` multiplies the scheme's operands in their own type (else the compiler
+  emulates it: same numbers, no speed-up). fp8 tensor cores: NVIDIA compute capability 8.9+
   (Ada, Hopper, Blackwell). int8: NVIDIA tensor cores, and the TPU v5e/v5p/v6e matrix units."""
   if device.platform == "gpu":
     capability = tuple(int(c) for c in getattr(device, "compute_capability", "0.0").split("."))
@@ -92,11 +92,18 @@ def native(scheme: str, device) -> bool:
   return False
 
 
-@functools.cache
-def announce(scheme: str, device=None) -> None:
-  """Log once per scheme and device kind whether its dots run natively or converted."""
-  device = device or jax.devices()[0]
+def announce(scheme: str) -> None:
+  """Log once per scheme and device kind whether its dots run natively or emulated, for the
+  devices of the mesh being traced for (a TPU topology compiled for on a CPU host, say)."""
+  target = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  local = jax.devices()[0]  # a real device: it knows its compute capability
+  device = local if target is None or target.platform == local.platform else target
   if not native(scheme, device):
-    log.warning("model.train_precision=%s: %s has no native %s matmul, so XLA converts the "
-                "operands to a wider type: the same numbers, without the speed-up", scheme,
-                device.device_kind, "fp8" if scheme.startswith("fp8") else "int8")
+    _say_emulated(scheme, device.device_kind)
+
+
+@functools.cache
+def _say_emulated(scheme: str, device_kind: str) -> None:
+  log.warning("model.train_precision=%s: %s has no %s matmul units that jaxpar knows of, so the "
+              "compiler emulates the dots: the same numbers, without the speed-up", scheme,
+              device_kind, "fp8" if scheme.startswith("fp8") else "int8")

@@ -146,12 +146,12 @@ def test_refusals_and_the_emulation_line(caplog):
                              "moe": {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 64}}}).model
   with pytest.raises(ConfigError, match="experts' grouped matmuls"):
     build_model(moe, nnx.Rngs(0))
-  low_precision.announce.cache_clear()
+  low_precision._say_emulated.cache_clear()
   with caplog.at_level(logging.WARNING, logger="jaxpar.models.low_precision"):
     for _ in range(2):
       jax.jit(lambda x, w: low_precision_matmul(x, w, "fp8")).lower(X, W)
   assert [r.getMessage().split(":")[0] for r in caplog.records] == ["model.train_precision=fp8"]
-  assert "no native fp8 matmul" in caplog.records[0].getMessage()
+  assert "no fp8 matmul units" in caplog.records[0].getMessage()
 
 
 def test_native_table():
@@ -166,3 +166,30 @@ def test_native_table():
   assert low_precision.native("int8", Device("tpu", "TPU v6 lite"))
   assert not low_precision.native("fp8", Device("tpu", "TPU v6 lite"))
   assert not low_precision.native("int8", Device("cpu", "cpu"))
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("topology,scheme,low", [("v6e:2x2", "int8", "s8"), ("v5p:2x2x1", "fp8", "f8e4m3fn")])
+def test_tpu_programs_keep_the_low_precision_operands(topology, scheme, low, caplog):
+  """Compiled for a TPU topology (libtpu, no chip), the gradient step's 21 projection dots take
+  their operands in the scheme's type: libtpu does not widen them first."""
+  import re
+
+  from jax.experimental import topologies
+  device = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  graph, state = nnx.split(nnx.eval_shape(lambda: _model(train_precision=scheme, compute_dtype="bfloat16")))
+  abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
+  grad = jax.jit(jax.grad(lambda state: _loss(nnx.merge(graph, state))))
+  mesh = jax.sharding.Mesh(np.array([device]), ("data",))
+  low_precision._say_emulated.cache_clear()
+  with jax.set_mesh(mesh), caplog.at_level(logging.WARNING, logger="jaxpar.models.low_precision"):
+    text = grad.lower(jax.tree.map(abstract, state)).compile().as_text()
+  # The line names the chip compiled for, not this host: int8 runs on v6e's units, fp8 on
+  # v5p is announced as emulated.
+  assert [r.getMessage() for r in caplog.records if device.device_kind in r.getMessage()] == (
+      [] if scheme == "int8" else [caplog.records[0].getMessage()])
+  operand_types = {name: kind for name, kind in re.findall(r"%([\w.-]+) = (\w+)\[", text)}
+  dots = re.findall(r"= \w+\[[0-9,]*\]\{[^}]*\} convolution\(%([\w.-]+), %([\w.-]+)\)", text)
+  narrow = {low, "f8e5m2"}  # fp8's gradients are e5m2
+  assert sum({operand_types.get(a), operand_types.get(b)} <= narrow for a, b in dots) == 21
