@@ -159,6 +159,9 @@ class TrainConfig(_Frozen):
   eps: float = 1e-8
   momentum: float | None = Field(None, ge=0, lt=1)  # sgd (default 0.9), muon (default 0.95)
   grad_clip: float | None = 1.0
+  # How the optimizer's parameter-shaped moments are stored between steps (jaxpar/train/moments.py):
+  # float32 (8 bytes per parameter for AdamW), bfloat16 (4) or int8_blockwise (about 2).
+  optimizer_state_dtype: Literal["float32", "bfloat16", "int8_blockwise"] = "float32"
   z_loss: float = 0.0
   # A registered objective (jaxpar/objectives/): lm (text), sft (chat rows), dpo (preference
   # pairs), grpo (prompts, reinforcement learning); its own keys are the config's `objective:` section.
@@ -179,6 +182,14 @@ class TrainConfig(_Frozen):
   sample_tokens: int = 64
   sample_temperature: float = Field(0.8, ge=0)
   sample_top_p: float = Field(0.95, gt=0, le=1)
+
+  @model_validator(mode="after")
+  def _narrow_moments(self):
+    if self.optimizer_state_dtype != "float32" and self.optimizer in ("adafactor", "muon"):
+      raise ValueError(f"train.optimizer_state_dtype={self.optimizer_state_dtype} stores AdamW's, Lion's and "
+                       f"SGD's moments; {self.optimizer}'s keep float32: set train.optimizer_state_dtype=float32 "
+                       "or another train.optimizer")
+    return self
 
   @field_validator("loggers")
   @classmethod

@@ -17,6 +17,8 @@ STEPS = 4
 
 
 def _config(tmp_path, optimizer, mesh, **train):
+  optimizer, _, state_dtype = optimizer.partition("-")  # e.g. adamw-int8_blockwise
+  train = {"optimizer_state_dtype": state_dtype or "float32", **train}
   return small_config(mesh=mesh, model=MODEL, data={"seq_len": 16},
                       train={"steps": STEPS, "optimizer": optimizer, "learning_rate": 1e-3,
                              "warmup_steps": 1, "peak_flops_per_device": 1e9, **train},
@@ -27,7 +29,7 @@ def _leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "lion", "sgd", "muon"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "lion", "sgd", "muon", "adamw-int8_blockwise"])
 def test_optimizer_sharded_equals_one_device_and_resumes_exactly(optimizer, tmp_path):
   sharded = Trainer(_config(tmp_path / "8", optimizer, {"fsdp": 4, "tensor": 2}))
   single = Trainer(_config(tmp_path / "1", optimizer, {"fsdp": 1}, run_dir=str(tmp_path / "1")),
@@ -57,13 +59,19 @@ def test_optimizer_sharded_equals_one_device_and_resumes_exactly(optimizer, tmp_
 
 
 def test_optimizer_state_bytes_per_parameter(tmp_path):
+  names = ("adamw", "adafactor", "lion", "sgd", "muon", "adamw-bfloat16", "adamw-int8_blockwise",
+           "lion-int8_blockwise")
   per_param = {name: Trainer(_config(tmp_path, name, {"fsdp": 1}), devices=jax.devices()[:1])
-               .optimizer_bytes_per_param for name in ("adamw", "adafactor", "lion", "sgd", "muon")}
+               .optimizer_bytes_per_param for name in names}
   # Two float32 moments, one, factored rows and columns; Muon: one for matrices, two for the rest.
   assert per_param["adamw"] == pytest.approx(8, abs=0.01)
   assert per_param["lion"] == pytest.approx(4, abs=0.01) and per_param["sgd"] == pytest.approx(4, abs=0.01)
   assert per_param["adafactor"] < 2
   assert 4 < per_param["muon"] < 8
+  # Narrower moments (train.optimizer_state_dtype): bf16 halves them; 8-bit codes plus one f32
+  # scale per 128 values (per row where 128 does not divide the last axis: 16-wide head_dim rows).
+  assert per_param["adamw-bfloat16"] == pytest.approx(4, abs=0.01)
+  assert 2 < per_param["adamw-int8_blockwise"] < 2.5 and 1 < per_param["lion-int8_blockwise"] < 1.25
 
 
 def _values(schedule, steps):

@@ -87,19 +87,24 @@ def _names(path) -> tuple:
 def opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh):
   """Shardings for an optimizer state: a leaf that mirrors a parameter (its path ends with
   the parameter's) is sharded like it; a factored moment (the parameter's shape less one
-  axis, Adafactor's row and column statistics) like it with that axis dropped; the rest
-  (step counts, scalars) replicated."""
+  axis, Adafactor's row and column statistics) like it with that axis dropped; an 8-bit
+  moment's (train/moments.py) codes like the parameter and its block scales like it with the
+  last axis whole; the rest (step counts, scalars) replicated."""
   params = {_names(p): (leaf.shape, s) for (p, leaf), s in zip(
       jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(param_shardings))}
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def sharding(path, leaf):
     names = _names(path)
+    part = names[-1] if names and names[-1] in ("codes", "scales") else None
+    names = names[:-1] if part else names
     found = next((params[names[i:]] for i in range(len(names)) if names[i:] in params), None)
     if found is None:
       return replicated
     shape, param_sharding = found
     spec = tuple(param_sharding.spec) + (None,) * (len(shape) - len(param_sharding.spec))
+    if part == "scales":
+      return NamedSharding(mesh, PartitionSpec(*spec[:-1], None))
     if tuple(leaf.shape) == tuple(shape):
       return param_sharding
     for axis in reversed(range(len(shape))):  # the last axis first: Adafactor's row statistic

@@ -17,6 +17,7 @@ from jaxpar.train.flops import measure_matmul_flops, train_flops_per_token
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.train.evaluator import Evaluator, flat_metrics, jit_eval_step
 from jaxpar.train.metrics import PROGRESS_EXTRAS, MetricsLogger, StepClock, scalars
+from jaxpar.train.moments import narrow_moments
 from jaxpar.train.optim import (learning_rate_schedule, make_optimizer, opt_state_shardings,
                                 state_bytes_per_param)
 from jaxpar.cluster.preemption import stop_on_signals
@@ -61,8 +62,10 @@ class Trainer:
     self.frozen = FrozenWeights(self.runtime, self.objective)
     self.console = console or Console()
     # Under model.lora the optimizer sees the adapters only: the base is TrainState.frozen.
-    self.optimizer = make_optimizer(config.train, self.frozen.trainable(self.runtime.decay_mask),
-                                    self.frozen.trainable(self.runtime.axis_names))
+    optimizer = make_optimizer(config.train, self.frozen.trainable(self.runtime.decay_mask),
+                               self.frozen.trainable(self.runtime.axis_names))
+    shapes = {tuple(p.shape) for p in jax.tree.leaves(self.frozen.trainable(self.runtime.abstract_params))}
+    self.optimizer = narrow_moments(optimizer, config.train.optimizer_state_dtype, shapes)
     self.schedule = learning_rate_schedule(config.train)
     self.state_shardings = self._state_shardings()
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
