@@ -1,11 +1,12 @@
 """Training in less precision (`model.train_precision`): loss curves and step times, side by side.
 
-    python benchmarks/precision_memory.py --part curves [--config tiny] [--steps 300]
+    python benchmarks/precision_memory.py --part curves [--config tiny] [--steps 300] [--variants ...]
     python benchmarks/precision_memory.py --part step     # on a GPU: 12 x 768 Llama, bf16; on CPU: tiny
 
-curves: every scheme trains the same config from the same initial weights on the same
-batches (the bundled corpus); the table gives the loss at every `--every` steps and each
-scheme's final loss relative to the float run's. It runs wherever jaxpar runs (on CPU the
+curves: every scheme, and the float run with bf16 or 8-bit optimizer moments
+(train.optimizer_state_dtype), trains the same config from the same initial weights on the
+same batches (the bundled corpus); the table gives the loss at every `--every` steps and each
+run's final loss relative to the first's. It runs wherever jaxpar runs (on CPU the
 low-precision dots are converted by XLA: same numbers, no speed-up).
 
 step: the seconds per train step of each scheme on this backend's first device (median of
@@ -33,40 +34,44 @@ from jaxpar.models.low_precision import SCHEMES
 from jaxpar.train.trainer import Trainer
 
 PRECISIONS = ("compute_dtype", *SCHEMES)
+# The curves: each train precision, and the float run with narrower optimizer moments.
+VARIANTS = {**{p: [f"model.train_precision={p}"] for p in PRECISIONS},
+            "moments_bf16": ["train.optimizer_state_dtype=bfloat16"],
+            "moments_int8": ["train.optimizer_state_dtype=int8_blockwise"]}
 # The `jaxpar check` train step's model on accelerators (GPT-2-small-sized Llama, bf16).
 GPU_MODEL = ["model.embed_dim=768", "model.num_layers=12", "model.num_heads=12", "model.num_kv_heads=12",
              "model.head_dim=64", "model.mlp_dim=3072", "model.max_seq_len=1024",
              "model.compute_dtype=bfloat16", "data.seq_len=1024", "data.global_batch_size=8"]
 
 
-def _trainer(config_name, precision, extra):
-  overrides = [f"model.train_precision={precision}", "checkpoint.enabled=false", "mesh.fsdp=1",
-               f"train.run_dir=runs/precision-{precision}", *extra]
+def _trainer(config_name, variant, extra):
+  overrides = [*VARIANTS[variant], "checkpoint.enabled=false", "mesh.fsdp=1",
+               f"train.run_dir=runs/precision-{variant}", *extra]
   return Trainer(load_config(config_name, overrides), jax.local_devices()[:1])
 
 
 def curves(args):
-  losses = {}
-  for precision in PRECISIONS:
-    trainer = _trainer(args.config, precision, [f"train.steps={args.steps}"])
+  losses, names = {}, args.variants
+  for name in names:
+    trainer = _trainer(args.config, name, [f"train.steps={args.steps}"])
     state, batches = trainer.init_state(), trainer.batches()
     start = time.perf_counter()
     values = []
     for _ in range(args.steps):
       state, metrics = trainer.step(state, next(batches))
       values.append(metrics["loss"])
-    losses[precision] = np.array(jax.device_get(values), np.float64)
-    print(f"{precision}: {args.steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
+    losses[name] = np.array(jax.device_get(values), np.float64)
+    print(f"{name}: {args.steps} steps in {time.perf_counter() - start:.0f} s", flush=True)
   marks = list(range(0, args.steps, args.every)) + [args.steps - 1]
   print(f"\n{args.config}, loss at step (mean of the {args.window} steps ending there):\n")
-  print("| step | " + " | ".join(PRECISIONS) + " |")
-  print("|" + " --- |" * (len(PRECISIONS) + 1))
+  print("| step | " + " | ".join(names) + " |")
+  print("|" + " --- |" * (len(names) + 1))
   window = lambda v, i: v[max(0, i + 1 - args.window):i + 1].mean()  # noqa: E731
   for i in marks:
-    print(f"| {i + 1} | " + " | ".join(f"{window(losses[p], i):.4f}" for p in PRECISIONS) + " |")
-  final = {p: window(losses[p], args.steps - 1) for p in PRECISIONS}
-  print("| final vs float | " + " | ".join(f"{100 * (final[p] / final['compute_dtype'] - 1):+.2f}%"
-                                          for p in PRECISIONS) + " |")
+    print(f"| {i + 1} | " + " | ".join(f"{window(losses[p], i):.4f}" for p in names) + " |")
+  final = {p: window(losses[p], args.steps - 1) for p in names}
+  print(f"| final vs {names[0]} | " + " | ".join(f"{100 * (final[p] / final[names[0]] - 1):+.2f}%"
+                                                for p in names) + " |")
 
 
 def _low_precision_dots(text: str) -> str:
@@ -117,6 +122,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--part", choices=["curves", "step"], default="curves")
   parser.add_argument("--config", default="tiny", help="curves: the config trained")
+  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                      help="curves: these runs, the first as the baseline (compute_dtype: the float run)")
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--every", type=int, default=50)
   parser.add_argument("--window", type=int, default=10)
