@@ -12,7 +12,7 @@ program (jaxpar/aot/roofline.py: every op at its own roofline, loop trips counte
 kernels by their cost estimates, collectives over ICI bandwidth, nothing overlapped);
 MaxText's is a *measurement* on real chips.
 
-  JAX_PLATFORMS=cpu python benchmarks/aot_table.py [--configs NAME ...] [--json out.json]
+  JAX_PLATFORMS=cpu python benchmarks/aot_table.py [--configs NAME ...] [--set KEY=VALUE ...] [--json out.json]
   (11 minutes for the three recipes on a 2-core host)
 
 `--plan-cpu CONFIG` instead runs `jaxpar plan --measure` on 8 simulated CPU devices: measured
@@ -44,8 +44,8 @@ MAXTEXT_MFU = {"llama3.1-8b-v6e-256": 0.4546, "llama3.1-70b-v6e-256": 0.5033,
                "llama2-70b": 0.654}
 
 
-def row(name: str) -> dict:
-  config = load_config(name)
+def row(name: str, overrides=()) -> dict:
+  config = load_config(name, list(overrides))
   report, _ = compile_for_topology(config, config.mesh.topology)
   print(f"--- {name}\n{format_report(report)}", flush=True)
   return {"config": name, **report}
@@ -74,12 +74,14 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--configs", nargs="*", default=RECIPES)
   parser.add_argument("--json", help="also write the full reports here")
+  parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                      help="overrides for every config, e.g. train.optimizer_state_dtype=int8_blockwise")
   parser.add_argument("--plan-cpu", metavar="CONFIG", help="measure the planner on 8 CPU devices")
   args = parser.parse_args()
   if args.plan_cpu:
     run_plan(load_config(args.plan_cpu), top=4, measure=True, output="/dev/null")
     return
-  rows = [row(name) for name in args.configs]
+  rows = [row(name, args.set) for name in args.configs]
   print("\n| config | topology | HBM per chip | host per chip | collectives on wire / minimum "
         "| compiled / model FLOPs | est. step | est. MFU | MaxText measured MFU |\n"
         "|---|---|---|---|---|---|---|---|---|")

@@ -106,6 +106,7 @@ def build_report(trainer, compiled, oom, chip, topology, num_slices) -> dict:
   optimal = cost.get("optimal_seconds", -1.0)
   report.update({
     "memory": sizes, "fits": sizes["total"] <= chip.hbm_bytes, "collectives": rows,
+    "matmuls": hlo.matmul_types(module),
     "traffic": {"wire_bytes": measured, "wire_bytes_as_written": as_written,
                 "minimum": minimum,
                 "ratio": measured / minimum["total"] if minimum["total"] else None},

@@ -326,3 +326,17 @@ def summarize(found: list[Collective]) -> list[dict]:
     row["bytes"] += c.bytes
     row["wire_bytes"] += c.wire_bytes
   return sorted(rows.values(), key=lambda r: -r["wire_bytes"])
+
+
+def matmul_types(module: Module) -> dict[str, int]:
+  """The matmuls a step runs (dots, and the convolutions TPUs write them as; inside fusions
+  too; loop trips counted), by operand types: {"bf16 x bf16": 960, "s8 x s8": 2880, ...}.
+  What shows whether model.train_precision's narrow operands reach the matrix units."""
+  counts: dict[str, int] = {}
+  for inst, times in module.executed():
+    inside = module.fused(inst) if inst.op == "fusion" else [inst]
+    for op in inside:
+      if op.op in ("dot", "convolution") and len(op.operands) >= 2:
+        key = " x ".join(_dtype(module.shapes.get(name, "")) for name in op.operands[:2])
+        counts[key] = counts.get(key, 0) + times
+  return dict(sorted(counts.items(), key=lambda item: -item[1]))

@@ -95,6 +95,8 @@ def format_report(r: dict) -> str:
             f"{seconds(e['ici_s'])}, DCN {seconds(e['dcn_s'])}; {seconds(e['overlapped_s'])} if collectives "
             f"all overlap) -> estimated MFU {100 * e['mfu']:.1f}% (a roofline estimate from the compiled "
             f"program, not a measurement){compiler}",
+            "matmuls per step by operand types: " + ", ".join(
+                f"{n:,} {types}" for types, n in r["matmuls"].items()),
             traffic_line(t),
             *([dcn_line(r["dcn"], r["dcn_axis"])] if r.get("dcn") else []),
             "collectives per step (loop trips counted), per device:",
