@@ -40,3 +40,16 @@ def test_check_fails_naming_a_broken_kernel(monkeypatch, capsys):
   out = capsys.readouterr().out
   assert "FAIL: 2 of 9 checks: flash attention fwd (interpreted)" in out
   assert "flash attention fwd+bwd (interpreted)" in out.splitlines()[-1]
+
+
+def test_check_times_the_natively_multiplied_train_precisions(monkeypatch, tmp_path):
+  """Where the device multiplies int8 natively (NVIDIA, TPU v5/v6; stood in for here), the
+  train step runs again with int8 matmuls, must learn too, and is set beside the plain one."""
+  from jaxpar.check import steps
+  monkeypatch.setattr(steps, "native", lambda scheme, device: scheme == "int8")
+  out = tmp_path / "check.json"
+  assert main(["check", "--quick", "--only", "steps", "--output", str(out)]) == 0
+  results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+  assert set(results) == {"train step (MFU)", "train step, int8 matmuls (MFU)", "decode step"}
+  narrow = results["train step, int8 matmuls (MFU)"]
+  assert narrow["status"] == "PASS" and "x the plain step's speed" in narrow["note"]

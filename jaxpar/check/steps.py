@@ -12,6 +12,7 @@ from jaxpar.config import load_config
 from jaxpar.data import ByteTokenizer
 from jaxpar.data.loader import KEYS as BATCH_KEYS
 from jaxpar.inference import Engine, SamplingParams
+from jaxpar.models.low_precision import native
 from jaxpar.runtime import Runtime
 from jaxpar.train.flops import train_flops_per_token
 from jaxpar.train.trainer import Trainer
@@ -40,9 +41,10 @@ def _random_batch(config, sharding):
   return {k: jax.device_put(local[k].astype(dtypes[k]), sharding) for k in BATCH_KEYS}
 
 
-def train_step(setting) -> Result:
+def train_step(setting, precision="compute_dtype") -> Result:
   per_device = setting.pick(8, 8) if setting.accelerated else 4
-  config = _config(setting, per_device)
+  config = _config(setting, per_device, [f"model.train_precision={precision}"])
+  name = "train step (MFU)" if precision == "compute_dtype" else f"train step, {precision} matmuls (MFU)"
   shape = f"{config.model.num_layers} layers x {config.model.embed_dim}, batch {config.data.global_batch_size} x {config.data.seq_len}"
   try:
     trainer = Trainer(config)
@@ -59,14 +61,14 @@ def train_step(setting) -> Result:
     final = float(metrics["loss"])  # waits for the last step
     seconds = (time.perf_counter() - start) / steps
   except Exception as e:
-    return failed("train step", shape, e)
+    return failed(name, shape, e)
   tokens = config.data.global_batch_size * config.data.seq_len
   flops = train_flops_per_token(config.model, config.data.seq_len) * tokens
   peak, source = setting.peaks.get("FLOP", (None, ""))
   # Steps on one repeated batch must lower its loss: a step that trains nothing fails here.
   learned = np.isfinite(final) and final < losses[0]
   note = f"loss {losses[0]:.3f} -> {final:.3f} on one batch; {tokens / seconds:,.0f} tokens/s; {trainer.num_params / 1e6:.0f}M params"
-  return Result("train step (MFU)", shape, "PASS" if learned else "FAIL", seconds=seconds, work=flops,
+  return Result(name, shape, "PASS" if learned else "FAIL", seconds=seconds, work=flops,
                 unit="FLOP", peak=peak and peak * len(jax.local_devices()), peak_source=source, note=note)
 
 
@@ -100,6 +102,13 @@ def decode_step(setting) -> Result:
 
 
 def check_steps(setting) -> list[Result]:
-  return [train_step(setting), decode_step(setting)]
+  """The train step, again with each model.train_precision this device multiplies natively
+  (fp8 on NVIDIA Ada/Hopper and later, int8 on NVIDIA and TPU v5/v6), and the decode step."""
+  plain = train_step(setting)
+  narrow = [train_step(setting, p) for p in ("fp8", "int8") if native(p, jax.local_devices()[0])]
+  for result in narrow:
+    if result.seconds and plain.seconds:
+      result.note += f"; {plain.seconds / result.seconds:.2f}x the plain step's speed"
+  return [plain, *narrow, decode_step(setting)]
 
 
