@@ -310,5 +310,22 @@ def test_cli_serve_speculative_gives_the_plain_greedy_tokens(checkpoint, referen
     refused = _raw(served.port, "POST", "/v1/completions",
                    json.dumps({"model": MODEL_NAME, "prompt": "the", "max_tokens": 2, "logprobs": 1}))
     assert refused[0] == 400 and "speculative" in refused[1]["error"]["message"]
+    # A request turns speculation off: the same text, no proposals, one token per target pass;
+    # usage reports what the draft did (jaxpar's extension), /metrics the totals.
+    on, off = (client.completions.create(model=MODEL_NAME, prompt="the quick the quick", max_tokens=20,
+                                         temperature=0, extra_body={"speculative": flag}) for flag in (True, False))
+    assert on.choices[0].text == off.choices[0].text == _expected(reference, "the quick the quick", 20).text
+    spec_on, spec_off = on.usage.model_extra["speculative"], off.usage.model_extra["speculative"]
+    assert spec_off["proposed_tokens"] == 0 and spec_off["target_passes"] == off.usage.completion_tokens
+    assert spec_on["target_passes"] + spec_on["accepted_tokens"] == on.usage.completion_tokens
+    assert spec_on["mean_accepted_length"] == spec_on["accepted_tokens"] / spec_on["target_passes"]
+    if source == "draft":  # the model as its own draft: every proposal kept
+      assert spec_on["accepted_tokens"] == spec_on["proposed_tokens"] > 0
+    from prometheus_client.parser import text_string_to_metric_families
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    connection.request("GET", "/metrics")
+    families = {f.name: f for f in text_string_to_metric_families(connection.getresponse().read().decode())}
+    assert families["jaxpar_speculative_draft_tokens"].samples[0].value >= spec_on["proposed_tokens"]
+    assert families["jaxpar_speculative_tokens_per_pass"].samples[0].value >= 1
   finally:
     served.stop()

@@ -122,6 +122,18 @@ def test_greedy_ngram_speculation_equals_target_alone(plain):
   assert sum(r.draft_proposed for r in done) == proposed
 
 
+def test_rows_with_and_without_speculation_share_the_rounds(plain):
+  """A request that turns speculation off (`SamplingParams.speculative=False`) shares the rounds
+  of those that keep it on: the same tokens, no proposals for it, one token per target pass."""
+  target = _engine(512, 0, draft=DraftModel(_engine(512, 0), k=3))  # its own draft: every proposal kept
+  mixed = [SamplingParams(max_tokens=15, stop_token_ids=(), speculative=on) for on in (True, False, True)]
+  done = target.generate(PROMPTS, mixed)
+  assert [r.tokens for r in done] == plain
+  assert done[1].draft_proposed == 0 and done[0].draft_accepted == done[0].draft_proposed > 0
+  # The off row took 15 passes; the draft's rows finished in 4 and then left the rounds.
+  assert target.stats["speculative_rounds"] == 4 + 15 + 4
+
+
 def test_speculative_rounds_join_continuous_batching(plain):
   """Requests that arrive while others decode, and a pool so small that rows are preempted
   and recomputed, still get exactly the target's greedy tokens."""
@@ -136,6 +148,14 @@ def test_speculative_rounds_join_continuous_batching(plain):
   assert [r.completion().tokens for r in (first, *later)] == plain
   assert target.stats["preemptions"] > 0
   assert draft.pool.free == draft.pool.num_pages
+
+
+def test_the_speculative_flag_reads_its_source_and_serve_default():
+  from jaxpar.inference.commands import speculative_options
+  assert speculative_options("ngram,k=5,default=off") == {"ngram": True, "k": 5, "n": 3, "default": False}
+  assert speculative_options("draft=runs/small") == {"draft": "runs/small", "k": 4, "default": True}
+  with pytest.raises(ConfigError, match="default=on\\|off"):
+    speculative_options("ngram,default=maybe")
 
 
 def test_speculative_refuses_what_it_cannot_do():

@@ -52,7 +52,8 @@ def add_engine_args(parser):
                       help="speculative decoding: the checkpoint at PATH (a smaller model on the same tokenizer), "
                       "or prompt lookup (ngram: what followed the latest earlier occurrence of the last N tokens, "
                       "default 3), proposes up to K tokens (default 4) that the model checks in one pass; the same "
-                      "greedy tokens, the same sampling distribution")
+                      "greedy tokens, the same sampling distribution. serve: add default=off for requests to "
+                      "opt in with \"speculative\": true")
 
 
 def add_sampling_args(parser):
@@ -69,18 +70,23 @@ def add_sampling_args(parser):
 
 
 def speculative_options(text: str) -> dict:
-  """`draft=PATH,k=4` -> {"draft": PATH, "k": 4}; `ngram,k=4,n=3` -> {"ngram": True, "k": 4, "n": 3}."""
+  """`draft=PATH,k=4` -> {"draft": PATH, "k": 4, "default": True}; `ngram,k=4,n=3,default=off`
+  -> {"ngram": True, "k": 4, "n": 3, "default": False} (default: whether requests that leave
+  the `speculative` field out take the draft tokens)."""
   items = text.split(",")
   ngram = items[0] == "ngram"
   options = dict(item.partition("=")[::2] for item in items[ngram:])
-  allowed = {"k", "n"} if ngram else {"draft", "k"}
+  allowed = {"k", "n", "default"} if ngram else {"draft", "k", "default"}
   numbers = all(options.get(key, "1").isdigit() for key in ("k", "n"))
-  if set(options) - allowed or not (ngram or options.get("draft")) or not numbers:
-    raise ConfigError(f"--speculative {text!r}: write draft=PATH[,k=K] or ngram[,k=K][,n=N], e.g. "
-                      "--speculative draft=runs/small,k=4 or --speculative ngram,k=4")
+  if (set(options) - allowed or not (ngram or options.get("draft")) or not numbers
+      or options.get("default", "on") not in ("on", "off")):
+    raise ConfigError(f"--speculative {text!r}: write draft=PATH[,k=K][,default=on|off] or "
+                      "ngram[,k=K][,n=N][,default=on|off], e.g. --speculative draft=runs/small,k=4 or "
+                      "--speculative ngram,k=4")
+  common = {"k": int(options.get("k", 4)), "default": options.get("default", "on") == "on"}
   if ngram:
-    return {"ngram": True, "k": int(options.get("k", 4)), "n": int(options.get("n", 3))}
-  return {"draft": options["draft"], "k": int(options.get("k", 4))}
+    return {"ngram": True, "n": int(options.get("n", 3)), **common}
+  return {"draft": options["draft"], **common}
 
 
 def take_run_argument(ns):
@@ -273,6 +279,8 @@ def cmd_serve(ns):
   adapters = adapter_paths(ns.adapter, name)
   chat = run_chat_renderer(ns.checkpoint, ns.chat_template)[0]  # checked before compiling
   sampling = run_defaults(ns)[2]
+  if ns.speculative:  # for requests that leave `speculative` out
+    sampling["speculative"] = speculative_options(ns.speculative)["default"]
   # Every program compiled before the first request: serving never pauses to compile.
   engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True,
                         adapters=adapters)

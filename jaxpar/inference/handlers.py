@@ -77,6 +77,9 @@ class Call:
     except RequestError as e:
       param = ("messages" if self.chat else "prompt") if e.field == "prompt" else e.field
       raise api.APIError(400, str(e), param=param, code="context_length_exceeded") from None
+    if body.speculative and self.engine.draft is None:
+      raise api.APIError(400, "speculative: this server decodes without a draft source: leave the field out, "
+                         "or serve with --speculative ngram (or draft=PATH)", param="speculative")
     eos = [] if body.ignore_eos else [self.engine.tokenizer.eos_id]
     stop = tuple(body.stops())
     if self.chat and not body.ignore_eos:  # the chat template's end of turn ends the answer
@@ -91,7 +94,8 @@ class Call:
         top_logprobs=self.top, prompt_logprobs=self.top if self.echo and self.logprobs else None,
         min_tokens=body.min_tokens, logit_bias=tuple((body.logit_bias or {}).items()),
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, constraint=constraint)
+        repetition_penalty=body.repetition_penalty, constraint=constraint,
+        speculative=self.server.sampling.get("speculative", True) if body.speculative is None else body.speculative)
 
   @property
   def _model(self) -> str:
@@ -129,7 +133,11 @@ class Call:
   def _usage(self) -> dict:
     counts = api.usage(sum(map(len, self.prompts)), sum(len(r.generated) for r in self.requests))
     # The prompt tokens the prefix cache supplied (as OpenAI's and vLLM's usage reports them).
-    return {**counts, "prompt_tokens_details": {"cached_tokens": sum(r.prefix_hits for r in self.requests)}}
+    counts["prompt_tokens_details"] = {"cached_tokens": sum(r.prefix_hits for r in self.requests)}
+    if self.engine.draft is not None:
+      counts["speculative"] = api.speculative_usage(*(sum(getattr(r, k) for r in self.requests)
+                                                      for k in ("proposed", "accepted", "rounds")))
+    return counts
 
   async def respond(self):
     """The whole response, once every choice is done."""

@@ -99,5 +99,12 @@ class _EngineState:
     yield counter("jaxpar_prefix_cache_evictions", "Cached pages reused for other blocks", pool.evictions)
     yield counter("jaxpar_prefill_tokens", "Prompt tokens computed by prefill", stats["prefill_tokens"])
     yield counter("jaxpar_preemptions", "Requests preempted for want of KV pages", stats["preemptions"])
+    if engine.draft is not None:
+      rounds = stats["speculative_rounds"]
+      yield counter("jaxpar_speculative_draft_tokens", "Draft tokens proposed", stats["speculative_proposed"])
+      yield counter("jaxpar_speculative_accepted_tokens", "Draft tokens kept", stats["speculative_accepted"])
+      yield counter("jaxpar_speculative_target_passes", "Rows checked by a target pass", rounds)
+      yield gauge("jaxpar_speculative_tokens_per_pass", "Tokens generated per row per target pass",
+                  (stats["speculative_accepted"] + rounds) / rounds if rounds else 0.0)
     yield gauge("jaxpar_generation_tokens_per_second", f"Tokens generated per second over the last "
                 f"{_RATE_WINDOW_S:.0f} s", self.metrics.tokens_per_second())

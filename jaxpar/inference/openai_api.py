@@ -86,6 +86,8 @@ class _Common(_Lenient):
   guided_regex: str | None = None
   guided_choice: list[str] | None = None
   guided_grammar: str | None = None
+  # jaxpar: take the draft tokens of the server's --speculative source (left out: its default).
+  speculative: bool | None = None
 
   def stops(self) -> tuple[str, ...]:
     return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -243,6 +245,13 @@ def parse(kind, body) -> tuple[BaseModel, list[str]]:
 
 def new_id(prefix: str) -> str:
   return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def speculative_usage(proposed: int, accepted: int, rounds: int) -> dict:
+  """jaxpar's usage extension under speculative decoding: draft tokens proposed and kept, the
+  target passes taken, and the mean draft tokens kept per pass."""
+  return {"proposed_tokens": proposed, "accepted_tokens": accepted, "target_passes": rounds,
+          "mean_accepted_length": accepted / rounds if rounds else 0.0}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

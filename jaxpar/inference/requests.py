@@ -134,7 +134,8 @@ class Request:
     self.cancelled = False
     self.arrival = time.monotonic()
     self.row = 0  # its row when it runs outside an engine's slots (a speculative draft's copy)
-    self.proposed = self.accepted = 0  # speculative decoding: draft tokens proposed for it, kept
+    # Speculative decoding: draft tokens proposed for it, kept, and the target passes it took.
+    self.proposed = self.accepted = self.rounds = 0
     self.adapter = 0  # its stacked LoRA adapter (0: the base; Engine.adapters)
 
   @property

@@ -86,6 +86,8 @@ class SamplingParams:
   prompt or output), presence_penalty and frequency_penalty (subtracted once, and once per
   occurrence, for tokens in the output), and `constraint` (a `grammar.Constraint`: only
   tokens it allows). max_tokens 0 computes only the prompt (with prompt_logprobs).
+  speculative: take the engine's draft tokens (when it has a draft source); False: one token
+  per step, as without one (the row still shares the speculative steps).
   """
   max_tokens: int = 64
   temperature: float = 0.0
@@ -103,6 +105,7 @@ class SamplingParams:
   frequency_penalty: float = 0.0
   repetition_penalty: float = 1.0
   constraint: object = None
+  speculative: bool = True
 
   def __post_init__(self):
     for field, bound in BOUNDS.items():

@@ -251,7 +251,7 @@ class NgramDraft:
     proposed = np.zeros((self.batch, self.k), np.int32)
     limit = np.zeros(self.batch, np.int32)
     for i, request in enumerate(rows):
-      if request is not None:
+      if request is not None and request.sampling.speculative:  # off: nothing to look up
         found = ngram_lookup(request.context, self.k, self.max_n, self.min_n)
         proposed[i, :len(found)], limit[i] = found, len(found)
     return proposed, limit, None
@@ -278,6 +278,9 @@ class SpeculativeCalls:
     starts = [0 if r is None else r.length for r in rows]
     settings = row_arrays([r.sampling if r else None for r in rows])
     proposed, limit, draft_probs = self.draft.propose(rows, starts, settings)
+    # A request that turned speculation off keeps none of them: one token a round, as plain decoding.
+    off = np.array([r is not None and not r.sampling.speculative for r in rows])
+    proposed, limit = np.where(off[:, None], 0, proposed), np.where(off, 0, limit)
     tokens = np.zeros((len(rows), k + 1), np.int32)
     positions = np.full((len(rows), k + 1), -1, np.int32)
     for i, (request, n) in enumerate(zip(rows, starts)):
@@ -296,6 +299,7 @@ class SpeculativeCalls:
         continue
       request.proposed += int(limit[i])
       request.accepted += accepted[i]
+      request.rounds += 1
       self.stats["speculative_rounds"] += 1
       for token in [*proposed[i, :accepted[i]].tolist(), bonus[i]]:
         request.cached = request.length
