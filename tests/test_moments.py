@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxpar.train.moments import decode_blockwise, encode_blockwise, narrow_moments
+from jaxpar.train.moments import block_axis, decode_blockwise, encode_blockwise, narrow_moments
 from tests.helpers import small_config
 
 
@@ -18,7 +18,7 @@ def test_second_moments_keep_a_code_across_their_range():
   max) ** (1/4): 12.5% a million times below the block's largest, 3.4% at 1e-4. A linear 8-bit
   code would store most of them as zero."""
   v = 10.0 ** jax.random.uniform(jax.random.key(0), (4, 256), minval=-10, maxval=0)
-  moment = encode_blockwise(v, non_negative=True)
+  moment = encode_blockwise(v, axis=1, non_negative=True)
   assert moment.codes.dtype == jnp.uint8 and moment.scales.shape == (4, 2)
   back = decode_blockwise(moment)
   assert bool(jnp.all(back > 0))
@@ -34,7 +34,7 @@ def test_first_moments_keep_sign_and_scale():
   """First moments over 3 decades: signs survive, and values above 1% of their block's largest
   come back within 6.3% (the code is 127 sqrt(|m| / max))."""
   m = jax.random.normal(jax.random.key(1), (3, 128)) * 10.0 ** jax.random.uniform(jax.random.key(2), (3, 128), minval=-3)
-  moment = encode_blockwise(m, non_negative=False)
+  moment = encode_blockwise(m, axis=1, non_negative=False)
   back = decode_blockwise(moment)
   assert moment.codes.dtype == jnp.int8
   big = jnp.abs(m) > 0.01 * jnp.abs(m).max(axis=-1, keepdims=True)
@@ -65,10 +65,22 @@ def test_adam_with_narrow_moments_fits_like_float_moments(dtype, margin):
     return np.asarray(run(w0))
 
   adam = optax.adamw(3e-2, b2=0.95, weight_decay=0.0)
-  plain, narrow = fit(adam), fit(narrow_moments(adam, dtype, {(256, 128)}))
+  plain, narrow = fit(adam), fit(narrow_moments(adam, dtype, w0, ("embed", "mlp")))
   assert plain[-1] < plain[0] / 50
   for step in (20, 50, 100, 199):
     assert abs(narrow[step] - plain[step]) <= margin * plain[step], (step, narrow[step], plain[step])
+
+
+def test_blocks_run_along_an_axis_fsdp_does_not_split():
+  """Along the last axis that is not `embed` and that 128 divides: down [layers, mlp, embed]
+  along mlp, q [embed, heads, head_dim] along head_dim (one block of 96 where 128 does not
+  divide it); only `embed` axes: the last."""
+  assert block_axis((80, 28672, 8192), ("layers", "mlp", "embed")) == 1
+  assert block_axis((80, 8192, 28672), ("layers", "embed", "mlp")) == 2
+  assert block_axis((8192, 8, 96), ("embed", "heads", "head_dim")) == 2
+  assert block_axis((8192,), ("embed",)) == 0
+  moment = encode_blockwise(jnp.ones((4, 256, 8)), axis=1, non_negative=False)
+  assert moment.scales.shape == (4, 2, 8) and decode_blockwise(moment).shape == (4, 256, 8)
 
 
 def test_refused_where_the_optimizer_keeps_its_own_moments():

@@ -80,7 +80,7 @@ def make_optimizer(train_cfg, decay_mask, axis_names=None) -> optax.GradientTran
   return optax.chain(optax.clip_by_global_norm(t.grad_clip), update)
 
 
-def _names(path) -> tuple:
+def path_names(path) -> tuple:
   return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
@@ -88,14 +88,14 @@ def opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, me
   """Shardings for an optimizer state: a leaf that mirrors a parameter (its path ends with
   the parameter's) is sharded like it; a factored moment (the parameter's shape less one
   axis, Adafactor's row and column statistics) like it with that axis dropped; an 8-bit
-  moment's (train/moments.py) codes like the parameter and its block scales like it with the
-  last axis whole; the rest (step counts, scalars) replicated."""
-  params = {_names(p): (leaf.shape, s) for (p, leaf), s in zip(
+  moment's (train/moments.py) codes like the parameter and its block scales like it but whole
+  along the blocked axis; the rest (step counts, scalars) replicated."""
+  params = {path_names(p): (leaf.shape, s) for (p, leaf), s in zip(
       jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(param_shardings))}
   replicated = NamedSharding(mesh, PartitionSpec())
 
   def sharding(path, leaf):
-    names = _names(path)
+    names = path_names(path)
     part = names[-1] if names and names[-1] in ("codes", "scales") else None
     names = names[:-1] if part else names
     found = next((params[names[i:]] for i in range(len(names)) if names[i:] in params), None)
@@ -103,8 +103,8 @@ def opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, me
       return replicated
     shape, param_sharding = found
     spec = tuple(param_sharding.spec) + (None,) * (len(shape) - len(param_sharding.spec))
-    if part == "scales":
-      return NamedSharding(mesh, PartitionSpec(*spec[:-1], None))
+    if part == "scales":  # split as the parameter, but whole along its blocked axis
+      return NamedSharding(mesh, PartitionSpec(*(s if n == m else None for s, n, m in zip(spec, leaf.shape, shape))))
     if tuple(leaf.shape) == tuple(shape):
       return param_sharding
     for axis in reversed(range(len(shape))):  # the last axis first: Adafactor's row statistic

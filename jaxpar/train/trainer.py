@@ -64,8 +64,9 @@ class Trainer:
     # Under model.lora the optimizer sees the adapters only: the base is TrainState.frozen.
     optimizer = make_optimizer(config.train, self.frozen.trainable(self.runtime.decay_mask),
                                self.frozen.trainable(self.runtime.axis_names))
-    shapes = {tuple(p.shape) for p in jax.tree.leaves(self.frozen.trainable(self.runtime.abstract_params))}
-    self.optimizer = narrow_moments(optimizer, config.train.optimizer_state_dtype, shapes)
+    self.optimizer = narrow_moments(optimizer, config.train.optimizer_state_dtype,
+                                    self.frozen.trainable(self.runtime.abstract_params),
+                                    self.frozen.trainable(self.runtime.axis_names))
     self.schedule = learning_rate_schedule(config.train)
     self.state_shardings = self._state_shardings()
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
