@@ -273,7 +273,8 @@ class SpeculativeCalls:
     k = self.draft.k
     for request in sorted((r for r in self.slots if r is not None and not r.prefilling), key=lambda r: r.arrival):
       if request in self.slots:  # not preempted by an older request's growth
-        self._reserve(request, request.length + k)
+        # Positions past the context are written nowhere (below): no pages for them.
+        self._reserve(request, min(request.length + k, self.max_seq_len))
     rows = [r if r is not None and not r.prefilling else None for r in self.slots]
     starts = [0 if r is None else r.length for r in rows]
     settings = row_arrays([r.sampling if r else None for r in rows])
