@@ -31,7 +31,8 @@ COMMON = {"model": 5, "temperature": -1, "top_p": 0, "top_k": -2, "seed": "x", "
           "response_format.json_schema.schema": 5, "response_format.json_schema.description": 5,
           "response_format.json_schema.strict": "x", "structured_outputs": 5, "structured_outputs.json": 5,
           "structured_outputs.regex": "[a-", "structured_outputs.choice": [], "structured_outputs.grammar": "start: ???",
-          "guided_json": 5, "guided_regex": "[a-", "guided_choice": [], "guided_grammar": "start: ???"}
+          "guided_json": 5, "guided_regex": "[a-", "guided_choice": [], "guided_grammar": "start: ???",
+          "speculative": "x"}
 COMPLETION = {**COMMON, "prompt": {"a": 1}, "max_tokens": -1, "logprobs": 21, "echo": "x", "suffix": "tail", "best_of": 3}
 CHAT = {**COMMON, "messages": [], "max_tokens": 0, "max_completion_tokens": 0, "logprobs": "x", "top_logprobs": 21,
         "add_generation_prompt": "x"}
