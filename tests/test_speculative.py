@@ -134,13 +134,15 @@ def test_rows_with_and_without_speculation_share_the_rounds(plain):
   assert target.stats["speculative_rounds"] == 4 + 15 + 4
 
 
-def test_a_row_at_the_end_of_the_context_with_no_one_to_preempt():
-  """One slot, a pool of exactly one context's pages, and a completion that runs to the last
+@pytest.mark.parametrize("source", ["ngram", "draft"])
+def test_a_row_at_the_end_of_the_context_with_no_one_to_preempt(source):
+  """One slot, pools of exactly one context's pages, and a completion that runs to the last
   position: a round asks pages only for the positions the context has (k more past its end
   are written nowhere), and the tokens are the plain engine's."""
   prompt, settings = [7] * 50, SamplingParams(max_tokens=14, stop_token_ids=())
   want = _engine(512, 0, slots=1, num_pages=8).generate([prompt], settings)[0].tokens
-  got = _engine(512, 0, slots=1, num_pages=8, draft=NgramDraft(k=3)).generate([prompt], settings)[0]
+  draft = NgramDraft(k=3) if source == "ngram" else DraftModel(_engine(512, 0, slots=1, num_pages=8), k=3)
+  got = _engine(512, 0, slots=1, num_pages=8, draft=draft).generate([prompt], settings)[0]
   assert got.tokens == want and len(want) == 14 and got.draft_proposed > 0
 
 

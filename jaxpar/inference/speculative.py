@@ -179,7 +179,8 @@ class DraftModel:
       shadows.append(shadow)
       if shadow is None:
         continue
-      if not draft.pool.grow(shadow.pages, n + k):
+      # Proposals past the context are never kept (the target's pass writes them nowhere).
+      if not draft.pool.grow(shadow.pages, min(n + k, draft.max_seq_len)):
         raise RuntimeError("the draft's KV page pool is too small for speculative decoding: raise its num_pages")
       feed = request.context[shadow.cached:n]  # what the draft's cache lacks
       tokens[i, 2 - len(feed):] = feed
