@@ -193,6 +193,13 @@ def collectives(hlo: str | Module, slice_of_device=None, *, cpu: bool = False) -
   return found
 
 
+def axis_coordinates(mesh, axis: str) -> list[int]:
+  """Each flat mesh device's index along `axis`. Passed as `collectives`' slice_of_device,
+  it flags (`dcn`) exactly the collectives whose groups cross that axis."""
+  position = mesh.axis_names.index(axis)
+  return [int(np.unravel_index(i, mesh.devices.shape)[position]) for i in range(mesh.size)]
+
+
 def _continues_async_chain(module, fusion) -> bool:
   """Whether a fusion is a later step of an asynchronous collective (libtpu splits one into
   a start, continuation steps, possibly inside another loop, and a done fusion): those take
@@ -288,11 +295,11 @@ def _sized(kind, size, groups, slice_of_device, dtype, input_size=False) -> Coll
 
 def _groups(attrs: str, num_devices: int) -> np.ndarray:
   """Replica groups as [num_groups, group_size] device indices (into the mesh's flat devices)."""
-  if m := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", attrs):
+  if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\S+)? \{([^}]*)\}", attrs):
     axes = re.findall(r"'(\w+)'=(\d+)", m[1])
     names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
     reduced = [names.index(a) for a in re.findall(r"'(\w+)'", m[2])]
-    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    ids = _device_ids(attrs, math.prod(sizes)).reshape(sizes)
     kept = [i for i in range(len(sizes)) if i not in reduced]
     return ids.transpose(kept + reduced).reshape(-1, math.prod(sizes[i] for i in reduced))
   if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs):
@@ -307,6 +314,17 @@ def _groups(attrs: str, num_devices: int) -> np.ndarray:
     pairs = re.findall(r"\{(\d+),(\d+)\}", attrs.split("source_target_pairs=")[1])
     return np.array([[int(a), int(b)] for a, b in pairs])
   return np.arange(num_devices)[None]
+
+
+def _device_ids(attrs: str, count: int) -> np.ndarray:
+  """The devices a mesh-style replica group numbers in order: `device_ids=([4,2]T(1,0))`
+  (an iota, reshaped and transposed), an explicit list, or none (0..count-1)."""
+  if m := re.search(r"device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\)", attrs):
+    ids = np.arange(count).reshape([int(d) for d in m[1].split(",")])
+    return (ids.transpose([int(d) for d in m[2].split(",")]) if m[2] else ids).reshape(-1)
+  if m := re.search(r"device_ids=\{([\d,]+)\}", attrs):
+    return np.array([int(d) for d in m[1].split(",")])
+  return np.arange(count)
 
 
 def _wire(kind: str, size: float, n: int) -> float:
