@@ -157,9 +157,13 @@ class Checkpointer:
       raise CheckpointError(f"{self.directory} has no checkpoint at step {step}; it has steps {steps}")
     return step
 
+  def stored_shapes(self, step: int, item: str) -> dict[str, tuple]:
+    """{leaf name ('a.b.c'): shape} of an array item of `step`, read from its metadata alone."""
+    return _shapes(self._read(step, lambda: self.manager.item_metadata(step)[item].tree))
+
   def _check_shapes(self, step: int, item: str, target):
     """Compare stored and target shapes leaf by leaf before reading anything."""
-    stored = _shapes(self._read(step, lambda: self.manager.item_metadata(step)[item].tree))
+    stored = self.stored_shapes(step, item)
     wanted = _shapes(target)
     where = f"checkpoint {self.path(step)}"
     for name, shape in wanted.items():

@@ -144,6 +144,53 @@ class EvalConfig(_Frozen):
   sets: list[str] | None = None
 
 
+# Per train.sync: (mixing, overlap, bits) unless train.diloco sets them.
+_SYNC_DEFAULTS = {"diloco": (0.0, 0, 32), "streaming_diloco": (0.5, 1, 4), "sparseloco": (0.0, 0, 2)}
+
+
+class DilocoConfig(_Frozen):
+  """How data-parallel replicas agree when train.sync is not allreduce
+  (jaxpar/train/replicas/ says what each key does); None: the method's default."""
+  every: int = Field(16, ge=1)  # H: inner steps between two syncs of a fragment
+  fragments: int = Field(1, ge=1)  # streaming_diloco: the layers in this many fragments, synced in turn
+  outer_learning_rate: float = Field(0.7, gt=0)
+  outer_momentum: float = Field(0.9, ge=0, lt=1)  # Nesterov
+  mixing: float | None = Field(None, ge=0, lt=1)  # alpha: the replica's share after a sync (diloco 0, streaming 0.5)
+  overlap: Literal[0, 1] | None = None  # steps a sync's exchange overlaps (diloco 0, streaming 1)
+  bits: Literal[32, 16, 8, 4, 2] | None = None  # pseudo-gradient values on the wire (diloco 32, streaming 4, sparseloco 2)
+  density: float = Field(1 / 32, gt=0, le=1)  # sparseloco: the share of each chunk sent
+  chunk: int = Field(128, ge=8, le=65536)  # values per quantization scale (and per top-k)
+  error_decay: float = Field(0.95, ge=0, le=1)  # sparseloco: the error-feedback buffer's decay
+
+  def resolved(self, sync: str) -> "DilocoConfig":
+    """These settings with the method's defaults filled in."""
+    mixing, overlap, bits = _SYNC_DEFAULTS[sync]
+    return self.model_copy(update={"mixing": mixing if self.mixing is None else self.mixing,
+                                   "overlap": overlap if self.overlap is None else self.overlap,
+                                   "bits": bits if self.bits is None else self.bits})
+
+  def check(self, sync: str):
+    """One line for settings the method cannot use."""
+    if sync == "allreduce":
+      return
+    s = self.resolved(sync)
+    if s.fragments > 1 and sync != "streaming_diloco":
+      raise ValueError(f"train.diloco.fragments={s.fragments} splits the layers for train.sync=streaming_diloco; "
+                       f"train.sync={sync} syncs them all at once: set fragments=1 or sync=streaming_diloco")
+    if s.every % s.fragments:
+      raise ValueError(f"train.diloco.every={s.every} is not a multiple of train.diloco.fragments={s.fragments}: "
+                       "the fragments' syncs are staggered every/fragments steps apart")
+    if s.chunk % 8 or s.chunk * s.bits % 8:
+      raise ValueError(f"train.diloco.chunk={s.chunk} must be a multiple of 8 (its codes fill whole bytes)")
+    if sync == "sparseloco":
+      kept = round(s.density * s.chunk)
+      if kept < 1 or kept * s.bits % 8:
+        raise ValueError(f"train.diloco.density={s.density} keeps {kept} of each {s.chunk}-value chunk at {s.bits} "
+                         f"bits: pick density x chunk x bits as a positive multiple of 8 (e.g. density={8 / s.chunk / s.bits:g})")
+      if s.bits > 8:
+        raise ValueError(f"train.diloco.bits={s.bits} with train.sync=sparseloco: its values go 8, 4 or 2 bits each")
+
+
 class TrainConfig(_Frozen):
   steps: int = 300
   # jaxpar/train/optim.py says what each optimizer and schedule does with these keys.
@@ -163,6 +210,10 @@ class TrainConfig(_Frozen):
   # float32 (8 bytes per parameter for AdamW), bfloat16 (4) or int8_blockwise (about 2).
   optimizer_state_dtype: Literal["float32", "bfloat16", "int8_blockwise"] = "float32"
   z_loss: float = 0.0
+  # How the `data` replicas agree (jaxpar/train/replicas/): allreduce (the gradients, every step),
+  # diloco, streaming_diloco, sparseloco (local steps, then a sync of the parameters' drift: train.diloco).
+  sync: Literal["allreduce", "diloco", "streaming_diloco", "sparseloco"] = "allreduce"
+  diloco: DilocoConfig = DilocoConfig()
   # A registered objective (jaxpar/objectives/): lm (text), sft (chat rows), dpo (preference
   # pairs), grpo (prompts, reinforcement learning); its own keys are the config's `objective:` section.
   objective: str = "lm"
@@ -189,6 +240,7 @@ class TrainConfig(_Frozen):
       raise ValueError(f"train.optimizer_state_dtype={self.optimizer_state_dtype} stores AdamW's, Lion's and "
                        f"SGD's moments; {self.optimizer}'s keep float32: set train.optimizer_state_dtype=float32 "
                        "or another train.optimizer")
+    self.diloco.check(self.sync)
     return self
 
   @field_validator("loggers")

@@ -19,7 +19,7 @@ from jaxpar.train.trackers import open_trackers
 # Shown on the progress bar next to loss, tokens/s and MFU when a model reports them.
 PROGRESS_EXTRAS = {"moe/imbalance": "max/mean load {:.2f}", "moe/dropped": "dropped {:.1%}",
                    "reward": "reward {:.3f}", "response_length": "length {:.1f}",
-                   "heldout_pass@1": "held-out pass@1 {:.1%}"}
+                   "heldout_pass@1": "held-out pass@1 {:.1%}", "sync/drift": "synced (drift {:.2e})"}
 
 
 def scalars(metrics: dict) -> dict[str, float]:

@@ -45,21 +45,35 @@ def make_gradients(loss, *, microbatches: int):
   return gradients
 
 
-def make_train_step(loss, optimizer, schedule, *, microbatches: int):
+def make_update(loss, optimizer, schedule, *, microbatches: int):
+  """(params, opt_state, model_state, frozen, step, batch) -> (params, opt_state, model_state,
+  metrics): one optimizer step on one batch, the body of every train step (a replica's too:
+  jaxpar/train/replicas/)."""
   gradients = make_gradients(loss, microbatches=microbatches)
 
-  def train_step(state: TrainState, batch):
-    grads, sums, model_state = gradients(state.params, batch, state.model_state, state.frozen)
+  def update(params, opt_state, model_state, frozen, step, batch):
+    grads, sums, model_state = gradients(params, batch, model_state, frozen)
     tokens = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / tokens, grads)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_state = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                           opt_state=opt_state, model_state=model_state, frozen=state.frozen)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
     metrics = {"loss": sums["ce_sum"] / tokens, "z_loss": sums["z_sum"] / tokens,
-               "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
+               "grad_norm": optax.tree.norm(grads), "lr": schedule(step),
                "tokens": sums["tokens"]}
     metrics.update({k.split("/", 1)[1] if k.startswith("metric/") else k: v / tokens
                     for k, v in sums.items() if "/" in k})
+    return optax.apply_updates(params, updates), opt_state, model_state, metrics
+
+  return update
+
+
+def make_train_step(loss, optimizer, schedule, *, microbatches: int):
+  update = make_update(loss, optimizer, schedule, microbatches=microbatches)
+
+  def train_step(state: TrainState, batch):
+    params, opt_state, model_state, metrics = update(state.params, state.opt_state, state.model_state,
+                                                     state.frozen, state.step, batch)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state,
+                           frozen=state.frozen)
     return new_state, metrics
 
   return train_step

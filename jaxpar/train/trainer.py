@@ -30,7 +30,8 @@ from jaxpar.train.resume import check_same_run, finished_line, remove_saved_run
 from jaxpar.train.state import TrainState
 from jaxpar.train.trackers import check_installed
 from jaxpar.weights import SavedRun
-from jaxpar.train.step import make_train_step
+from jaxpar.train.replicas import ReplicaTraining
+from jaxpar.train.step import make_train_step, make_update
 from jaxpar.cluster.xla_flags import compiler_options
 
 _log = logging.getLogger(__name__)
@@ -70,13 +71,23 @@ class Trainer:
     self.schedule = learning_rate_schedule(config.train)
     self.state_shardings = self._state_shardings()
     self.batch_sharding = logical_to_sharding(("batch", "length"), None, self.mesh, self.rules)
-    step = make_train_step(self.objective.loss(), self.optimizer, self.schedule, microbatches=config.train.microbatches)
     batch_shardings = {k: self.batch_sharding for k in self.objective.batch_keys}
     self.xla_options, self.xla_notes = compiler_options(config.mesh.xla_flags, self.mesh.devices.flat)
     self._eval_step = None  # built with the first evaluator
-    self.train_step = jax.jit(step, in_shardings=(self.state_shardings, batch_shardings),
-                              out_shardings=(self.state_shardings, None), donate_argnums=0,
-                              compiler_options=self.xla_options or None)
+    loss, micro = self.objective.loss(), config.train.microbatches
+    self.replicas = None  # train.sync=allreduce: one program, gradients all-reduced every step
+    if config.train.sync != "allreduce":
+      self.replicas = ReplicaTraining(
+          config, self.runtime, make_update(loss, self.optimizer, self.schedule, microbatches=micro),
+          self.optimizer, self.state_shardings, self.frozen.trainable(self.runtime.abstract_params),
+          self.frozen.trainable(self.runtime.axis_names), batch_shardings, self.xla_options or None)
+      self.state_shardings = self.state_shardings.replace(opt_state=self.replicas.opt_state_shardings())
+      self.train_step = self.replicas.program(None)  # the inner step; `step` picks a sync's program when due
+    else:
+      self.train_step = jax.jit(make_train_step(loss, self.optimizer, self.schedule, microbatches=micro),
+                                in_shardings=(self.state_shardings, batch_shardings),
+                                out_shardings=(self.state_shardings, None), donate_argnums=0,
+                                compiler_options=self.xla_options or None)
 
   mesh = property(lambda self: self.runtime.mesh)
   rules = property(lambda self: self.runtime.rules)
@@ -108,8 +119,12 @@ class Trainer:
   def _create_state(self, with_frozen=True) -> TrainState:
     params, model_state = self.runtime.create()
     params, frozen = self.frozen.split(params)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.optimizer.init(params),
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=self._init_opt(params),
                       model_state=model_state, frozen=frozen if with_frozen else {})
+
+  def _init_opt(self, params):
+    """A fresh optimizer state (with train.sync, the replicas' too) for these parameters."""
+    return self.optimizer.init(params) if self.replicas is None else self.replicas.init_opt_state(params)
 
   def abstract_state(self) -> TrainState:
     """ShapeDtypeStructs with shardings: for AOT compiles and checkpoint restores."""
@@ -152,9 +167,14 @@ class Trainer:
     return Evaluator(self.config, self.runtime, tokenizer or self.tokenizer(), *shardings, sources=sources,
                      step=self._eval_step, **options)
 
-  def step(self, state, batch):
+  def step(self, state, batch, number: int | None = None):
+    """One train step (`number`, 1-based: which step this is; default: read from the state).
+    With train.sync, a step after which a fragment syncs runs that sync's program."""
+    program = self.train_step
+    if self.replicas is not None:
+      program = self.replicas.program(self.replicas.due(int(state.step) + 1 if number is None else number))
     with self.context():
-      return self.train_step(state, batch)
+      return program(state, batch)
 
   def peak_flops(self) -> float:
     """Whole-mesh peak FLOP/s: from the config, or measured on CPU (one host = one peak,
@@ -239,6 +259,8 @@ class Trainer:
     else:
       return self.init_state()
     with source:
+      if self.replicas is not None:
+        self.replicas.check_restore(source)
       items, data_state = source.restore_train_state(self.runtime, self.abstract_state().items())
       where = source.path
     state = TrainState(**items)
@@ -246,8 +268,7 @@ class Trainer:
       state = state.replace(frozen=self.frozen.load())
     if state.opt_state is None:  # a params-only checkpoint (an imported model): fine-tune it
       with self.context():
-        opt_state = jax.jit(self.optimizer.init,
-                            out_shardings=self.state_shardings.opt_state)(state.params)
+        opt_state = jax.jit(self._init_opt, out_shardings=self.state_shardings.opt_state)(state.params)
       state = state.replace(opt_state=opt_state)
       self._say(f"starting from the parameters in {where}, with a fresh optimizer")
     else:
@@ -274,7 +295,7 @@ class Trainer:
       for step in range(start_step + 1, start_step + steps + 1):
         if hasattr(batches, "follow"):  # an objective that generates: from the current weights
           batches.follow(state)
-        state, metrics = self.step(state, next(batches))
+        state, metrics = self.step(state, next(batches), step)
         if hasattr(batches, "host_metrics"):
           metrics = {**metrics, **batches.host_metrics()}
         clock.watch(step, metrics)
@@ -322,7 +343,8 @@ class Trainer:
 
   def _log(self, logger, clock, pending, tokens_per_step, flops_per_step, peak):
     step, metrics = pending
-    values = scalars(jax.device_get(metrics))
+    values = jax.device_get(metrics)
+    values = scalars(values if self.replicas is None else self.replicas.host_metrics(values))
     dt = clock.step_time(step)  # None for the first step of a run: it includes compiling
     if dt is not None:
       # The model's FLOPs: a pipeline's bubble iterations are idle time, not useful work.

@@ -172,6 +172,10 @@ class SavedRun:
     items, data_state = self._checkpoints.restore(abstract_state, self.step)
     return relayout(items, self.layer_order, runtime.layer_order()), data_state
 
+  def stored_shapes(self, item: str) -> dict[str, tuple]:
+    """{leaf name: shape} of this step's `item` (params, opt_state), from metadata alone."""
+    return self._checkpoints.stored_shapes(self.step, item) if (self.path / item).is_dir() else {}
+
   def close(self):
     self._checkpoints.close()
 

@@ -1,0 +1,140 @@
+"""train.sync: DiLoCo, Streaming DiLoCo and SparseLoCo replicas on 8 simulated devices
+(data=4 x fsdp=2): the exact reduction to all-reduce training, the traffic read from the
+compiled programs against the hand count, the compression's numerics, resume, config errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar.aot import hlo
+from jaxpar.aot.compile import abstract_batch
+from jaxpar.config import load_config
+from jaxpar.errors import ConfigError
+from jaxpar.train.replicas import compress
+from jaxpar.train.trainer import Trainer
+
+pytestmark = [pytest.mark.xdist_group("replicas")]
+
+SMALL = ["model.num_layers=2", "model.scan_unroll=2", "mesh.data=4", "mesh.fsdp=2", "data.global_batch_size=8",
+         "data.seq_len=32", "eval.every_steps=0", "train.sample_tokens=0", "train.log_every=0",
+         "train.warmup_steps=1"]
+
+
+def _config(*overrides, tmp_path=None):
+  run = [f"train.run_dir={tmp_path}"] if tmp_path else ["checkpoint.enabled=false"]
+  return load_config("tiny", SMALL + run + list(overrides))
+
+
+# -- compression -----------------------------------------------------------------------
+
+def test_quantize_decodes_within_half_a_level_and_packs_the_counted_bytes():
+  x = jax.random.normal(jax.random.key(0), (3, 5, 40))  # 200 values: one partial 64-value row
+  for bits in (8, 4, 2):
+    payload = compress.quantize(x, bits=bits, chunk=64)
+    back = compress.decode(payload, bits=bits, chunk=64, shape=x.shape[1:])
+    rows = compress.rows(x, 64)
+    scale = jnp.max(jnp.abs(rows), axis=-1, keepdims=True)
+    half = (scale / (2 ** bits - 1)) * 1.01 + 1e-6  # half a level, and the scale's bfloat16 rounding
+    error = jnp.abs(compress.rows(back, 64) - rows)
+    assert bool(jnp.all(error[..., :200 % 64 or 64] <= half)), bits
+    per_replica = sum(a[0].nbytes for a in jax.tree.leaves(payload))
+    assert per_replica == compress.payload_bytes(200, bits=bits, chunk=64)
+
+
+def test_sparsify_sends_each_rows_largest_values_and_nothing_else():
+  x = jax.random.normal(jax.random.key(1), (2, 256))
+  payload = compress.sparsify(x, bits=8, chunk=128, kept=4)
+  back = compress.decode(payload, bits=8, chunk=128, shape=(256,))
+  for replica in range(2):
+    for row in range(2):
+      values = np.asarray(x[replica, row * 128:(row + 1) * 128])
+      got = np.asarray(back[replica, row * 128:(row + 1) * 128])
+      top = set(np.argsort(-np.abs(values))[:4])
+      assert set(np.flatnonzero(got)) == top
+      np.testing.assert_allclose(got[list(top)], values[list(top)], atol=np.abs(values).max() / 254 * 1.01)
+  assert sum(a[0].nbytes for a in jax.tree.leaves(payload)) == compress.payload_bytes(256, bits=8, chunk=128, kept=4)
+
+
+# -- training --------------------------------------------------------------------------
+
+def _losses_and_params(config, steps):
+  trainer = Trainer(config)
+  result = trainer.fit(steps=steps, show_progress=False)
+  return [h["loss"] for h in result.history], jax.device_get(result.state.params)
+
+
+def test_diloco_every_step_with_outer_lr_1_is_allreduce_training():
+  """H=1, outer learning rate 1, no momentum: the anchor becomes the replicas' mean after one
+  SGD step each, which is one SGD step on the mean gradient (equal tokens per replica)."""
+  plain = ["train.optimizer=sgd", "train.grad_clip=null", "train.weight_decay=0.0"]
+  losses, params = _losses_and_params(_config(*plain), 3)
+  synced, synced_params = _losses_and_params(_config(*plain, "train.sync=diloco", "train.diloco.every=1",
+                                                     "train.diloco.outer_learning_rate=1.0",
+                                                     "train.diloco.outer_momentum=0.0"), 3)
+  np.testing.assert_allclose(synced, losses, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(synced_params), jax.tree.leaves(params)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert losses[-1] < losses[0]
+
+
+def _crossing_data(trainer, program):
+  with trainer.context():
+    compiled = program.lower(trainer.abstract_state(), abstract_batch(trainer)).compile()
+  coords = hlo.axis_coordinates(trainer.mesh, "data")
+  return [c for c in hlo.collectives(compiled.as_text(), coords, cpu=True) if c.dcn]
+
+
+def test_traffic_over_data_read_from_the_compiled_programs():
+  baseline = sum(c.wire_bytes for c in _crossing_data(*(lambda t: (t, t.train_step))(Trainer(_config()))))
+  assert baseline > 0
+
+  streaming = Trainer(_config("train.sync=streaming_diloco", "train.diloco.fragments=2", "train.diloco.every=32"))
+  replicas, n = streaming.replicas, streaming.replicas.replicas
+  assert _crossing_data(streaming, replicas.program(None)) == []  # the inner step: nothing crosses `data`
+  per_period = 0.0
+  for fragment in range(2):
+    found = _crossing_data(streaming, replicas.program(fragment))
+    gathered = sum(c.bytes for c in found if c.kind == "all-gather")
+    assert gathered == n * replicas.sent_bytes(fragment)  # every replica's 4-bit codes and scales, exactly
+    assert sum(c.bytes for c in found if c.kind != "all-gather") <= 64  # the drift's scalars
+    per_period += sum(c.wire_bytes for c in found)
+  assert baseline / (per_period / 32) >= 100
+
+  sparse = Trainer(_config("train.sync=sparseloco"))
+  found = _crossing_data(sparse, sparse.replicas.program(0))
+  assert sum(c.bytes for c in found if c.kind == "all-gather") == n * sparse.replicas.sent_bytes(0)
+  assert all(c.dtype in ("u8", "u16") for c in found if c.kind == "all-gather")  # codes, positions, scales
+
+  dense = Trainer(_config("train.sync=diloco"))
+  found = _crossing_data(dense, dense.replicas.program(0))
+  reduced = sum(c.bytes for c in found if c.kind == "all-reduce")
+  assert dense.replicas.sent_bytes(0) <= reduced <= dense.replicas.sent_bytes(0) + 64
+  assert not [c for c in found if c.kind != "all-reduce"]
+
+
+def test_streaming_resume_mid_period_continues_bit_for_bit(tmp_path):
+  overrides = ["train.sync=streaming_diloco", "train.diloco.fragments=2", "train.diloco.every=4", "train.steps=6"]
+  whole, _ = _losses_and_params(_config(*overrides, tmp_path=tmp_path / "whole"), None)
+  first = Trainer(_config(*overrides, tmp_path=tmp_path / "split")).fit(steps=3, show_progress=False)
+  resumed = Trainer(_config(*overrides, tmp_path=tmp_path / "split")).fit(show_progress=False)
+  assert [h["step"] for h in resumed.history] == [4, 5, 6]
+  assert [h["loss"] for h in first.history + resumed.history] == whole
+  assert "sync/drift" in resumed.history[0] and "sync/drift" not in resumed.history[1]  # steps 4 and 6 sync
+
+  with pytest.raises(ConfigError, match="holds 4 train.sync replicas but mesh.data is 2"):
+    Trainer(load_config("tiny", SMALL + overrides + [f"train.run_dir={tmp_path / 'split'}", "mesh.data=2",
+                                                   "mesh.fsdp=4", "train.steps=8"])).fit(show_progress=False)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.data=1", "mesh.fsdp=8", "train.sync=diloco"], "`data` mesh axis, which has 1 device"),
+    (["train.sync=streaming_diloco", "train.diloco.fragments=4", "train.diloco.every=8"],
+     "fragments=4 does not divide a stack of 2 layers"),
+    (["train.sync=sparseloco", "train.diloco.density=0.01"], "keeps 1 of each 128-value chunk"),
+    (["train.sync=diloco", "train.diloco.fragments=2"], "fragments=2 splits the layers"),
+])
+def test_bad_sync_settings_are_one_line_errors(overrides, message):
+  with pytest.raises((ConfigError, ValueError), match=message) as error:
+    Trainer(load_config("tiny", SMALL + overrides))
+  assert "\n" not in str(error.value)
