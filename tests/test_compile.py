@@ -196,6 +196,25 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   assert reduce["wire_bytes"] == pytest.approx(2 * 32 / 2 + 2 * 64 / 2)
 
 
+def test_cross_slice_sends_count_what_crosses_and_mesh_groups_read_their_device_order():
+  # libtpu sends a gather across slices as this slice's part; the row counts the gathered
+  # result, and each device sends its part to the other slices: (k - 1) x the part.
+  text = """HloModule m
+
+ENTRY %main (a: u8[96,64]) -> u8[96,64] {
+  %s = (u8[96,64]{1,0}, u32[], token[]) send(%a, %t), channel_id=1, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_GATHER"}
+  %r = (f32[1024]{0}, u32[], token[]) send(%b, %t), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
+  %g = f32[8]{0} all-gather(%c), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_1'}, dimensions={0}
+}
+"""
+  gather, reduce, mesh_gather = hlo.collectives(text, [0, 0, 1, 1])
+  assert (gather.kind, gather.bytes, gather.wire_bytes, gather.dcn) == ("all-gather", 2 * 96 * 64, 96 * 64, True)
+  assert (reduce.kind, reduce.wire_bytes) == ("all-reduce", 2 * 4096 / 2)
+  # device_ids: the mesh numbers devices 0, 2, 1, 3, so reducing axis_1 groups {0, 2} and {1, 3}.
+  assert hlo._groups(text.splitlines()[-2], 4).tolist() == [[0, 2], [1, 3]]
+  assert mesh_gather.dcn and not hlo.collectives(text, [0, 1, 0, 1])[2].dcn
+
+
 def test_an_async_gather_counts_once_and_cloned_loops_each_count():
   # libtpu splits an async gather into a start (data in), continuation steps (here inside
   # an inner loop that runs 4 times) and a done step, the later ones taking the chain's

@@ -224,6 +224,8 @@ def collective(module, inst, num_devices, slice_of_device=None, *, cpu=False) ->
     kind = m[1].lower().replace("_", "-")
     size = sum(array_bytes(inst.shape)[:-1])  # (data..., u32[], token[])
     slices = len(set(slice_of_device)) if slice_of_device is not None else 2
+    if kind == "all-gather":  # the send carries this slice's part; an all-gather row counts the result
+      size *= slices
     return [Collective(kind, 1, size, _wire(kind, size, slices), True, _dtype(inst.shape))]
   if inst.op == "fusion":
     emitter = inst.backend_config.get("collective_algorithm_config", {}).get("emitter", "")
