@@ -34,13 +34,14 @@ def per_device_bytes(tree) -> int:
              for x in jax.tree.leaves(tree))
 
 
-def compile_step(trainer, phase=silent, target: str = "the target"):
+def compile_step(trainer, phase=silent, target: str = "the target", program=None, name="the train step"):
   """(compiled train step or None, the out-of-memory message or None). `phase`: see
-  phases.py (how the lowering and compiling are shown)."""
+  phases.py (how the lowering and compiling are shown); `program`: another jitted step of
+  the trainer's (a train.sync sync), default its train step."""
   state, batch = trainer.abstract_state(), abstract_batch(trainer)
   with trainer.context():
-    with phase("lowering the train step"):
-      lowered = trainer.train_step.lower(state, batch)
+    with phase(f"lowering {name}"):
+      lowered = (program or trainer.train_step).lower(state, batch)
     try:
       with phase(f"compiling for {target} (XLA)"):
         return lowered.compile(), None
@@ -66,8 +67,37 @@ def compile_for_topology(config, topology: str, num_slices: int | None = None, *
   compiled, oom = compile_step(trainer, phase, f"{topology} ({len(devices)} chips)")
   with phase("analysing the compiled program"):
     report = build_report(trainer, compiled, oom, chip, topology, num_slices)
+  if trainer.replicas is not None and compiled is not None:
+    with phase("compiling the train.sync syncs"):
+      report["data_sync"] = data_sync_traffic(trainer, compiled, phase, f"{topology} ({len(devices)} chips)")
   report["compile_s"] = time.perf_counter() - started
   return report, compiled
+
+
+def crossing_bytes(compiled, mesh, axis: str = "data") -> float:
+  """Bytes each device sends per run of a compiled step over collectives that cross `axis`
+  (ring algorithms)."""
+  coords = hlo.axis_coordinates(mesh, axis)
+  platform = mesh.devices.flat[0].platform
+  return sum(c.wire_bytes for c in hlo.collectives(compiled.as_text(), coords, cpu=platform == "cpu") if c.dcn)
+
+
+def data_sync_traffic(trainer, inner, phase=silent, target="the target") -> dict:
+  """train.sync's traffic over `data`, per device, from its compiled programs: each one's
+  bytes, their average per step over a sync period, and the least a sync can send (one
+  ring all-reduce of the fragment at 32 or 16 bits; one all-gather of every replica's
+  packed codes otherwise)."""
+  r = trainer.replicas
+  every, fragments, n = r.settings.every, r.settings.fragments, r.replicas
+  programs = {"inner": crossing_bytes(inner, trainer.mesh)}
+  for p in range(fragments):
+    compiled, _ = compile_step(trainer, phase, target, r.program(p), f"sync {p}")
+    programs[f"sync {p}"] = crossing_bytes(compiled, trainer.mesh)
+  dense = r.settings.bits >= 16 and r.method != "sparseloco"
+  least = sum(r.sent_bytes(p) * (2 * (n - 1) / n if dense else n - 1) for p in range(fragments))
+  syncs = sum(programs[f"sync {p}"] for p in range(fragments))
+  return {"method": r.method, "every": every, "fragments": fragments, "bits": r.settings.bits, "programs": programs,
+          "per_step": (syncs + (every - fragments) * programs["inner"]) / every, "least_per_step": least / every}
 
 
 def build_report(trainer, compiled, oom, chip, topology, num_slices) -> dict:

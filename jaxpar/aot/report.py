@@ -64,6 +64,14 @@ def dcn_line(dcn: dict, axis: str) -> str:
           f"this layout's minimum {gib(minimum['total'])}{ratio} = {parts}")
 
 
+def sync_line(sync: dict) -> str:
+  """train.sync's bytes over `data`, per program and per step against the least a sync sends."""
+  programs = ", ".join(f"{name} {gib(v)}" for name, v in sync["programs"].items())
+  return (f"train.sync={sync['method']} (every {sync['every']} steps, {sync['fragments']} fragment(s), "
+          f"{sync['bits']}-bit) over 'data' per device: {programs}; per step {gib(sync['per_step'])}, "
+          f"least {gib(sync['least_per_step'])}")
+
+
 def format_report(r: dict) -> str:
   mesh = " x ".join(f"{a}={s}" for a, s in r["mesh"].items()) or "single device"
   slices = f", {r['num_slices']} slices over DCN axis '{r['dcn_axis']}'" if r["dcn_axis"] else ""
@@ -99,6 +107,7 @@ def format_report(r: dict) -> str:
                 f"{n:,} {types}" for types, n in r["matmuls"].items()),
             traffic_line(t),
             *([dcn_line(r["dcn"], r["dcn_axis"])] if r.get("dcn") else []),
+            *([sync_line(r["data_sync"])] if r.get("data_sync") else []),
             "collectives per step (loop trips counted), per device:",
             f"  {'kind':<20} {'link':<4} {'count':>6} {'bytes':>12} {'on wire':>12}"]
   for c in r["collectives"]:
