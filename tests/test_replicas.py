@@ -64,10 +64,13 @@ def _losses_and_params(config, steps):
   return [h["loss"] for h in result.history], jax.device_get(result.state.params)
 
 
-def test_diloco_every_step_with_outer_lr_1_is_allreduce_training():
+@pytest.mark.parametrize("layout", [[], ["mesh.data=2", "mesh.tensor=2"], ["model.lora.rank=4"]],
+                         ids=["data4-fsdp2", "data2-fsdp2-tensor2", "lora"])
+def test_diloco_every_step_with_outer_lr_1_is_allreduce_training(layout):
   """H=1, outer learning rate 1, no momentum: the anchor becomes the replicas' mean after one
-  SGD step each, which is one SGD step on the mean gradient (equal tokens per replica)."""
-  plain = ["train.optimizer=sgd", "train.grad_clip=null", "train.weight_decay=0.0"]
+  SGD step each, which is one SGD step on the mean gradient (equal tokens per replica); with
+  tensor parallelism inside each replica, and with adapters over a frozen base."""
+  plain = ["train.optimizer=sgd", "train.grad_clip=null", "train.weight_decay=0.0", *layout]
   losses, params = _losses_and_params(_config(*plain), 3)
   synced, synced_params = _losses_and_params(_config(*plain, "train.sync=diloco", "train.diloco.every=1",
                                                      "train.diloco.outer_learning_rate=1.0",
@@ -133,6 +136,7 @@ def test_streaming_resume_mid_period_continues_bit_for_bit(tmp_path):
      "fragments=4 does not divide a stack of 2 layers"),
     (["train.sync=sparseloco", "train.diloco.density=0.01"], "keeps 1 of each 128-value chunk"),
     (["train.sync=diloco", "train.diloco.fragments=2"], "fragments=2 splits the layers"),
+    (["mesh.data=2", "mesh.context=2", "train.sync=diloco"], "mesh.context=2 is not built"),
 ])
 def test_bad_sync_settings_are_one_line_errors(overrides, message):
   with pytest.raises((ConfigError, ValueError), match=message) as error:

@@ -72,6 +72,11 @@ class ReplicaTraining:
     if runtime.plan.pipelined:
       raise ConfigError(f"train.sync={train.sync} with a pipeline (mesh.stage > 1) is not built: "
                         "use train.sync=allreduce, or FSDP/tensor parallelism inside each replica")
+    per_device = [a for a in ("context", "expert") if self.mesh.shape[a] > 1]
+    if per_device:
+      raise ConfigError(f"train.sync={train.sync} with mesh.{per_device[0]}={self.mesh.shape[per_device[0]]} is not "
+                        "built (its per-device attention or expert dispatch does not run per replica yet): use "
+                        "FSDP and tensor parallelism inside each replica, or train.sync=allreduce")
     if jax.tree.leaves(runtime.abstract_model_state):
       raise ConfigError(f"train.sync={train.sync}: this model keeps non-parameter state (router biases) that the "
                         "replicas would update apart: use train.sync=allreduce")
