@@ -40,7 +40,8 @@ METHODS = {
     "diloco H=16": ["train.sync=diloco", "train.diloco.every=16"],
     "streaming H=32 P=2 4-bit": ["train.sync=streaming_diloco", "train.diloco.every=32", "train.diloco.fragments=2"],
     "sparseloco H=32 2-bit 1/32": ["train.sync=sparseloco", "train.diloco.every=32"],
-    "sparseloco H=32 2-bit 1/32 averaged": ["train.sync=sparseloco", "train.diloco.every=32", *AVERAGE],
+    "sparseloco H=32 2-bit 1/32 Nesterov 0.9": ["train.sync=sparseloco", "train.diloco.every=32",
+                                                "train.diloco.outer_learning_rate=0.7", "train.diloco.outer_momentum=0.9"],
 }
 # The default run: the set; the rest on request (--methods).
 DEFAULT = ["allreduce", "diloco H=8", "diloco H=32", "diloco H=128", "streaming H=32 P=2 4-bit",

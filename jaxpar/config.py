@@ -144,8 +144,11 @@ class EvalConfig(_Frozen):
   sets: list[str] | None = None
 
 
-# Per train.sync: (mixing, overlap, bits) unless train.diloco sets them.
-_SYNC_DEFAULTS = {"diloco": (0.0, 0, 32), "streaming_diloco": (0.5, 1, 4), "sparseloco": (0.0, 0, 2)}
+# Per train.sync: (outer learning rate, outer momentum, mixing, overlap, bits) unless train.diloco
+# sets them. SparseLoCo's error feedback already carries past steps: its outer step is a plain
+# average (benchmarks/low_bandwidth.py measured Nesterov 0.9 on top of it worse).
+_SYNC_DEFAULTS = {"diloco": (0.7, 0.9, 0.0, 0, 32), "streaming_diloco": (0.7, 0.9, 0.5, 1, 4),
+                  "sparseloco": (1.0, 0.0, 0.0, 0, 2)}
 
 
 class DilocoConfig(_Frozen):
@@ -153,8 +156,8 @@ class DilocoConfig(_Frozen):
   (jaxpar/train/replicas/ says what each key does); None: the method's default."""
   every: int = Field(16, ge=1)  # H: inner steps between two syncs of a fragment
   fragments: int = Field(1, ge=1)  # streaming_diloco: the layers in this many fragments, synced in turn
-  outer_learning_rate: float = Field(0.7, gt=0)
-  outer_momentum: float = Field(0.9, ge=0, lt=1)  # Nesterov
+  outer_learning_rate: float | None = Field(None, gt=0)  # diloco and streaming 0.7, sparseloco 1
+  outer_momentum: float | None = Field(None, ge=0, lt=1)  # Nesterov: diloco and streaming 0.9, sparseloco 0
   mixing: float | None = Field(None, ge=0, lt=1)  # alpha: the replica's share after a sync (diloco 0, streaming 0.5)
   overlap: Literal[0, 1] | None = None  # steps a sync's exchange overlaps (diloco 0, streaming 1)
   bits: Literal[32, 16, 8, 4, 2] | None = None  # pseudo-gradient values on the wire (diloco 32, streaming 4, sparseloco 2)
@@ -164,10 +167,9 @@ class DilocoConfig(_Frozen):
 
   def resolved(self, sync: str) -> "DilocoConfig":
     """These settings with the method's defaults filled in."""
-    mixing, overlap, bits = _SYNC_DEFAULTS[sync]
-    return self.model_copy(update={"mixing": mixing if self.mixing is None else self.mixing,
-                                   "overlap": overlap if self.overlap is None else self.overlap,
-                                   "bits": bits if self.bits is None else self.bits})
+    keys = ("outer_learning_rate", "outer_momentum", "mixing", "overlap", "bits")
+    return self.model_copy(update={key: default if getattr(self, key) is None else getattr(self, key)
+                                   for key, default in zip(keys, _SYNC_DEFAULTS[sync])})
 
   def check(self, sync: str):
     """One line for settings the method cannot use."""
