@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxpar.aot import hlo
-from jaxpar.aot.compile import abstract_batch
+from jaxpar.aot.compile import abstract_batch, compile_step, data_sync_traffic
 from jaxpar.config import load_config
 from jaxpar.errors import ConfigError
 from jaxpar.train.replicas import compress
@@ -108,6 +108,10 @@ def test_traffic_over_data_read_from_the_compiled_programs():
   found = _crossing_data(sparse, sparse.replicas.program(0))
   assert sum(c.bytes for c in found if c.kind == "all-gather") == n * sparse.replicas.sent_bytes(0)
   assert all(c.dtype in ("u8", "u16") for c in found if c.kind == "all-gather")  # codes, positions, scales
+  # What `jaxpar compile` reports: per step, the sync's bytes over its period, at the least it can send.
+  report = data_sync_traffic(sparse, compile_step(sparse)[0])
+  assert report["programs"]["inner"] == 0 and report["per_step"] == report["programs"]["sync 0"] / 16
+  assert report["least_per_step"] <= report["per_step"] <= report["least_per_step"] + 64 / 16
 
   dense = Trainer(_config("train.sync=diloco"))
   found = _crossing_data(dense, dense.replicas.program(0))
