@@ -2,6 +2,7 @@
 against tokens, for all-reduce, DiLoCo (H = 8, 32, 128), Streaming DiLoCo and SparseLoCo.
 
     python benchmarks/low_bandwidth.py [--config tiny] [--steps 256] [--every 32] [--plot low_bandwidth.png]
+    JAX_PLATFORMS=cpu python benchmarks/low_bandwidth.py --pod     # llama3-8b's syncs on 2 x v6e-256
 
 Every method trains the same config from the same initial weights on the same batches, on 8
 simulated devices (data=4 replicas x fsdp=2), and is evaluated on the held-out set every
@@ -111,6 +112,37 @@ def plot(rows, path):
   print(f"\nwrote {path}")
 
 
+POD = {"diloco": ["train.sync=diloco", "train.diloco.every=32"],
+       "streaming_diloco": ["train.sync=streaming_diloco", "train.diloco.every=32", "train.diloco.fragments=2"]}
+
+
+def pod(methods):
+  """llama3-8b on 2 x v6e-256 with `data` (2 replicas) over DCN, compile-only: each sync
+  program's bytes across slices per device, beside the hand count. The inner step is the
+  program tests/test_replicas.py checks sends nothing over `data`; `jaxpar compile` with the
+  same overrides reports it (and the all-reduce run) in full, at a compile of ~15 min each here."""
+  from jaxpar.aot.chips import topology_devices
+  _, devices = topology_devices("v6e-256", 2)
+  for name in methods:
+    config = load_config("llama3-8b", ["mesh.num_slices=2", "mesh.data=2", "data.global_batch_size=1024"] + POD[name])
+    trainer = Trainer(config, devices)
+    r = trainer.replicas
+    dense = r.settings.bits >= 16 and r.method != "sparseloco"
+    total = least = 0.0
+    for p in range(r.settings.fragments):
+      started = time.perf_counter()
+      compiled, _ = compile_step(trainer, program=r.program(p), name=f"sync {p}")
+      sent = crossing_bytes(compiled, trainer.mesh)
+      hand = r.sent_bytes(p) * (2 * (r.replicas - 1) / r.replicas if dense else r.replicas - 1)
+      total, least = total + sent, least + hand
+      print(f"{name} sync {p}: DCN {sent / 2**20:.1f} MiB per device (hand {hand / 2**20:.1f} MiB), temporaries "
+            f"{compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB, compiled in "
+            f"{time.perf_counter() - started:.0f} s", flush=True)
+    every = r.settings.every
+    print(f"{name}: per step over a period of {every}: {total / every / 2**20:.2f} MiB "
+          f"(hand {least / every / 2**20:.2f} MiB)", flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--config", default="tiny")
@@ -121,7 +153,11 @@ def main():
   parser.add_argument("--link-gbps", type=float, default=1.0)
   parser.add_argument("--plot", default=None, help="write the two curves to this PNG")
   parser.add_argument("--set", nargs="*", default=[], help="more config overrides, key=value")
+  parser.add_argument("--pod", nargs="*", choices=list(POD), help="instead: the llama3-8b syncs on 2 x v6e-256 "
+                      "(compile-only; needs the tpu extra and JAX_PLATFORMS=cpu)")
   args = parser.parse_args()
+  if args.pod is not None:
+    return pod(args.pod or list(POD))
   print(f"{args.config}, {args.steps} steps, data=4 x fsdp=2 on {jax.device_count()} {jax.devices()[0].platform} devices")
   rows = []
   with tempfile.TemporaryDirectory() as workdir:

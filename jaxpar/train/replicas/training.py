@@ -166,7 +166,7 @@ class ReplicaTraining:
              for sh, shape in zip(jax.tree.leaves(self.base.params), self.shapes)]
     leaves = [jax.tree.leaves(t) for t in (anchor, source, opt["replicas"], opt["momentum"], opt.get("error", {}))]
     anchor_l, source_l, replica_l, momentum_l, error_l = leaves
-    own, moved, sent_sq, mean_sq, norm_sq = [], 0, 0.0, 0.0, 0.0
+    sent_sq, mean_sq, norm_sq = 0.0, 0.0, 0.0
     new = {"anchor": list(anchor_l), "replicas": list(replica_l), "momentum": list(momentum_l),
            "error": list(error_l)}
     for i, part in enumerate(parts):
