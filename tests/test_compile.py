@@ -197,12 +197,13 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 
 def test_cross_slice_sends_count_what_crosses_and_mesh_groups_read_their_device_order():
-  # libtpu sends a gather across slices as this slice's part; the row counts the gathered
-  # result, and each device sends its part to the other slices: (k - 1) x the part.
+  # libtpu may send a gather across slices as this slice's part; the row counts the gathered
+  # result (its recv's), and each device sends its part to the other slices: (k - 1) x the part.
   text = """HloModule m
 
 ENTRY %main (a: u8[96,64]) -> u8[96,64] {
-  %s = (u8[96,64]{1,0}, u32[], token[]) send(%a, %t), channel_id=1, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_GATHER"}
+  %s = (u8[96,64]{1,0}, u32[], token[]) send(%a, %t), channel_id=1, is_host_transfer=true, frontend_attributes={_xla_host_transfer_rendezvous="all-gather.1_0",_xla_megascale_transfer_type="ALL_GATHER"}
+  %v = (u8[2,96,64]{2,1,0}, u32[], token[]) recv(%t), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_host_transfer_rendezvous="all-gather.1_0",_xla_megascale_transfer_type="ALL_GATHER"}
   %r = (f32[1024]{0}, u32[], token[]) send(%b, %t), channel_id=2, is_host_transfer=true, frontend_attributes={_xla_megascale_transfer_type="ALL_REDUCE"}
   %g = f32[8]{0} all-gather(%c), channel_id=3, replica_groups=mesh['axis_0'=2,'axis_1'=2], device_ids=([2,2]T(1,0)) {'axis_1'}, dimensions={0}
 }

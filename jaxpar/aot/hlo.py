@@ -224,8 +224,8 @@ def collective(module, inst, num_devices, slice_of_device=None, *, cpu=False) ->
     kind = m[1].lower().replace("_", "-")
     size = sum(array_bytes(inst.shape)[:-1])  # (data..., u32[], token[])
     slices = len(set(slice_of_device)) if slice_of_device is not None else 2
-    if kind == "all-gather":  # the send carries this slice's part; an all-gather row counts the result
-      size *= slices
+    if kind == "all-gather":  # a row counts the gathered result: the matching recv's, when it is larger
+      size = max(size, _received_bytes(module, inst))
     return [Collective(kind, 1, size, _wire(kind, size, slices), True, _dtype(inst.shape))]
   if inst.op == "fusion":
     emitter = inst.backend_config.get("collective_algorithm_config", {}).get("emitter", "")
@@ -240,6 +240,16 @@ def collective(module, inst, num_devices, slice_of_device=None, *, cpu=False) ->
     groups = _groups(inner.attrs, num_devices)
     return [_sized(kind, size, groups, slice_of_device, _dtype(inner.shape), input_size=True)]
   return []
+
+
+def _received_bytes(module, send) -> float:
+  """Data bytes of the recv that pairs with a cross-slice send (same rendezvous), else 0: a
+  gather's send may carry this slice's part alone, its recv always the whole result."""
+  key = re.search(r'_xla_host_transfer_rendezvous="([^"]+)"', send.attrs)
+  if key is None:
+    return 0.0
+  recv = next((i for i in module.instructions.values() if i.op == "recv" and key[0] in i.attrs), None)
+  return sum(array_bytes(recv.shape)[:-1]) if recv is not None else 0.0
 
 
 SLICED = "all-reduce (sliced)"
