@@ -126,6 +126,8 @@ def test_streaming_resume_mid_period_continues_bit_for_bit(tmp_path):
   first = Trainer(_config(*overrides, tmp_path=tmp_path / "split")).fit(steps=3, show_progress=False)
   resumed = Trainer(_config(*overrides, tmp_path=tmp_path / "split")).fit(show_progress=False)
   assert [h["step"] for h in resumed.history] == [4, 5, 6]
+  # A step that compiles a program it is the first to run (1; 2, fragment 0's sync) has no step time.
+  assert ["step_time_s" in h for h in first.history] == [False, False, True]
   assert [h["loss"] for h in first.history + resumed.history] == whole
   assert "sync/drift" in resumed.history[0] and "sync/drift" not in resumed.history[1]  # steps 4 and 6 sync
 

@@ -295,6 +295,8 @@ class Trainer:
       for step in range(start_step + 1, start_step + steps + 1):
         if hasattr(batches, "follow"):  # an objective that generates: from the current weights
           batches.follow(state)
+        if self.replicas is not None and self.replicas.first_use(step):
+          clock.pause_after(step - 1)  # this step compiles a sync's program: not a step time
         state, metrics = self.step(state, next(batches), step)
         if hasattr(batches, "host_metrics"):
           metrics = {**metrics, **batches.host_metrics()}

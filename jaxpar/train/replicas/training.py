@@ -90,7 +90,7 @@ class ReplicaTraining:
     self.shapes = [tuple(a.shape) for a in jax.tree.leaves(abstract_params)]
     names = jax.tree.leaves(axis_names, is_leaf=lambda x: isinstance(x, tuple))
     self.fragments = Fragments(names, self.shapes, self.settings.fragments)
-    self._programs = {}
+    self._programs, self._used = {}, set()
 
   # -- state ------------------------------------------------------------------------
 
@@ -127,6 +127,13 @@ class ReplicaTraining:
   def due(self, step: int) -> int | None:
     """The fragment that syncs after inner step `step`, if one does."""
     return self.fragments.due(step, self.settings.every)
+
+  def first_use(self, step: int) -> bool:
+    """Whether step `step` is the first to run its program (so its time includes compiling it)."""
+    fragment = self.due(step)
+    fresh = fragment not in self._used
+    self._used.add(fragment)
+    return fresh
 
   def program(self, fragment: int | None):
     """The jitted step that takes an inner step and, with a fragment, syncs it."""
