@@ -127,13 +127,12 @@ def pod(methods):
     config = load_config("llama3-8b", ["mesh.num_slices=2", "mesh.data=2", "data.global_batch_size=1024"] + POD[name])
     trainer = Trainer(config, devices)
     r = trainer.replicas
-    dense = r.settings.bits >= 16 and r.method != "sparseloco"
     total = least = 0.0
     for p in range(r.settings.fragments):
       started = time.perf_counter()
       compiled, _ = compile_step(trainer, program=r.program(p), name=f"sync {p}")
       sent = crossing_bytes(compiled, trainer.mesh)
-      hand = r.sent_bytes(p) * (2 * (r.replicas - 1) / r.replicas if dense else r.replicas - 1)
+      hand = r.least_wire_bytes(p)
       total, least = total + sent, least + hand
       print(f"{name} sync {p}: DCN {sent / 2**20:.1f} MiB per device (hand {hand / 2**20:.1f} MiB), temporaries "
             f"{compiled.memory_analysis().temp_size_in_bytes / 2**30:.2f} GiB, compiled in "

@@ -84,17 +84,15 @@ def crossing_bytes(compiled, mesh, axis: str = "data") -> float:
 
 def data_sync_traffic(trainer, inner, phase=silent, target="the target") -> dict:
   """train.sync's traffic over `data`, per device, from its compiled programs: each one's
-  bytes, their average per step over a sync period, and the least a sync can send (one
-  ring all-reduce of the fragment at 32 or 16 bits; one all-gather of every replica's
-  packed codes otherwise)."""
+  bytes, their average per step over a sync period, and the least its syncs can send
+  (ReplicaTraining.least_wire_bytes)."""
   r = trainer.replicas
-  every, fragments, n = r.settings.every, r.settings.fragments, r.replicas
+  every, fragments = r.settings.every, r.settings.fragments
   programs = {"inner": crossing_bytes(inner, trainer.mesh)}
   for p in range(fragments):
     compiled, _ = compile_step(trainer, phase, target, r.program(p), f"sync {p}")
     programs[f"sync {p}"] = crossing_bytes(compiled, trainer.mesh)
-  dense = r.settings.bits >= 16 and r.method != "sparseloco"
-  least = sum(r.sent_bytes(p) * (2 * (n - 1) / n if dense else n - 1) for p in range(fragments))
+  least = sum(r.least_wire_bytes(p) for p in range(fragments))
   syncs = sum(programs[f"sync {p}"] for p in range(fragments))
   return {"method": r.method, "every": every, "fragments": fragments, "bits": r.settings.bits, "programs": programs,
           "per_step": (syncs + (every - fragments) * programs["inner"]) / every, "least_per_step": least / every}

@@ -261,3 +261,10 @@ class ReplicaTraining:
       size = int(np.prod(sharding.shard_shape(piece)))
       total += compress.payload_bytes(size, bits=s.bits, chunk=s.chunk, kept=kept)
     return total
+
+  def least_wire_bytes(self, fragment: int) -> float:
+    """What each device must send over `data` at a sync of `fragment` (ring algorithms): one
+    all-reduce of its shard at 32 or 16 bits, else its packed codes to every other replica."""
+    n = self.replicas
+    dense = self.settings.bits >= 16 and self.method != "sparseloco"
+    return self.sent_bytes(fragment) * (2 * (n - 1) / n if dense else n - 1)
