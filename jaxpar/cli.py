@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from jaxpar.cluster import distributed
-from jaxpar.errors import UserError, did_you_mean
+from jaxpar.errors import ConfigError, UserError, did_you_mean
 
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
@@ -85,7 +85,11 @@ def _print_sample(trainer, state, tokenizer):
     runtime = Runtime(trainer.config.model, mesh, runtime.mesh.devices.flat, parallel=trainer.config.parallel)
     params, model_state = relayout((params, model_state), source, runtime.layer_order(),
                                    (runtime.param_shardings, runtime.model_state_shardings))
-  engine = Engine(runtime, params, tokenizer, model_state=model_state, slots=1, prefill_chunks=(64,))
+  try:
+    engine = Engine(runtime, params, tokenizer, model_state=model_state, slots=1, prefill_chunks=(64,))
+  except ConfigError as e:  # a model the engine cannot serve yet: the run itself is done and saved
+    console.print(f"no sample: {e}", markup=False, highlight=False)
+    return
   sampling = SamplingParams(max_tokens=t.sample_tokens, temperature=t.sample_temperature,
                             top_p=t.sample_top_p, seed=t.seed)
   text = engine.generate([t.sample_prompt], sampling)[0].text

@@ -23,7 +23,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.mesh import AXES, ExecutionOptions, PipelineOptions
 from jaxpar.mesh.rules import sequence_parallel_rules, unused_mesh_axes
 from jaxpar.models.config import Frozen
-from jaxpar.models.layer_pattern import unit_options
+from jaxpar.models.layer_pattern import layer_mixer, unit_options
 from jaxpar.models.pipeline import bubble_fraction, stage_major_order
 
 _log = logging.getLogger(__name__)
@@ -247,6 +247,10 @@ class ParallelPlan:
     if not model.scan_layers:
       raise ConfigError(f"model.scan_layers=false with mesh.stage={S}: pipeline stages run stacked "
                         "layers; set model.scan_layers=true")
+    mixers = {layer_mixer(model, i) for i in range(model.first_dense_layers, model.num_layers)}
+    if len(mixers) > 1:
+      raise ConfigError(f"model.layer_pattern mixes token mixers ({', '.join(sorted(mixers))}) with mesh.stage={S}: "
+                        "pipelining a hybrid stack is not built yet; use mesh.stage=1")
     count = model.num_layers - model.first_dense_layers
     groups = S * R
     what = f"mesh.stage={S} x parallel.pipeline.repeats={R} = {groups}" if R > 1 else f"mesh.stage={S}"

@@ -6,10 +6,10 @@ shipped blocks, every family folder and any installed `jaxpar.families` entry po
 global Flax behaviour: `build_model` scopes what it needs.
 """
 
-from jaxpar.models import attention, decoder, families, mla, mlp, moe  # noqa: F401  (register the shared blocks)
+from jaxpar.models import attention, decoder, families, gated_deltanet, mla, mlp, moe  # noqa: F401  (the shared blocks)
 from jaxpar.models.attention import Attention
 from jaxpar.models.caches import NoCache, SimulatedKVQuantization
-from jaxpar.models.config import LayerKind, ModelConfig, QuantizationConfig, RopeScaling
+from jaxpar.models.config import GatedDeltaNetConfig, LayerKind, ModelConfig, QuantizationConfig, RopeScaling
 from jaxpar.models.decoder import DecoderLayer, LayerContext
 from jaxpar.models.kv_cache import PagedCache
 from jaxpar.models.kv_cache_latent import LatentPagedCache
@@ -28,7 +28,7 @@ from jaxpar.models.transformer import Transformer
 
 families.load()
 
-__all__ = ["Attention", "DecoderLayer", "HFMapping", "KVQuantization", "LayerContext",
+__all__ = ["Attention", "DecoderLayer", "GatedDeltaNetConfig", "HFMapping", "KVQuantization", "LayerContext",
            "LatentPagedCache", "LayerKind", "LayerOptions", "MLAConfig", "MLP", "ModelConfig", "ModelFamily", "MoE", "MoEConfig",
            "MoEModelConfig", "NoCache", "PagedCache", "QuantizationConfig", "QuantizedKernel",
            "QuantizedPagedCache", "Rope", "RopeScaling", "SimulatedKVQuantization", "Transformer",

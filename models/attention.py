@@ -1,5 +1,6 @@
 """Grouped-query self-attention with RoPE and optional qk-norm (Qwen3): the `gqa` block."""
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -19,7 +20,8 @@ class Attention(nnx.Module):
   Parameters: q [embed, heads, head_dim], k and v [embed, kv_heads, head_dim],
   o [heads, head_dim, embed] (each a QuantizedKernel under model.quantization; with
   model.lora, their adapters in `lora`, models/lora.py); optional q/k/v biases (Qwen2),
-  an o bias [embed] (GPT-OSS), q/k RMSNorms (Qwen3) and sinks [heads] (GPT-OSS).
+  an o bias [embed] (GPT-OSS), q/k RMSNorms (Qwen3), sinks [heads] (GPT-OSS) and an output
+  gate [embed, heads, head_dim] (Qwen3-Next, Qwen3.5: the attention output times its sigmoid).
   The layer's options (layer_pattern.LayerOptions) give its RoPE and its attention options;
   the cache object (models/caches.py) decides where keys and values come from: the same
   call trains, measures KV quantization, prefills and decodes.
@@ -35,6 +37,8 @@ class Attention(nnx.Module):
     self.o = projection(fan_in(in_axis=(0, 1), out_axis=2), rngs.params(), (h, d, e),
                         ("heads", "head_dim", "embed"), contract=2, **proj)
     self.lora = lora.adapters(cfg.lora, rngs, q=self.q, k=self.k, v=self.v, o=self.o)
+    self.gate = (projection(proj_init, rngs.params(), (e, h, d), ("embed", "heads", "head_dim"), **proj)
+                 if cfg.attention_output_gate else None)
     if cfg.attention_bias:
       self.q_bias = nnx.Param(jnp.zeros((h, d), param_dtype), out_sharding=("heads", "head_dim"))
       self.k_bias = nnx.Param(jnp.zeros((kv, d), param_dtype), out_sharding=("kv_heads", "head_dim"))
@@ -70,6 +74,8 @@ class Attention(nnx.Module):
     v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))
     sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
     out, cache = cache.update_and_attend(q, k, v, context, options.attention, sinks=sinks)
+    if self.gate is not None:
+      out = out * jax.nn.sigmoid(dense(x, self.gate, dtype=dt, precision=self.precision))
     out = checkpoint_name(out, "attention_out")
     o = dense(out, self.o, contract=2, dtype=dt, adapter=lora.adapter(self.lora, "o"), precision=self.precision)
     if self.o_bias is not None:
@@ -79,7 +85,8 @@ class Attention(nnx.Module):
   @staticmethod
   def matmul_params(cfg) -> int:
     """Parameters of its projections (what FLOP counting multiplies by tokens)."""
-    return cfg.embed_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    gated = cfg.num_heads if cfg.attention_output_gate else 0
+    return cfg.embed_dim * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads + gated)
 
   @staticmethod
   def head_dims(cfg) -> tuple[int, int]:

@@ -92,20 +92,20 @@ def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail
 
 
 def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quantization=None,
-         slots: int = 1, windows=None) -> dict:
+         slots: int = 1, windows=None, mixer: str | None = None) -> dict:
   """Zeroed pages for a group of `num_layers` layers, of the kind its attention block keeps
   (`init_cache`: float, or quantized with a float tail page per slot; multi-head latent
-  attention's latent cache). `windows`: the
+  attention's latent cache); `mixer`: the group's attention block (None: the model's). `windows`: the
   group's per-layer sliding windows; when local and global layers mix, the local layers get
   rings of their window's pages per slot instead of pool pages (kv_cache_windowed.py)."""
   if kv_cache_windowed.is_mixed(windows):
     full = sum(w is None for w in windows)
     ring = kv_cache_windowed.ring_pages(max(w for w in windows if w), page_size)
     part = lambda layers, pages: init(cfg, layers, pages, page_size, dtype,  # noqa: E731
-                                      kv_quantization=kv_quantization, slots=slots)
+                                      kv_quantization=kv_quantization, slots=slots, mixer=mixer)
     return {"full": part(full, num_pages), "windowed": part(num_layers - full, slots * ring)}
-  return get_block("attention", cfg.attention_block).init_cache(cfg, num_layers, num_pages, page_size, dtype,
-                                                               kv_quantization=kv_quantization, slots=slots)
+  return get_block("attention", mixer or cfg.attention_block).init_cache(
+      cfg, num_layers, num_pages, page_size, dtype, kv_quantization=kv_quantization, slots=slots)
 
 
 def cache_bytes(cache: dict) -> dict:

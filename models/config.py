@@ -163,17 +163,41 @@ class LayerKind(Frozen):
   """One entry of `model.layer_pattern`: how the layers at its places differ from the
   model's defaults. Only the keys given apply; the rest come from the model section, so
   `{}` is a layer as the model section describes it and `{rope_scaling: null}` one without
-  the model's scaling. Nothing here changes a layer's parameters."""
+  the model's scaling. Only `mixer` changes a layer's parameters."""
   sliding_window: int | None = Field(None, ge=1)  # None: full causal attention
   attn_logit_soft_cap: float | None = Field(None, gt=0)
   rope_theta: float = Field(10000.0, gt=0)
   rope_scaling: RopeScaling | None = None
   rope: bool = True  # False: no rotary position embedding (NoPE)
+  # The layer's token mixer, a registered attention block (None: model.attention_block). The
+  # one key here that changes parameters: the layers of each mixer are stacked apart
+  # (models/transformer.py layer_groups), the scan running over units of the pattern.
+  mixer: str | None = None
 
   @model_serializer(mode="wrap")
   def _given_keys_only(self, handler):
     # A saved config must read back with the same keys given (defaults are not overrides).
     return {k: v for k, v in handler(self).items() if k in self.model_fields_set}
+
+
+class GatedDeltaNetConfig(Frozen):
+  """The `gated_deltanet` token mixer (models/gated_deltanet.py): linear attention by the
+  gated delta rule (Qwen3-Next, Qwen3.5). Value heads share key heads in groups, as query
+  heads share kv heads in GQA."""
+  num_key_heads: int = Field(2, ge=1)
+  num_value_heads: int = Field(4, ge=1)
+  key_head_dim: int = Field(32, ge=1)
+  value_head_dim: int = Field(32, ge=1)
+  conv_kernel: int = Field(4, ge=1)  # the short causal convolution over q, k and v
+  chunk_size: int = Field(64, ge=1)  # tokens per chunk of the chunked (training, prefill) form
+  implementation: Literal["auto", "reference", "chunked"] = "auto"  # pallas_kernels.gated_delta_rule
+
+  @model_validator(mode="after")
+  def _groups(self):
+    if self.num_value_heads % self.num_key_heads:
+      raise ValueError(f"model.gated_deltanet.num_key_heads={self.num_key_heads} must divide "
+                       f"num_value_heads={self.num_value_heads}")
+    return self
 
 
 class ModelConfig(Frozen):
@@ -192,6 +216,7 @@ class ModelConfig(Frozen):
   max_seq_len: int = 2048
   rope_theta: float = 10000.0
   rope_scaling: RopeScaling | None = None
+  rope_fraction: float = Field(1.0, gt=0, le=1)  # of head_dim that rotates (HF partial_rotary_factor)
   # Keys at most this far back (the query's own included) on every layer (Mistral); None: all.
   sliding_window: int | None = Field(None, ge=1)
   attn_logit_soft_cap: float | None = Field(None, gt=0)  # cap * tanh(logits / cap) (Gemma 2)
@@ -215,6 +240,10 @@ class ModelConfig(Frozen):
   attention_out_bias: bool = False  # an o projection bias (GPT-OSS, with attention_bias)
   # A learned logit per query head that joins every row's softmax with a zero value (GPT-OSS).
   attention_sinks: bool = False
+  # Attention's output times sigmoid(a gate projection of the layer input), per head and
+  # channel, before the o projection (Qwen3-Next, Qwen3.5).
+  attention_output_gate: bool = False
+  gated_deltanet: GatedDeltaNetConfig | None = None  # the `gated_deltanet` mixer's shape
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   compute_dtype: Literal["float32", "bfloat16"] = "float32"
   scan_layers: bool = True
@@ -263,6 +292,10 @@ class ModelConfig(Frozen):
     AttentionSpec(implementation=self.attention, **self.attention_options)  # the spec checks itself
     if self.mlp_chunks < 1:
       raise ValueError(f"model.mlp_chunks={self.mlp_chunks} must be at least 1 (1: the block runs whole)")
+    mixers = {self.attention_block} | {k.mixer for k in self.layer_pattern if k.mixer}
+    if "gated_deltanet" in mixers and self.gated_deltanet is None:
+      raise ValueError("model.layer_pattern uses mixer gated_deltanet: give its shape in model.gated_deltanet "
+                       "(num_key_heads, num_value_heads, key_head_dim, value_head_dim)")
     if not 0 <= self.first_dense_layers <= self.num_layers:
       raise ValueError(f"model.first_dense_layers={self.first_dense_layers} must be between 0 and "
                        f"model.num_layers={self.num_layers}")

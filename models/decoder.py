@@ -37,12 +37,13 @@ class LayerContext:
 
 class DecoderLayer(nnx.Module):
   """x + attention(norm(x)), then x + feed_forward(norm(x)); x is [B, L, embed]. The blocks
-  are the config's (`model.attention_block`, and `model.mlp` unless the stack says)."""
+  are the config's (`model.attention_block` and `model.mlp`) unless the stack says (`mixer`,
+  `feed_forward`)."""
 
-  def __init__(self, cfg, rngs: nnx.Rngs, *, feed_forward: str | None = None):
+  def __init__(self, cfg, rngs: nnx.Rngs, *, feed_forward: str | None = None, mixer: str | None = None):
     dtypes = dict(param_dtype=jnp.dtype(cfg.param_dtype), compute_dtype=jnp.dtype(cfg.compute_dtype))
     self.attn_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, **dtypes)
-    self.attn = get_block("attention", cfg.attention_block)(cfg, rngs=rngs, **dtypes)
+    self.attn = get_block("attention", mixer or cfg.attention_block)(cfg, rngs=rngs, **dtypes)
     self.mlp_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, **dtypes)
     self.mlp = get_block("feed_forward", feed_forward or cfg.mlp)(cfg, rngs=rngs, **dtypes)
 

@@ -4,8 +4,10 @@ sliding-window fields both ways, the dense decoder's config, and experts stored 
 per expert. Our RoPE rotates the two halves of head_dim like HF, so q/k need no
 permutation. The conversion machinery is jaxpar/convert/hf.py."""
 
+import dataclasses
 import functools
 import math
+from typing import Callable
 
 from jaxpar.errors import ConfigError
 from jaxpar.models import activations
@@ -15,6 +17,19 @@ from jaxpar.models.moe_config import MoEConfig, MoEModelConfig
 
 # HF model types whose `layer_types` mixes sliding and full layers.
 _LAYER_TYPES = ("qwen2", "qwen3", "gpt_oss")
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """The layout of one of several parameters that HF keeps in one tensor, stacked along its
+  first axis: this is part `part` of `parts` (our paths inside the layer, in HF's order),
+  each read in `layout`. `groups` (a function of the model config): the parts alternate in
+  that many groups (Qwen3.5's gated q_proj: per head, the query rows then the gate's);
+  None: one part after another (in_proj_qkv: q, then k, then v)."""
+  layout: str
+  part: int
+  parts: tuple[tuple[str, ...], ...]
+  groups: Callable | None = None
+
 
 # (our path inside a layer, HF name after `model.layers.{i}.`, layout); absent entries are
 # skipped.
@@ -41,6 +56,13 @@ TOP = (
   (("final_norm", "scale"), "model.norm.weight", "same"),
   (("unembed",), "lm_head.weight", "transpose"),
 )
+
+
+def repeating_prefix(types: list[str]) -> list[str]:
+  """The shortest prefix of HF's `layer_types` that, cycled, gives every layer's type: a
+  `layer_pattern` (the whole list when nothing shorter repeats)."""
+  return next(types[:p] for p in range(1, len(types) + 1)
+              if all(t == types[i % p] for i, t in enumerate(types)))
 
 
 def rope_from_hf(hf: dict) -> tuple[float, dict | None]:

@@ -6,7 +6,9 @@ per layer; the result is a static `LayerOptions` per layer, its attention a
 `pallas_kernels.AttentionSpec` built once per layer kind. Options never change a layer's
 parameters, so a group of layers stays one stack ([layers, ...] arrays) and the scan runs
 over units of one period of the pattern, each layer of a unit with its own static options
-(`unit_options`): a kernel sees a Python window, not a traced one.
+(`unit_options`): a kernel sees a Python window, not a traced one. A pattern's `mixer` does
+change parameters: the layers of each mixer are a stack of their own, interleaved in the
+same unit scan (models/transformer.py).
 """
 
 import dataclasses
@@ -23,9 +25,10 @@ _OVERRIDABLE = ("sliding_window", "attn_logit_soft_cap", "rope_theta", "rope_sca
 class Rope:
   theta: float
   scaling: RopeScaling | None = None
+  fraction: float = 1.0  # of head_dim that rotates (partial rotary: Qwen3-Next's 0.25)
 
   def frequencies(self, head_dim: int):
-    return rope_frequencies(head_dim, self.theta, self.scaling)
+    return rope_frequencies(int(head_dim * self.fraction), self.theta, self.scaling)
 
   def attention_factor(self) -> float:
     return attention_factor(self.scaling)
@@ -49,24 +52,32 @@ def layer_options(cfg: ModelConfig, index: int) -> LayerOptions:
   scale = cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar ** -0.5
   attention = AttentionSpec.of(sliding_window=values["sliding_window"], logit_soft_cap=values["attn_logit_soft_cap"],
                                scale=scale, implementation=cfg.attention, **cfg.attention_options)
-  return LayerOptions(attention, Rope(values["rope_theta"], values["rope_scaling"]) if use_rope else None)
+  rope = Rope(values["rope_theta"], values["rope_scaling"], cfg.rope_fraction) if use_rope else None
+  return LayerOptions(attention, rope)
+
+
+def layer_mixer(cfg: ModelConfig, index: int) -> str:
+  """The token mixer (attention block name) of layer `index`."""
+  entry = cfg.layer_pattern[index % len(cfg.layer_pattern)] if cfg.layer_pattern else None
+  return (entry and entry.mixer) or cfg.attention_block
 
 
 def unit_options(cfg: ModelConfig, start: int) -> list[LayerOptions]:
-  """The options of one scan unit of a group whose first layer is `start`: the shortest
-  run of layers whose repetition gives every layer's options (length 1 when all agree)."""
+  """The options of one scan unit of a run whose first layer is `start`: the shortest
+  run of layers whose repetition gives every layer's options and mixer (length 1 when all
+  agree)."""
   period = max(len(cfg.layer_pattern), 1)
-  options = [layer_options(cfg, start + i) for i in range(period)]
+  kinds = [(layer_options(cfg, start + i), layer_mixer(cfg, start + i)) for i in range(period)]
   for length in range(1, period + 1):
-    if period % length == 0 and all(options[i] == options[i % length] for i in range(period)):
-      return options[:length]
+    if period % length == 0 and all(kinds[i] == kinds[i % length] for i in range(period)):
+      return [options for options, _ in kinds[:length]]
   raise AssertionError("unreachable: the whole period always repeats")
 
 
-def sliding_windows(cfg: ModelConfig, start: int = 0, count: int | None = None) -> tuple:
-  """The sliding window (None: global) of each of `count` layers from layer `start` on."""
-  count = cfg.num_layers - start if count is None else count
-  return tuple(layer_options(cfg, i).attention.sliding_window for i in range(start, start + count))
+def sliding_windows(cfg: ModelConfig, indices=None) -> tuple:
+  """The sliding window (None: global) of each layer of `indices` (None: every layer)."""
+  indices = range(cfg.num_layers) if indices is None else indices
+  return tuple(layer_options(cfg, i).attention.sliding_window for i in indices)
 
 
 def kv_reach(cfg: ModelConfig) -> int | None:

@@ -10,7 +10,7 @@ Blocks are the interchangeable parts a config picks, by kind:
                  (x, context, cache, options) -> (y, cache), attending through the cache
                  object it is given (models/caches.py) with the layer's static options
                  (models/layer_pattern.py)
-  decoder_layer  `model.layer_block` (pre_norm): factory(cfg, rngs, *, feed_forward), its
+  decoder_layer  `model.layer_block` (pre_norm): factory(cfg, rngs, *, feed_forward, mixer), its
                  module's call (x, context, cache, options) -> (x, aux, cache)
 
 Adding a family or a block is a `register_*` call; nothing else in the tree is edited. The
@@ -37,6 +37,8 @@ class HFMapping:
   `dense_layer`: the entries of the `model.first_dense_layers` layers, when they differ.
   `model_types` / `config_from_hf`: the HF model types the family imports and how; none:
   export only (a family that writes another's layout, as a toy family writing Llama's).
+  `groups`: (layer group, entries) pairs for groups of their own (a hybrid's
+  `gated_deltanet_layers`).
   """
   config_to_hf: Callable[[ModelConfig, str], dict]
   top: tuple[tuple[tuple[str, ...], str, str], ...]
@@ -44,6 +46,14 @@ class HFMapping:
   model_types: tuple[str, ...] = ()
   config_from_hf: Callable[[dict], ModelConfig] | None = None
   dense_layer: tuple[tuple[tuple[str, ...], str, str], ...] | None = None
+  groups: tuple[tuple[str, tuple], ...] = ()
+
+  def entries(self, group: str) -> tuple:
+    """The layer entries of layer group `group` (models/transformer.py layer_groups)."""
+    named = dict(self.groups)
+    if group in named:
+      return named[group]
+    return (self.dense_layer or self.layer) if group == "dense_layers" else self.layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +111,10 @@ def check_blocks(model_cfg):
   """Every block the model section names is registered (one-line ConfigError if not)."""
   for kind, key in BLOCK_KINDS.items():
     get_block(kind, getattr(model_cfg, key))
+  for i, entry in enumerate(model_cfg.layer_pattern):
+    if entry.mixer and entry.mixer not in _BLOCKS["attention"]:
+      raise ConfigError(f"model.layer_pattern[{i}].mixer={entry.mixer!r} is not a registered attention block; "
+                        f"use one of {block_names('attention')}")
 
 
 def build_model(model_cfg, rngs: nnx.Rngs) -> nnx.Module:

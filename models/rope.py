@@ -59,13 +59,15 @@ def softmax_mscale(scaling) -> float:
 
 
 def apply_rope(x, positions, inv_freq, factor: float = 1.0):
-  """x: [B, L, H, D]; positions: [B, L]. Rotates the two halves of D (the HF layout);
-  `factor` scales the result (YaRN's attention factor)."""
-  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, L, D/2]
+  """x: [B, L, H, D]; positions: [B, L]. Rotates the two halves of the first 2 * len(inv_freq)
+  entries of D (the HF layout; fewer than D: partial rotary, the rest pass unchanged);
+  `factor` scales the rotated part (YaRN's attention factor)."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, L, R/2]
   sin = jnp.sin(angles)[:, :, None, :]
   cos = jnp.cos(angles)[:, :, None, :]
   if factor != 1.0:
     sin, cos = sin * factor, cos * factor
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return rotated.astype(x.dtype)
+  rotary = 2 * inv_freq.shape[-1]
+  x1, x2 = jnp.split(x[..., :rotary].astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+  return rotated if rotary == x.shape[-1] else jnp.concatenate([rotated, x[..., rotary:]], axis=-1)

@@ -9,7 +9,9 @@ window on some): then there is one function per place in a repeating unit, layer
 so compile time stays flat in depth; the layers that do not fill a last unit run after it.
 The parameters stay stacked per layer either way. A pipeline schedule can wrap the same
 functions. Non-parameter variables a layer changes (router biases, statistics) are
-written back into the stack after the scan.
+written back into the stack after the scan. Layers whose parameters differ in structure (a
+hybrid model's attention and linear-attention layers) live in stacks of their own and run
+interleaved through the same unit scan (`run_stacks`).
 """
 
 import functools
@@ -63,52 +65,76 @@ def run_layers(layers, layer_fns, carry, inputs=None, *, scan: bool, unroll: int
 
   inputs: a pytree whose leaves have a leading layer axis, or None.
   """
-  period = len(layer_fns)
+  carry, outputs = run_stacks({"": layers}, [("", fn) for fn in layer_fns], carry, {"": inputs},
+                              scan=scan, unroll=unroll)
+  return carry, outputs[""]
+
+
+def run_stacks(stacks: dict, unit: list, carry, inputs: dict, *, scan: bool, unroll: int = 1):
+  """Layers kept in several stacks, one per parameter structure (a hybrid's attention and
+  linear-attention layers), run interleaved: layer i runs `unit[i % len(unit)]`, a (stack
+  name, per-layer function) pair, on the next unused layer of that stack -> (final carry,
+  {stack name: outputs stacked over its layers}). inputs: {stack name: per-layer pytree or None}.
+  """
+  period = len(unit)
   if not scan:
-    per_layer = []
-    for i, layer in enumerate(layers):
-      carry, outputs = layer_fns[i % period](layer, carry, jax.tree.map(lambda x: x[i], inputs))
-      per_layer.append(outputs)
-    return carry, _stack(per_layer)
-  graphdef, params, others = nnx.split(layers, nnx.Param, ...)
-  stacked = (params, others, inputs)
-  count = jax.tree.leaves(params)[0].shape[0]
+    taken, per_layer = dict.fromkeys(stacks, 0), {name: [] for name in stacks}
+    for i in range(sum(len(layers) for layers in stacks.values())):
+      name, fn = unit[i % period]
+      j, taken[name] = taken[name], taken[name] + 1
+      carry, outputs = fn(stacks[name][j], carry, jax.tree.map(lambda x: x[j], inputs[name]))
+      per_layer[name].append(outputs)
+    return carry, {name: _stack(outputs) for name, outputs in per_layer.items()}
+  split = {name: nnx.split(layers, nnx.Param, ...) for name, layers in stacks.items()}
+  stacked = {name: (params, others, inputs[name]) for name, (_, params, others) in split.items()}
+  count = sum(jax.tree.leaves(params)[0].shape[0] for _, params, _ in split.values())
   units, rest = divmod(count, period)
 
-  def one_layer(fn, carry, layer_xs):
+  def one_layer(name, fn, carry, layer_xs):
     layer_params, layer_others, layer_inputs = layer_xs
-    layer = nnx.merge(graphdef, layer_params, layer_others)
+    layer = nnx.merge(split[name][0], layer_params, layer_others)
     carry, outputs = fn(layer, carry, layer_inputs)
     return carry, (outputs, nnx.state(layer, nnx.Not(nnx.Param)))
 
   if period == 1:  # one layer per step, over the stacked arrays as they are
-    carry, (outputs, updated) = jax.lax.scan(functools.partial(one_layer, layer_fns[0]), carry, stacked,
+    name, fn = unit[0]
+    carry, (outputs, updated) = jax.lax.scan(functools.partial(one_layer, name, fn), carry, stacked[name],
                                              unroll=unroll)
-    nnx.update(layers, updated)
-    return carry, outputs
+    nnx.update(stacks[name], updated)
+    return carry, {name: outputs}
 
-  def unit(fns):
-    """The body over one unit: xs' leaves are [len(fns), ...]."""
-    def body(carry, xs):
-      per_layer = []
-      for i, fn in enumerate(fns):
-        carry, results = one_layer(fn, carry, jax.tree.map(lambda x: x[i], xs))
-        per_layer.append(results)
-      return carry, _stack(per_layer)
-    return body
+  def body(positions):
+    """The body over one unit: xs[name]'s leaves are [that stack's layers in the unit, ...]."""
+    def run(carry, xs):
+      taken, per_layer = dict.fromkeys(xs, 0), {name: [] for name in xs}
+      for name, fn in positions:
+        j, taken[name] = taken[name], taken[name] + 1
+        carry, results = one_layer(name, fn, carry, jax.tree.map(lambda x: x[j], xs[name]))
+        per_layer[name].append(results)
+      return carry, {name: _stack(results) for name, results in per_layer.items()}
+    return run
 
-  # [units * period, ...] -> [units, period, ...] is free; a [count, 1, ...] view would not
-  # be (XLA copies every weight to add the unit axis), hence the plain scan above.
-  results = []
+  per_unit = {name: [n for n, _ in unit].count(name) for name in stacks}
+  in_tail = {name: [n for n, _ in unit[:rest]].count(name) for name in stacks}
+  # [units * n, ...] -> [units, n, ...] is free; a [count, 1, ...] view would not be (XLA
+  # copies every weight to add the unit axis), hence the plain scan above.
+  results = {name: [] for name in stacks}
   if units:
-    head = jax.tree.map(lambda x: x[:units * period].reshape(units, period, *x.shape[1:]), stacked)
-    carry, per_unit = jax.lax.scan(unit(layer_fns), carry, head, unroll=unroll)
-    results.append(jax.tree.map(lambda x: x.reshape(units * period, *x.shape[2:]), per_unit))
+    head = {name: jax.tree.map(lambda x, n=n: x[:units * n].reshape(units, n, *x.shape[1:]), stacked[name])
+            for name, n in per_unit.items() if n}
+    carry, out = jax.lax.scan(body(unit), carry, head, unroll=unroll)
+    for name, tree in out.items():
+      results[name].append(jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree))
   if rest:
-    carry, tail = unit(layer_fns[:rest])(carry, jax.tree.map(lambda x: x[units * period:], stacked))
-    results.append(tail)
-  outputs, updated = jax.tree.map(lambda *parts: jnp.concatenate(parts), *results)
-  nnx.update(layers, updated)
+    tail = {name: jax.tree.map(lambda x, n=per_unit[name]: x[units * n:], stacked[name])
+            for name, n in in_tail.items() if n}
+    carry, out = body(unit[:rest])(carry, tail)
+    for name, tree in out.items():
+      results[name].append(tree)
+  outputs = {}
+  for name, parts in results.items():
+    outputs[name], updated = jax.tree.map(lambda *p: jnp.concatenate(p), *parts)
+    nnx.update(stacks[name], updated)
   return carry, outputs
 
 

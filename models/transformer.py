@@ -4,7 +4,9 @@ Pure model code: arrays carry logical axis names; no mesh axes, no collectives. 
 is the config's registered `model.layer_block`, around its `model.attention_block` and
 feed-forward block (`model.mlp`); with `model.first_dense_layers` the first layers use the
 dense block instead, as their own scanned group. Each layer gets its static options from
-`model.layer_pattern` (layer_pattern.py), by its index over the whole stack.
+`model.layer_pattern` (layer_pattern.py), by its index over the whole stack; a pattern that
+gives some layers another token mixer (a hybrid's linear-attention layers) stacks those
+layers apart, and the groups of one run interleave in the scan (stack.run_stacks).
 """
 
 from typing import NamedTuple
@@ -18,19 +20,24 @@ from jaxpar.models import caches
 from jaxpar.models.decoder import RESIDUAL, LayerContext
 from jaxpar.models.embedding import embed_lookup
 from jaxpar.models.init import embedding_init, fan_in
-from jaxpar.models.layer_pattern import sliding_windows, unit_options
+from jaxpar.models.layer_pattern import layer_mixer, sliding_windows, unit_options
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.registry import get_block
 from jaxpar.models.pipeline import run_group
-from jaxpar.models.stack import create_layers, with_remat
+from jaxpar.models.stack import create_layers, run_stacks, with_remat
 
 
 class LayerGroup(NamedTuple):
-  """A run of layers with the same parameter structure, stacked and scanned together."""
+  """Layers with the same parameter structure, stacked and scanned together."""
   name: str  # the model attribute (and the parameter path's first key)
-  start: int  # its first layer's index in the whole stack
-  count: int
+  indices: tuple[int, ...]  # its layers' indices in the whole stack, in order
   feed_forward: str  # its feed-forward block
+  mixer: str  # its token mixer (attention block)
+  run: str  # the groups of one run interleave (a hybrid's mixers); runs go one after another
+
+  @property
+  def count(self) -> int:
+    return len(self.indices)
 
 
 # The group a pipeline runs over its stages (`mesh.stage > 1`): the repeated layers. The
@@ -39,11 +46,27 @@ PIPELINED_GROUP = "layers"
 
 
 def layer_groups(cfg) -> list[LayerGroup]:
-  """The scanned groups, in order."""
+  """The scanned groups, in order: per run (`dense_layers` then `layers`), one group per
+  token mixer, the model's attention block keeping the run's name (`gated_deltanet_layers`
+  beside `layers`)."""
   dense = cfg.first_dense_layers
-  groups = [LayerGroup("dense_layers", 0, dense, "dense"),
-            LayerGroup("layers", dense, cfg.num_layers - dense, cfg.mlp)]
-  return [g for g in groups if g.count > 0]
+  groups = []
+  for run, indices, feed_forward in (("dense_layers", range(dense), "dense"),
+                                     ("layers", range(dense, cfg.num_layers), cfg.mlp)):
+    by_mixer = {}
+    for i in indices:
+      by_mixer.setdefault(layer_mixer(cfg, i), []).append(i)
+    groups += [LayerGroup(run if mixer == cfg.attention_block else f"{mixer}_{run}", tuple(layers),
+                          feed_forward, mixer, run) for mixer, layers in by_mixer.items()]
+  return groups
+
+
+def layer_runs(cfg) -> list[list[LayerGroup]]:
+  """The groups by run, in order: each run's layers are consecutive, its groups interleaved."""
+  runs = {}
+  for group in layer_groups(cfg):
+    runs.setdefault(group.run, []).append(group)
+  return list(runs.values())
 
 
 def reduce_aux(per_group: list[dict]) -> dict:
@@ -73,7 +96,7 @@ class Transformer(nnx.Module):
                            out_sharding=("vocab", "embed"))
     make_layer = get_block("decoder_layer", cfg.layer_block)
     for group in layer_groups(cfg):
-      layer = lambda r, block=group.feed_forward: make_layer(cfg, r, feed_forward=block)  # noqa: E731
+      layer = lambda r, g=group: make_layer(cfg, r, feed_forward=g.feed_forward, mixer=g.mixer)  # noqa: E731
       setattr(self, group.name, create_layers(layer, group.count, rngs, scan=cfg.scan_layers))
     self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=param_dtype,
                               compute_dtype=compute_dtype, unit_offset=cfg.norm_unit_offset)
@@ -141,7 +164,7 @@ class Transformer(nnx.Module):
 
   def _decode_hidden(self, tokens, positions, cache, page_table, kv_quantization, tail_index):
     first = jnp.zeros((), jnp.int32)
-    windows = {g.name: sliding_windows(self.cfg, g.start, g.count) for g in layer_groups(self.cfg)}
+    windows = {g.name: sliding_windows(self.cfg, g.indices) for g in layer_groups(self.cfg)}
     views = {name: caches.for_generation(pages, page_table, first, kv_quantization=kv_quantization,
                                          tail_index=tail_index, windows=windows[name])
              for name, pages in cache.items()}
@@ -156,7 +179,7 @@ class Transformer(nnx.Module):
     window's pages per slot for its local ones (kv_cache_windowed.py)."""
     dtype = dtype or jnp.dtype(self.cfg.compute_dtype)
     return {g.name: caches.init(self.cfg, g.count, num_pages, page_size, dtype, kv_quantization=kv_quantization,
-                                slots=slots, windows=sliding_windows(self.cfg, g.start, g.count))
+                                slots=slots, windows=sliding_windows(self.cfg, g.indices), mixer=g.mixer)
             for g in layer_groups(self.cfg)}
 
   def _embed(self, tokens):
@@ -175,22 +198,33 @@ class Transformer(nnx.Module):
     """
     cfg = self.cfg
     per_group, new_caches = [], {}
-    for group in layer_groups(cfg):
-      layer_fns = [self._layer_fn(options) for options in unit_options(cfg, group.start)]
+    for run in layer_runs(cfg):
+      start = min(g.indices[0] for g in run)
+      group_of = {g.mixer: g.name for g in run}
+      unit = [(group_of[layer_mixer(cfg, start + i)], options) for i, options in enumerate(unit_options(cfg, start))]
+      layer_fns = [(name, self._layer_fn(options, name)) for name, options in unit]
       # The context rides in the carry: a pipeline streams each microbatch's with it.
-      (x, _, new_caches[group.name]), aux = run_group(
-          getattr(self, group.name), layer_fns, (x, context, group_caches[group.name]),
-          jnp.arange(group.count), scan=cfg.scan_layers, unroll=cfg.scan_unroll,
-          pipelined=group.name == PIPELINED_GROUP)
-      per_group.append(aux)
+      carry = (x, context, {g.name: group_caches[g.name] for g in run})
+      if len(run) == 1:
+        (x, _, run_caches), aux = run_group(
+            getattr(self, run[0].name), [fn for _, fn in layer_fns], carry, jnp.arange(run[0].count),
+            scan=cfg.scan_layers, unroll=cfg.scan_unroll, pipelined=run[0].name == PIPELINED_GROUP)
+        aux = [aux]
+      else:  # a hybrid: its groups interleave (the parallel plan refuses a pipeline over them)
+        (x, _, run_caches), by_group = run_stacks(
+            {g.name: getattr(self, g.name) for g in run}, layer_fns, carry,
+            {g.name: jnp.arange(g.count) for g in run}, scan=cfg.scan_layers, unroll=cfg.scan_unroll)
+        aux = list(by_group.values())
+      new_caches.update(run_caches)
+      per_group += aux
     return x, reduce_aux(per_group), new_caches
 
-  def _layer_fn(self, options):
-    """The per-layer function of layers with these static options (stack.run_layers)."""
+  def _layer_fn(self, options, group: str):
+    """The per-layer function of `group`'s layers with these static options (stack.run_stacks)."""
     block = with_remat(lambda layer, x, context, cache: layer(x, context, cache, options), self.cfg.remat)
 
     def layer_fn(layer, carry, index):
-      x, context, cache = carry
-      x, aux, cache = block(layer, x, context, cache.at(index))
-      return (x, context, cache), aux
+      x, context, group_caches = carry
+      x, aux, cache = block(layer, x, context, group_caches[group].at(index))
+      return (x, context, {**group_caches, group: cache}), aux
     return layer_fn

@@ -9,6 +9,8 @@ run it per device through the logical `shard_map` helper of `jaxpar.mesh`:
   `paged_attention(...)` (new tokens against a paged cache; `visible_pages` narrows a page
   table to a sliding window); `zigzag` / `unzigzag` put a sequence in (out of) the
   load-balanced order context parallelism prefers.
+- linear_attention: `gated_delta_rule(...)` (Gated DeltaNet's delta rule, Qwen3-Next's linear
+  attention; packed sequences reset the state) and `gated_delta_step(...)` (one decode token).
 - matmul: `quantized_matmul(x, weight)` with an int8 / int4 / W8A8 `QuantizedWeight`
   (`quantize_weight` makes one).
 """
@@ -22,6 +24,9 @@ from jaxpar.pallas_kernels.attention.reference import (attention_reference, deco
                                                        paged_attention_reference)
 from jaxpar.pallas_kernels.attention.spec import IMPLEMENTATIONS, AttentionSpec, CausalMask, FullMask, LocalMask
 
+from jaxpar.pallas_kernels.linear_attention import (gated_delta_rule, gated_delta_rule_reference,
+                                                    gated_delta_step)
+
 from jaxpar.pallas_kernels.matmul.block_sizes import MatmulBlocks
 from jaxpar.pallas_kernels.matmul.dispatch import quantized_matmul
 from jaxpar.pallas_kernels.matmul.format import QuantizedWeight
@@ -31,4 +36,4 @@ __all__ = ["MatmulBlocks", "QuantizedWeight", "dequantize_weight", "quantize_wei
            "IMPLEMENTATIONS", "AttentionSpec", "BlockSizes", "CausalMask", "FullMask", "LocalMask", "attention", "attention_reference",
            "choose_implementation", "decode_attention", "decode_attention_reference",
            "default_block_sizes", "paged_attention", "paged_attention_reference", "unzigzag",
-           "visible_pages", "zigzag"]
+           "visible_pages", "zigzag", "gated_delta_rule", "gated_delta_rule_reference", "gated_delta_step"]

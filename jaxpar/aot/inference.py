@@ -27,8 +27,8 @@ def abstract_cache(runtime, num_pages: int, page_size: int, dtype, slots: int = 
   """The paged KV cache as sharded ShapeDtypeStructs (nothing allocated), laid out as the
   engine lays it out (local layers' rings where local and global layers mix)."""
   cfg = runtime.model_config
-  shapes = jax.eval_shape(lambda: {g.name: caches.init(cfg, g.count, num_pages, page_size, jnp.dtype(dtype),
-                                                       slots=slots, windows=sliding_windows(cfg, g.start, g.count))
+  shapes = jax.eval_shape(lambda: {g.name: caches.init(cfg, g.count, num_pages, page_size, jnp.dtype(dtype), slots=slots,
+                                                       windows=sliding_windows(cfg, g.indices), mixer=g.mixer)
                                    for g in layer_groups(cfg)})
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=logical_to_sharding(
       kv_cache.STACKED_NAMES, s.shape, runtime.mesh, runtime.rules)), shapes)

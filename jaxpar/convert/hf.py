@@ -3,13 +3,16 @@ is models/families/<name>/hf.py, on the shared decoder layout of models/hf_layou
 `llama` for Llama 2/3, Mistral, Qwen2/2.5, Qwen3; `mixtral`; `qwen3_moe`; `deepseek`;
 `gemma2` and `gemma3`; `gpt_oss`). HF stores layers
 (and experts) one tensor each; ours are stacked on leading `layers` (and `experts`) axes,
-per layer group (`first_dense_layers`: `dense_layers`, then `layers`).
+per layer group (`first_dense_layers`: `dense_layers`, then `layers`; a hybrid's other mixer: its own group,
+e.g. `gated_deltanet_layers`). Parameters HF keeps in one tensor are read and written as
+`Rows` parts of it (models/hf_layout.py).
 
 Import reads `config.json` and the `*.safetensors` files (sharded or not) tensor by tensor;
 each device reads only the slice of each tensor that its shard holds, so a model never has
 to fit on one device or in host memory. Export gathers one layer of one tensor at a time.
 """
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -27,6 +30,7 @@ from jaxpar.data import copy_tokenizer_files
 from jaxpar.data.chat_batches import chat_template_text
 from jaxpar.errors import CheckpointError, ConfigError
 from jaxpar.models import family_names, get_family
+from jaxpar.models.hf_layout import Rows
 from jaxpar.models.transformer import layer_groups
 from jaxpar.runtime import Runtime
 from jaxpar.weights import SavedRun, lookup
@@ -77,9 +81,57 @@ def _span(index: slice, size: int) -> tuple[int, int]:
 _INTERLEAVED = ("even_columns", "odd_columns")
 
 
-def _read_shard(layout: str, tensor, shape: tuple, index: tuple) -> np.ndarray:
+@dataclasses.dataclass(frozen=True)
+class _RowSpan:
+  """Where one `Rows` part lies in its HF tensor: rows [start, stop) of every `period` rows;
+  `rows` of them in all, of the tensor's `total`; read in `layout`."""
+  layout: str
+  start: int
+  stop: int
+  period: int
+  rows: int
+  total: int
+
+  def hf_rows(self, rows: np.ndarray) -> np.ndarray:
+    width = self.stop - self.start
+    return rows // width * self.period + self.start + rows % width
+
+
+def _row_count(layout: str, shape: tuple) -> int:
+  """The HF tensor's first-axis rows that one layer's parameter of `shape` fills."""
+  return shape[1] * shape[2] if layout in ("heads_in", "conv") else shape[-1] if layout == "transpose" else shape[0]
+
+
+def _row_span(rows: Rows, layer0, lead: int, cfg) -> _RowSpan:
+  counts = [_row_count(rows.layout, _get(layer0, path).shape[lead:]) for path in rows.parts]
+  groups = rows.groups(cfg) if rows.groups else 1
+  widths = [count // groups for count in counts]
+  start = sum(widths[:rows.part])
+  return _RowSpan(rows.layout, start, start + widths[rows.part], sum(widths), counts[rows.part], sum(counts))
+
+
+class _RowView:
+  """The rows of one _RowSpan of an HF tensor, sliced as a tensor of their own."""
+
+  def __init__(self, tensor, span: _RowSpan):
+    self.tensor, self.span = tensor, span
+
+  def __getitem__(self, index):
+    index = index if isinstance(index, tuple) else (index,)
+    rows = self.span.hf_rows(np.arange(self.span.rows)[index[0]])
+    block = np.asarray(self.tensor[(slice(int(rows.min()), int(rows.max()) + 1),) + tuple(index[1:])])
+    return block[rows - rows.min()]
+
+
+def _open(source, name: str, layout):
+  tensor = source.slice(name)
+  return _RowView(tensor, layout) if isinstance(layout, _RowSpan) else tensor
+
+
+def _read_shard(layout, tensor, shape: tuple, index: tuple) -> np.ndarray:
   """Our-layout shard `index` of an HF tensor, reading only the HF slice it needs. A heads
   layout's head dim is our parameter's own (multi-head latent attention's differ)."""
+  layout = getattr(layout, "layout", layout)  # a _RowSpan's tensor is already its rows
   if layout == "same":
     return tensor[index]
   if layout in _INTERLEAVED:  # ours [..., F] <- every other column of HF [..., 2F]
@@ -87,6 +139,11 @@ def _read_shard(layout: str, tensor, shape: tuple, index: tuple) -> np.ndarray:
     return tensor[index[:-1] + (slice(2 * start + _INTERLEAVED.index(layout), 2 * stop, 2),)]
   if layout == "transpose":
     return tensor[index[1], index[0]].T
+  if layout == "conv":  # ours [K, H, D] <- HF [H*D, 1, K] (a depthwise conv1d's weight)
+    head_dim = shape[2]
+    start, stop = _span(index[1], shape[1])
+    block = tensor[slice(start * head_dim, stop * head_dim), slice(None), index[0]]
+    return np.asarray(block)[:, 0].T.reshape(-1, stop - start, head_dim)[:, :, index[2]]
   heads = _span(index[1] if layout == "heads_in" else index[0], shape[1 if layout == "heads_in" else 0])
   head_dim = shape[2] if layout == "heads_in" else shape[1]
   rows = slice(heads[0] * head_dim, heads[1] * head_dim)
@@ -98,8 +155,11 @@ def _read_shard(layout: str, tensor, shape: tuple, index: tuple) -> np.ndarray:
   return tensor[rows].reshape(n, head_dim)[:, index[1]]  # heads_bias: ours [H, D] <- HF [H*D]
 
 
-def _to_hf(layout: str, x: np.ndarray) -> np.ndarray:
-  if layout == "transpose":
+def _to_hf(layout, x: np.ndarray) -> np.ndarray:
+  layout = getattr(layout, "layout", layout)
+  if layout == "conv":
+    x = x.reshape(x.shape[0], -1).T[:, None, :]
+  elif layout == "transpose":
     x = x.T
   elif layout == "heads_in":
     x = x.reshape(x.shape[0], -1).T
@@ -122,17 +182,18 @@ def _entries(params: dict, cfg: ModelConfig):
   for group in layer_groups(cfg):
     if group.name not in params:
       continue  # model state: a group without variables (dense layers have no router bias)
-    entries = mapping.layer if group.name == "layers" else mapping.dense_layer or mapping.layer
     layer0 = params[group.name] if cfg.scan_layers else params[group.name][0]
-    for path, name, layout in entries:
+    for path, name, layout in mapping.entries(group.name):
       if lookup(layer0, path) is None:
         continue
+      if isinstance(layout, Rows):
+        layout = _row_span(layout, layer0, int(cfg.scan_layers), cfg)
       experts = range(_get(layer0, path).shape[int(cfg.scan_layers)]) if "{expert}" in name else [None]
       for i in range(group.count):
         ours = (group.name,) + path if cfg.scan_layers else (group.name, i) + path
         for j in experts:
           index = (i,) * cfg.scan_layers + (() if j is None else (j,))
-          yield ours, f"model.layers.{group.start + i}.{name}".format(expert=j), layout, index
+          yield ours, f"model.layers.{group.indices[i]}.{name}".format(expert=j), layout, index
 
 
 def _get(tree, path):
@@ -186,7 +247,7 @@ def _import_param(source, names: np.ndarray, layout, sharding, shape, dtype):
 
   def shard(index):
     spans = [range(*_span(index[a], shape[a])) for a in range(lead)]
-    blocks = [_read_shard(layout, source.slice(names[i]), shape[lead:], index[lead:])
+    blocks = [_read_shard(layout, _open(source, names[i], layout), shape[lead:], index[lead:])
               for i in itertools.product(*spans)]
     return np.stack(blocks).reshape(*map(len, spans), *blocks[0].shape).astype(dtype)
   return jax.make_array_from_callback(shape, sharding, shard)
@@ -319,11 +380,18 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
 
 def _hf_tensor(params, parts, dtype) -> np.ndarray:
   """One HF tensor from its parts, (our path, layout, index) each, one layer (of one expert)
-  at a time on the host: one part, or the two that HF interleaves; in `dtype` (None: as stored)."""
+  at a time on the host: one part, the two that HF interleaves, or the row parts (`Rows`) it
+  stacks; in `dtype` (None: as stored)."""
   leaves = {layout: np.asarray(jax.device_get(_get(params, path)[index])) for path, layout, index in parts}
   arrays = {layout: _to_hf(layout, leaf if dtype is None else leaf.astype(dtype)) for layout, leaf in leaves.items()}
   if len(arrays) == 1:
     return next(iter(arrays.values()))
+  if all(isinstance(layout, _RowSpan) for layout in arrays):
+    first = next(iter(arrays.values()))
+    tensor = np.empty((next(iter(arrays)).total, *first.shape[1:]), first.dtype)
+    for span, array in arrays.items():
+      tensor[span.hf_rows(np.arange(span.rows))] = array
+    return tensor
   even, odd = (arrays[layout] for layout in _INTERLEAVED)
   return np.stack([even, odd], axis=-1).reshape(*even.shape[:-1], -1)
 

@@ -23,6 +23,7 @@ from jaxpar.data import copy_tokenizer_files
 from jaxpar.errors import CheckpointError
 from jaxpar.models import get_family
 from jaxpar.models.config import PROJECTIONS
+from jaxpar.models.transformer import layer_groups
 from jaxpar.runtime import Runtime
 from jaxpar.weights import SavedRun, lookup, split_weights
 from jaxpar.weights.safetensors_file import save_safetensors
@@ -57,9 +58,10 @@ def export_peft(ckpt, out) -> Path:
     cfg = run.config.model
     if cfg.lora is None:
       raise CheckpointError(f"checkpoint {ckpt} has no adapters (no model.lora in its config)")
-    if cfg.lora.experts or cfg.first_dense_layers:
-      raise CheckpointError(f"checkpoint {ckpt} adapts routed experts or a separate dense-layer group, which "
-                            "have no PEFT form here: `jaxpar lora merge` it and export the merged model instead")
+    if cfg.lora.experts or len(layer_groups(cfg)) > 1:
+      raise CheckpointError(f"checkpoint {ckpt} adapts routed experts or more than one layer group (dense first "
+                            "layers, a hybrid's linear layers), which have no PEFT form here: `jaxpar lora merge` "
+                            "it and export the merged model instead")
     adapters = split_weights(run.load().runtime, run.params)[0]
   tensors, targets = {}, set()
   for i, layer in _layers(adapters, cfg):
@@ -110,6 +112,9 @@ def import_peft(peft_dir, base, out, *, devices=None):
   tensors = load_file(peft_dir / "adapter_model.safetensors")
   with SavedRun(base) as source:
     cfg = source.config.model
+    if len(layer_groups(cfg)) > 1:
+      raise CheckpointError(f"{base}: a model with more than one layer group (dense first layers, a hybrid's "
+                            "linear layers) takes no PEFT adapter here: merge the adapter in PEFT and convert the result")
     by_target = {target: path[-1] for path, _, target in _projections(cfg)}
     targets = peft["target_modules"]
     targets = [targets] if isinstance(targets, str) else targets

@@ -7,7 +7,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.models import activations
 from jaxpar.models.config import ModelConfig
 from jaxpar.models.families.gemma.config import Gemma2Config, Gemma3Config
-from jaxpar.models.hf_layout import LAYER, TOP, rope_from_hf
+from jaxpar.models.hf_layout import LAYER, TOP, repeating_prefix, rope_from_hf
 from jaxpar.models.layer_pattern import Rope, layer_options
 from jaxpar.models.registry import HFMapping
 
@@ -19,12 +19,6 @@ _NORMS = (
 )
 # Llama's projections and q/k norms, Gemma's four layer norms.
 _LAYER = tuple(e for e in LAYER if e[0][0] in ("attn", "mlp") and e[2] != "heads_bias") + _NORMS
-
-
-def _pattern(types: list[str]) -> list[str]:
-  """The shortest prefix of `types` that, cycled, gives every layer's type."""
-  return next(types[:p] for p in range(1, len(types) + 1)
-              if all(t == types[i % p] for i, t in enumerate(types)))
 
 
 def _ropes(hf: dict) -> tuple[tuple, tuple]:
@@ -49,7 +43,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
   local = {"sliding_window": hf["sliding_window"]}
   if kind == "gemma3_text":
     local.update(rope_theta=local_theta, rope_scaling=local_scaling)
-  pattern = [local if t == "sliding_attention" else {} for t in _pattern(types)]
+  pattern = [local if t == "sliding_attention" else {} for t in repeating_prefix(types)]
   return (Gemma3Config if kind == "gemma3_text" else Gemma2Config)(
       max_seq_len=hf["max_position_embeddings"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
       num_layers=layers, num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,

@@ -16,11 +16,11 @@ class SandwichNormLayer(nnx.Module):
   `sandwich_norm` decoder layer. Parameters: attn_norm, attn_post_norm, mlp_norm,
   mlp_post_norm (RMSNorm scales) around the config's attention and feed-forward blocks."""
 
-  def __init__(self, cfg, rngs: nnx.Rngs, *, feed_forward: str | None = None):
+  def __init__(self, cfg, rngs: nnx.Rngs, *, feed_forward: str | None = None, mixer: str | None = None):
     dtypes = dict(param_dtype=jnp.dtype(cfg.param_dtype), compute_dtype=jnp.dtype(cfg.compute_dtype))
     norm = lambda: RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, **dtypes)  # noqa: E731
     self.attn_norm, self.attn_post_norm = norm(), norm()
-    self.attn = get_block("attention", cfg.attention_block)(cfg, rngs=rngs, **dtypes)
+    self.attn = get_block("attention", mixer or cfg.attention_block)(cfg, rngs=rngs, **dtypes)
     self.mlp_norm, self.mlp_post_norm = norm(), norm()
     self.mlp = get_block("feed_forward", feed_forward or cfg.mlp)(cfg, rngs=rngs, **dtypes)
 

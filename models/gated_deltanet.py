@@ -1,0 +1,145 @@
+"""Gated DeltaNet (Yang, Kautz & Hatamizadeh, 2024), the linear-attention layer of Qwen3-Next
+and Qwen3.5: the `gated_deltanet` attention block.
+
+Per value head, a [key_dim, value_dim] state S replaces the keys and values of softmax
+attention: S <- exp(g) S, then S <- S + k (beta (v - S^T k))^T (the delta rule writes the
+correction of what S already predicts for k), and the output reads S^T q. Before that,
+q, k and v each pass a short causal depthwise convolution and SiLU; q and k are
+L2-normalised (q also scaled by key_dim^-0.5); beta = sigmoid(b x) and
+g = -exp(a_log) softplus(a x + dt_bias). The output is RMS-normalised per head, gated by
+SiLU(z x) and projected back. The recurrence itself is `pallas_kernels.gated_delta_rule`
+(chunked for training and prefill, a reference beside it). Under context parallelism the
+block puts the zig-zag-ordered sequence back in order and lets the partitioner move it (exact;
+LASP-2's one all-gather of per-chunk states is the planned replacement).
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar import pallas_kernels
+from jaxpar.errors import ConfigError
+from jaxpar.mesh import constrain, num_shards
+from jaxpar.models import caches
+from jaxpar.models.dense import dense, projection
+from jaxpar.models.init import fan_in
+from jaxpar.models.norm import RMSNorm
+from jaxpar.models.registry import register_block
+
+_L2_EPS = 1e-6  # as the FLA kernels and transformers normalise q and k
+_NOT_SERVED = ("generation with gated_deltanet layers is not built yet: train, evaluate and export these "
+               "models; serve them once the recurrent-state cache lands")
+
+
+def l2_normalize(x):
+  x32 = x.astype(jnp.float32)
+  return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + _L2_EPS)
+
+
+def causal_conv(x, kernel, segment_ids=None):
+  """Depthwise causal convolution over the length: x [B, L, H, D], kernel [K, H, D]; output
+  t is sum_i kernel[i] x[t - (K - 1) + i] (transformers' conv1d layout), with tokens before
+  the row or in another packed segment read as zeros."""
+  taps, length = kernel.shape[0], x.shape[1]
+  out = jnp.zeros(x.shape, jnp.float32)
+  for i in range(taps):
+    shift = taps - 1 - i
+    past = jnp.pad(x, ((0, 0), (shift, 0), (0, 0), (0, 0)))[:, :length].astype(jnp.float32)
+    if segment_ids is not None and shift:
+      same = segment_ids == jnp.pad(segment_ids, ((0, 0), (shift, 0)), constant_values=-1)[:, :length]
+      past = jnp.where(same[:, :, None, None], past, 0.0)
+    out = out + past * kernel[i].astype(jnp.float32)
+  return out
+
+
+class GatedDeltaNet(nnx.Module):
+  """Gated DeltaNet over [B, L, embed] -> [B, L, embed] (model.gated_deltanet sets its shape).
+
+  Parameters: q, k [embed, key_heads, key_dim]; v, z [embed, value_heads, value_dim];
+  b, a [embed, value_heads]; conv_q, conv_k [kernel, key_heads, key_dim] and conv_v
+  [kernel, value_heads, value_dim]; a_log, dt_bias [value_heads]; norm [value_dim]; o
+  [value_heads, value_dim, embed]. Value heads are tensor-parallel (`heads`), key heads as
+  GQA's kv heads (`kv_heads`).
+  """
+  linear = True  # no keys or values to attend over: a fixed-size state (flops.py, caches)
+
+  def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    g, e = cfg.gated_deltanet, cfg.embed_dim
+    hk, hv, dk, dv = g.num_key_heads, g.num_value_heads, g.key_head_dim, g.value_head_dim
+    proj = dict(param_dtype=param_dtype, quantization=cfg.quantization)
+    heads_init = fan_in(in_axis=0, out_axis=(1, 2))
+    self.q = projection(heads_init, rngs.params(), (e, hk, dk), ("embed", "kv_heads", "head_dim"), **proj)
+    self.k = projection(heads_init, rngs.params(), (e, hk, dk), ("embed", "kv_heads", "head_dim"), **proj)
+    self.v = projection(heads_init, rngs.params(), (e, hv, dv), ("embed", "heads", "head_dim"), **proj)
+    self.z = projection(heads_init, rngs.params(), (e, hv, dv), ("embed", "heads", "head_dim"), **proj)
+    self.b = projection(fan_in(), rngs.params(), (e, hv), ("embed", "heads"), **proj)
+    self.a = projection(fan_in(), rngs.params(), (e, hv), ("embed", "heads"), **proj)
+    conv_init = fan_in(in_axis=0, out_axis=(1, 2))  # each channel's taps: fan-in of the kernel length
+    conv = lambda h, d: nnx.Param(conv_init(rngs.params(), (g.conv_kernel, h, d), param_dtype),  # noqa: E731
+                                  out_sharding=(None, "kv_heads" if h == hk else "heads", "head_dim"))
+    self.conv_q, self.conv_k, self.conv_v = conv(hk, dk), conv(hk, dk), conv(hv, dv)
+    # Decay rates exp(a_log) spread over [1, 16] and dt_bias at 1, as transformers initialises them.
+    decay = jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)
+    self.a_log = nnx.Param(jnp.log(decay).astype(param_dtype), out_sharding=("heads",), weight_decay=False)
+    self.dt_bias = nnx.Param(jnp.ones((hv,), param_dtype), out_sharding=("heads",), weight_decay=False)
+    self.norm = RMSNorm(dv, eps=cfg.norm_eps, param_dtype=param_dtype, compute_dtype=jnp.float32,
+                        names=("head_dim",))
+    self.o = projection(fan_in(in_axis=(0, 1), out_axis=2), rngs.params(), (hv, dv, e),
+                        ("heads", "head_dim", "embed"), contract=2, **proj)
+    self.dtype, self.precision, self.options = compute_dtype, cfg.train_precision, g
+
+  def __call__(self, x, context, cache, options):
+    """x [B, L, embed] -> ([B, L, embed], cache). `options` (the layer's attention spec and
+    RoPE) do not apply: position lives in the recurrence."""
+    if not isinstance(cache, (caches.NoCache, caches.SimulatedKVQuantization)):
+      raise ConfigError(_NOT_SERVED)
+    dt, segments = self.dtype, context.segment_ids
+    if context.zigzag:  # the recurrence runs in token order: put the split sequence back in it
+      shards = num_shards("length")
+      x = pallas_kernels.unzigzag(x, shards)
+      segments = None if segments is None else pallas_kernels.unzigzag(segments, shards)
+
+    def project(name):
+      return checkpoint_name(dense(x, getattr(self, name), dtype=dt, precision=self.precision), "qkv_proj")
+    q, k, v = (jax.nn.silu(causal_conv(project(n), getattr(self, f"conv_{n}")[...], segments))
+               for n in ("q", "k", "v"))
+    q = l2_normalize(q) * self.options.key_head_dim ** -0.5
+    k = l2_normalize(k)
+    q = constrain(q, ("batch", "length", "act_kv_heads", "head_dim"))
+    k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "length", "act_heads", "head_dim"))
+    beta = jax.nn.sigmoid(project("b").astype(jnp.float32))
+    decay = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
+        project("a").astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+    out, _ = pallas_kernels.gated_delta_rule(q, k, v, decay, beta, segment_ids=segments,
+                                             implementation=self.options.implementation,
+                                             chunk_size=self.options.chunk_size)
+    gate = jax.nn.silu(project("z").astype(jnp.float32))
+    out = checkpoint_name((self.norm(out) * gate).astype(dt), "attention_out")
+    out = dense(out, self.o, contract=2, dtype=dt, precision=self.precision)
+    if context.zigzag:
+      out = pallas_kernels.zigzag(out, shards)
+    return checkpoint_name(out, "out_proj"), cache
+
+  @staticmethod
+  def matmul_params(cfg) -> int:
+    """Parameters of its projections (what FLOP counting multiplies by tokens)."""
+    g = cfg.gated_deltanet
+    key, value = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim
+    return cfg.embed_dim * (2 * key + 3 * value + 2 * g.num_value_heads)
+
+  @staticmethod
+  def mixing_flops(cfg) -> float:
+    """Training FLOPs per token of the recurrence, counted as its recurrent form does them:
+    per value head three [key_dim x value_dim] products (read the state for k, write the
+    correction, read it for q) at 2 flops each, forward + backward (x 3)."""
+    g = cfg.gated_deltanet
+    return 3 * 3 * 2 * g.num_value_heads * g.key_head_dim * g.value_head_dim
+
+  @staticmethod
+  def init_cache(cfg, num_layers, num_pages, page_size, dtype, *, kv_quantization=None, slots=1):
+    raise ConfigError(_NOT_SERVED)
+
+
+register_block("attention", "gated_deltanet", GatedDeltaNet)

@@ -1,0 +1,117 @@
+"""The gated delta rule (pallas_kernels/linear_attention): the chunked WY form equals the
+token-by-token reference (outputs, final state and gradients) with grouped heads, Dk != Dv, an
+initial state, a length no multiple of the chunk and packed sequences; the reference's resets
+equal running each sequence alone; the decode step, token by token, equals the reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar.pallas_kernels import gated_delta_rule, gated_delta_rule_reference, gated_delta_step
+from jaxpar.pallas_kernels.linear_attention.chunked import gated_delta_rule_chunked
+
+BATCH, LENGTH, KEY_HEADS, HEADS, KEY_DIM, VALUE_DIM, CHUNK = 2, 37, 2, 4, 8, 12, 16
+# Three packed sequences a row: row 0's start inside a chunk (10) and at a chunk edge (32);
+# row 1's last reuses its first one's id (a sequence starts where the id changes).
+STARTS, IDS = ((0, 10, 32), (0, 5, 21)), ((0, 1, 2), (3, 7, 3))
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+reference = jax.jit(gated_delta_rule_reference)
+chunked = jax.jit(gated_delta_rule_chunked, static_argnames="chunk_size")
+
+
+def packed_segment_ids():
+  ids = np.empty((BATCH, LENGTH), np.int32)
+  for row, (starts, names) in enumerate(zip(STARTS, IDS)):
+    for start, end, name in zip(starts, starts[1:] + (LENGTH,), names):
+      ids[row, start:end] = name
+  return ids
+
+
+def inputs(seed=0, key_heads=KEY_HEADS):
+  """(q, k, v, g, beta, initial_state) as the model block gives them: unit q and k, decays
+  exp(g) in (0, 1), beta in (0, 1)."""
+  rng = np.random.default_rng(seed)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+  q, k = (unit(rng.normal(size=(BATCH, LENGTH, key_heads, KEY_DIM))) for _ in range(2))
+  v = rng.normal(size=(BATCH, LENGTH, HEADS, VALUE_DIM))
+  g = -np.logaddexp(0.0, rng.normal(size=(BATCH, LENGTH, HEADS))) * 0.5
+  beta = 1 / (1 + np.exp(-rng.normal(size=(BATCH, LENGTH, HEADS))))
+  state = rng.normal(size=(BATCH, HEADS, KEY_DIM, VALUE_DIM))
+  return tuple(x.astype(np.float32) for x in (q, k, v, g, beta, state))
+
+
+@pytest.mark.parametrize("chunk_size", [CHUNK, 64], ids=["padded_chunks", "one_chunk"])
+@pytest.mark.parametrize("segment_ids", [None, packed_segment_ids()], ids=["one_sequence", "packed"])
+def test_chunked_equals_the_reference(segment_ids, chunk_size):
+  *tokens, state = inputs()
+  want_out, want_state = reference(*tokens, initial_state=state, segment_ids=segment_ids)
+  out, final = chunked(*tokens, initial_state=state, segment_ids=segment_ids, chunk_size=chunk_size)
+  np.testing.assert_allclose(out, want_out, **TOL)
+  np.testing.assert_allclose(final, want_state, **TOL)
+  assert out.shape == (BATCH, LENGTH, HEADS, VALUE_DIM) and final.shape == state.shape
+
+
+def test_a_packed_sequence_runs_as_if_alone():
+  """The reset is shown, not assumed: each packed sequence's outputs are those of the sequence
+  run alone (from the row's initial state for the first, from zeros after), and the final
+  state is the last sequence's own."""
+  *tokens, state = inputs(seed=1)
+  out, final = reference(*tokens, initial_state=state, segment_ids=packed_segment_ids())
+  for row, starts in enumerate(STARTS):
+    for start, end in zip(starts, starts[1:] + (LENGTH,)):
+      alone = [x[row:row + 1, start:end] for x in tokens]
+      first = state[row:row + 1] if start == 0 else np.zeros_like(state[row:row + 1])
+      want_out, want_state = reference(*alone, initial_state=first)
+      np.testing.assert_allclose(out[row:row + 1, start:end], want_out, **TOL)
+    np.testing.assert_allclose(final[row:row + 1], want_state, **TOL)
+
+
+def _gradients(fn, segment_ids):
+  """Gradients of a scalar of both results w.r.t. q, k, v, g, beta and the initial state."""
+  rng = np.random.default_rng(2)
+  out_weights = rng.normal(size=(BATCH, LENGTH, HEADS, VALUE_DIM)).astype(np.float32)
+  state_weights = rng.normal(size=(BATCH, HEADS, KEY_DIM, VALUE_DIM)).astype(np.float32)
+
+  def loss(*args):
+    *tokens, state = args
+    out, final = fn(*tokens, initial_state=state, segment_ids=segment_ids)
+    return jnp.sum(out * out_weights) + jnp.sum(final * state_weights)
+
+  return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*inputs(seed=3))
+
+
+@pytest.mark.parametrize("segment_ids", [None, packed_segment_ids()], ids=["one_sequence", "packed"])
+def test_chunked_gradients_equal_the_reference(segment_ids):
+  want = _gradients(gated_delta_rule_reference, segment_ids)
+  got = _gradients(functools.partial(gated_delta_rule_chunked, chunk_size=CHUNK), segment_ids)
+  for name, grad, want_grad in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
+    assert np.isfinite(grad).all(), name
+    np.testing.assert_allclose(grad, want_grad, **TOL, err_msg=name)
+
+
+def test_the_decode_step_token_by_token_equals_the_reference():
+  *tokens, state = inputs(seed=4)
+  want_out, want_state = reference(*tokens, initial_state=state)
+  step = jax.jit(gated_delta_step)
+  outs = []
+  for t in range(LENGTH):
+    out, state = step(state, *(x[:, t] for x in tokens))
+    outs.append(out)
+  np.testing.assert_allclose(np.stack(outs, axis=1), want_out, **TOL)
+  np.testing.assert_allclose(state, want_state, **TOL)
+
+
+def test_the_door_runs_the_chunked_form_and_refuses_bad_arguments():
+  *tokens, state = inputs()
+  door = jax.jit(functools.partial(gated_delta_rule, chunk_size=CHUNK))
+  for got, want in zip(door(*tokens, initial_state=state), chunked(*tokens, initial_state=state, chunk_size=CHUNK)):
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match=r"implementation='flash' is not one of \('auto', 'reference', 'chunked'\)"):
+    gated_delta_rule(*tokens, implementation="flash")
+  *three_heads, _ = inputs(key_heads=3)
+  with pytest.raises(ValueError, match=r"value heads \(4\) must be a multiple of key heads \(3\)"):
+    gated_delta_rule(*three_heads)

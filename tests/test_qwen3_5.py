@@ -1,0 +1,143 @@
+"""Qwen3.5 (text), the Gated DeltaNet hybrid, from a random-weight `transformers` model at
+small, odd shapes: 3 query heads on 1 kv head, 4 value heads on 2 key heads, key_dim 16 !=
+value_dim 12, a quarter of head_dim rotary, five layers whose pattern ends on a linear layer.
+Import gives transformers' logits, export writes its tensors back bit for bit; a hybrid train
+step over packed documents on fsdp x tensor equals one device's; the FLOPs count the
+projections the model really has; generation refuses in one line until its cache lands."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.config import MeshConfig
+from jaxpar.errors import ConfigError
+from jaxpar.models.families.qwen3_5.config import Qwen35Config
+from jaxpar.objectives.lm import lm_loss
+from jaxpar.runtime import Runtime
+from jaxpar.train.step import make_gradients
+from tests.helpers import small_config, synthetic_batch
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TYPES = ["linear_attention"] * 3 + ["full_attention", "linear_attention"]
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+  from jaxpar.convert.hf import hf_to_jaxpar
+  directory = tmp_path_factory.mktemp("qwen3_5")
+  hf_config = transformers.Qwen3_5TextConfig(
+      vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=5, num_attention_heads=3,
+      num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+      linear_value_head_dim=12, max_position_embeddings=128, layer_types=TYPES)
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+  with torch.no_grad():  # every weight random; Qwen3.5's norms store (scale - 1), its gated norm the scale
+    for name, p in model.named_parameters():
+      p.copy_(0.1 * torch.randn_like(p) + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0))
+  model.save_pretrained(directory / "hf")
+  return model, hf_to_jaxpar(directory / "hf", directory / "jaxpar"), directory
+
+
+def test_imports_with_logits_parity_and_exports_exactly(imported):
+  from safetensors.numpy import load_file
+  from jaxpar.convert.hf import jaxpar_to_hf
+  from tests.test_hf import _hf_logits, _our_logits
+  model, config, directory = imported
+  m = config.model
+  assert [k.mixer for k in m.layer_pattern] == ["gated_deltanet"] * 3 + [None]  # cycled: layer 4 is linear
+  assert (m.family, m.rope_fraction, m.gated_deltanet.num_value_heads, m.gated_deltanet.key_head_dim) == \
+      ("qwen3_5", 0.25, 4, 16)
+  tokens = np.random.default_rng(0).integers(0, m.vocab_size, (2, 40))
+  # The delta rule's f32 rounding differs between any two orders of the same sums (transformers'
+  # own f32 logits are ~1.4e-5 from its float64 ones here): compare with the exact answer.
+  with torch.no_grad():
+    exact = model.double()(torch.tensor(tokens)).logits.numpy()
+  model.float()
+  np.testing.assert_allclose(_our_logits(directory / "jaxpar", config, tokens), exact, rtol=1e-5,
+                             atol=1e-5 * np.abs(exact).max())
+  jaxpar_to_hf(directory / "jaxpar", directory / "back")
+  original, exported = (load_file(directory / d / "model.safetensors") for d in ("hf", "back"))
+  assert sorted(exported) == sorted(original)
+  for name, tensor in exported.items():
+    np.testing.assert_array_equal(tensor, original[name], err_msg=name)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory / "back").eval()
+  assert reloaded.config.layer_types == TYPES
+  np.testing.assert_array_equal(_hf_logits(reloaded, tokens), _hf_logits(model, tokens))
+
+
+def test_generation_refuses_in_one_line(imported):
+  from jaxpar.data import ByteTokenizer
+  from jaxpar.inference import Engine
+  _, _, directory = imported
+  with pytest.raises(ConfigError, match="generation with gated_deltanet layers is not built yet"):
+    Engine.from_checkpoint(directory / "jaxpar", mesh={"data": 1, "fsdp": 1}, devices=jax.devices()[:1],
+                           tokenizer=ByteTokenizer(), slots=1, page_size=4)
+
+
+HYBRID = Qwen35Config(vocab_size=320, embed_dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                      mlp_dim=96, max_seq_len=32, gated_deltanet={"num_key_heads": 2, "num_value_heads": 4,
+                                                                  "key_head_dim": 32, "value_head_dim": 8,
+                                                                  "chunk_size": 8},
+                      layer_pattern=[{"mixer": "gated_deltanet"}, {}])
+
+
+def test_train_step_on_8_devices_equals_one_device():
+  """Packed documents (the state and the convolution restart at each), chunks that do not
+  divide a document, value heads split over `tensor`, the sequence over `context` (zig-zag
+  order, put back in order for the recurrence): the gradients of every parameter."""
+  batch = synthetic_batch(small_config(data={"global_batch_size": 8}))
+  wide = Runtime(HYBRID, MeshConfig(fsdp=2, context=2, tensor=2))
+  one = Runtime(HYBRID, MeshConfig(fsdp=1), jax.devices()[:1])
+  params, _ = wide.init()
+  assert params["gated_deltanet_layers"]["attn"]["conv_v"].shape == (2, 4, 4, 8)  # [layers, taps, heads, dim]
+
+  def gradients(runtime):
+    step = jax.jit(make_gradients(lm_loss(runtime.graphdef, z_loss=1e-4, logits_chunk_len=0), microbatches=1))
+    with runtime.context():
+      return jax.device_get(step(jax.device_put(jax.device_get(params), runtime.param_shardings), batch)[:2])
+
+  (want, want_sums), (got, got_sums) = gradients(one), gradients(wide)
+  np.testing.assert_allclose(got_sums["ce_sum"], want_sums["ce_sum"], rtol=1e-5)
+  # The delta rule's gradients round more than attention's (measured here: up to 2.4e-5 of each
+  # leaf's largest entry, 1.5e-4 with key_dim 16, the same on 8 x fsdp and with the reference
+  # recurrence): a split that were wrong would be off by the entries themselves.
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    assert np.abs(w).max() > 0, jax.tree_util.keystr(path)
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=5e-5 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
+
+
+def test_flops_count_the_projections_the_model_has():
+  from jaxpar.models.flops import mixer_params
+  from jaxpar.runtime import abstract_model
+  params = abstract_model(HYBRID)[1]
+  mixers = {group: params[group]["attn"] for group in ("layers", "gated_deltanet_layers")}
+  projections = sum(np.prod(a.value.shape) for mixer in mixers.values() for name, a in mixer.items()
+                    if name in ("q", "k", "v", "o", "gate", "z", "a", "b"))
+  assert mixer_params(HYBRID) == projections
+
+
+def test_a_linear_mixer_needs_its_shape():
+  with pytest.raises(ValueError, match="model.gated_deltanet"):
+    Qwen35Config(gated_deltanet=None)
+
+
+def test_shipped_config_has_transformers_parameter_count():
+  """Our parameter count at real size equals transformers' for the config we would export
+  (built on the meta device: no memory), so the shipped shapes are the model's."""
+  from jaxpar.config import load_config
+  from jaxpar.convert.hf import hf_config_from_model
+  from jaxpar.runtime import abstract_model, count_params
+  model = load_config("qwen3.5-9b").model
+  hf_config = hf_config_from_model(model, "bfloat16")
+  assert hf_config["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
+  with torch.device("meta"):
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_config))
+  assert count_params(abstract_model(model)[1]) == sum(p.numel() for p in hf_model.parameters())
+
+
+def test_a_pipeline_over_a_hybrid_stack_refuses_in_one_line():
+  from jaxpar.parallel import ParallelPlan
+  with pytest.raises(ConfigError, match="pipelining a hybrid stack is not built yet"):
+    ParallelPlan.of(MeshConfig(stage=2)).check(HYBRID.model_copy(update={"num_layers": 4}))
