@@ -21,6 +21,9 @@ view. The kinds:
                            per-head keys and values (kv_cache_latent.py)
   LocalGlobalCache         generation when local (sliding) and global layers mix: the local
                            layers keep only their window, in per-slot rings (kv_cache_windowed.py)
+  RecurrentState           generation with linear attention (Gated DeltaNet): no keys or
+                           values, a fixed-size state per slot (recurrent_state.py); the block
+                           reads and writes it itself rather than calling update_and_attend
 
 A new kind is a class with `at`, `update_and_attend` and `stores_latent` (whether it holds
 latents that an attention block attends to in absorbed form); the model picks the kind
@@ -34,6 +37,7 @@ from flax import struct
 
 from jaxpar import pallas_kernels
 from jaxpar.models import kv_cache, kv_cache_latent, kv_cache_quantized, kv_cache_windowed, kv_quant
+from jaxpar.models.recurrent_state import RecurrentState
 from jaxpar.models.registry import get_block
 
 
@@ -75,7 +79,10 @@ def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail
   """A group's paged cache (`pages` as `init` made it) at `layer`, for rows whose pages
   `page_table` [B, pages_per_seq] lists; quantized when `kv_quantization` is given
   (`tail_index` [B]: each row's slot). `windows`: the group's per-layer sliding windows, for
-  a cache `init` split into global pages and local rings."""
+  a cache `init` split into global pages and local rings. A linear-attention group's states
+  are read per row's slot (`tail_index`; None: row i is slot i)."""
+  if "delta" in pages:
+    return RecurrentState(pages, jnp.arange(page_table.shape[0]) if tail_index is None else tail_index, layer)
   if "windowed" in pages:
     slots = jnp.arange(page_table.shape[0]) if tail_index is None else tail_index
     ring = kv_cache_windowed.ring_pages(max(w for w in windows if w), kv_cache_windowed.page_size(pages["full"]))
@@ -110,7 +117,9 @@ def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quan
 
 def cache_bytes(cache: dict) -> dict:
   """Device bytes of a model's cache (`init` per group): {"pool": pool pages, every layer's
-  or the global layers', "rings": the local layers' window rings}."""
+  or the global layers', "rings": the local layers' window rings, "states": linear-attention
+  layers' per-slot states}."""
   nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731 (or shapes)
   rings = sum(nbytes(pages.get("windowed", {})) for pages in cache.values())
-  return {"pool": nbytes(cache) - rings, "rings": rings}
+  states = sum(nbytes(pages) for pages in cache.values() if "delta" in pages)
+  return {"pool": nbytes(cache) - rings - states, "rings": rings, "states": states}

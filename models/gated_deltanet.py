@@ -25,11 +25,10 @@ from jaxpar.models import caches
 from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
 from jaxpar.models.norm import RMSNorm
+from jaxpar.models.recurrent_state import RecurrentState, init_states
 from jaxpar.models.registry import register_block
 
 _L2_EPS = 1e-6  # as the FLA kernels and transformers normalise q and k
-_NOT_SERVED = ("generation with gated_deltanet layers is not built yet: train, evaluate and export these "
-               "models; serve them once the recurrent-state cache lands")
 
 
 def l2_normalize(x):
@@ -51,6 +50,17 @@ def causal_conv(x, kernel, segment_ids=None):
       past = jnp.where(same[:, :, None, None], past, 0.0)
     out = out + past * kernel[i].astype(jnp.float32)
   return out
+
+
+def conv_step(x, kernel, history, count):
+  """The same convolution continuing a sequence: x [B, T, H, D] after `history` [B, H, K-1, D]
+  (the inputs before it) -> (output [B, T, H, D], the new history: the last K-1 inputs of
+  history and each row's first `count` [B] tokens; later ones are padding)."""
+  taps, length = kernel.shape[0], x.shape[1]
+  joined = jnp.concatenate([jnp.swapaxes(history, 1, 2).astype(jnp.float32), x.astype(jnp.float32)], axis=1)
+  out = sum(joined[:, i:i + length] * kernel[i].astype(jnp.float32) for i in range(taps))
+  last = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, taps - 1, axis=0))(joined, count)
+  return out, jnp.swapaxes(last, 1, 2)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -91,10 +101,12 @@ class GatedDeltaNet(nnx.Module):
 
   def __call__(self, x, context, cache, options):
     """x [B, L, embed] -> ([B, L, embed], cache). `options` (the layer's attention spec and
-    RoPE) do not apply: position lives in the recurrence."""
-    if not isinstance(cache, (caches.NoCache, caches.SimulatedKVQuantization)):
-      raise ConfigError(_NOT_SERVED)
-    dt, segments = self.dtype, context.segment_ids
+    RoPE) do not apply: position lives in the recurrence. Through a RecurrentState cache
+    (generation), each row continues its slot's sequence from its state."""
+    generating = isinstance(cache, RecurrentState)
+    if not generating and not isinstance(cache, (caches.NoCache, caches.SimulatedKVQuantization)):
+      raise ConfigError(f"a gated_deltanet layer keeps a recurrent state, not {type(cache).__name__}")
+    dt, segments, positions = self.dtype, context.segment_ids, context.positions
     if context.zigzag:  # the recurrence runs in token order: put the split sequence back in it
       shards = num_shards("length")
       x = pallas_kernels.unzigzag(x, shards)
@@ -102,8 +114,16 @@ class GatedDeltaNet(nnx.Module):
 
     def project(name):
       return checkpoint_name(dense(x, getattr(self, name), dtype=dt, precision=self.precision), "qkv_proj")
-    q, k, v = (jax.nn.silu(causal_conv(project(n), getattr(self, f"conv_{n}")[...], segments))
-               for n in ("q", "k", "v"))
+    mixed, histories = {}, {}
+    for n in ("q", "k", "v"):
+      kernel = getattr(self, f"conv_{n}")[...]
+      if generating:
+        history = cache.read(f"conv_{n}", positions)
+        mixed[n], new = conv_step(project(n), kernel, history, jnp.sum(positions >= 0, axis=1))
+        histories[f"conv_{n}"] = new
+      else:
+        mixed[n] = causal_conv(project(n), kernel, segments)
+    q, k, v = (jax.nn.silu(mixed[n]) for n in ("q", "k", "v"))
     q = l2_normalize(q) * self.options.key_head_dim ** -0.5
     k = l2_normalize(k)
     q = constrain(q, ("batch", "length", "act_kv_heads", "head_dim"))
@@ -112,15 +132,31 @@ class GatedDeltaNet(nnx.Module):
     beta = jax.nn.sigmoid(project("b").astype(jnp.float32))
     decay = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
         project("a").astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-    out, _ = pallas_kernels.gated_delta_rule(q, k, v, decay, beta, segment_ids=segments,
-                                             implementation=self.options.implementation,
-                                             chunk_size=self.options.chunk_size)
+    if generating:  # padding neither decays nor writes the state
+      valid = (positions >= 0)[..., None]
+      decay, beta = jnp.where(valid, decay, 0.0), jnp.where(valid, beta, 0.0)
+      out, state = self._continue(q, k, v, decay, beta, cache.read("delta", positions))
+      cache = cache.write({**histories, "delta": state}, positions)
+    else:
+      out, _ = pallas_kernels.gated_delta_rule(q, k, v, decay, beta, segment_ids=segments,
+                                               implementation=self.options.implementation,
+                                               chunk_size=self.options.chunk_size)
     gate = jax.nn.silu(project("z").astype(jnp.float32))
     out = checkpoint_name((self.norm(out) * gate).astype(dt), "attention_out")
     out = dense(out, self.o, contract=2, dtype=dt, precision=self.precision)
     if context.zigzag:
       out = pallas_kernels.zigzag(out, shards)
     return checkpoint_name(out, "out_proj"), cache
+
+  def _continue(self, q, k, v, decay, beta, state):
+    """The delta rule from each row's `state`: one token by the decode step, more (a prompt
+    chunk, a speculative window) by the door's chunked form."""
+    if q.shape[1] == 1:
+      out, state = pallas_kernels.gated_delta_step(state, q[:, 0], k[:, 0], v[:, 0], decay[:, 0], beta[:, 0])
+      return out[:, None], state
+    return pallas_kernels.gated_delta_rule(q, k, v, decay, beta, initial_state=state,
+                                           implementation=self.options.implementation,
+                                           chunk_size=self.options.chunk_size)
 
   @staticmethod
   def matmul_params(cfg) -> int:
@@ -139,7 +175,9 @@ class GatedDeltaNet(nnx.Module):
 
   @staticmethod
   def init_cache(cfg, num_layers, num_pages, page_size, dtype, *, kv_quantization=None, slots=1):
-    raise ConfigError(_NOT_SERVED)
+    """Its generation cache: a fixed-size state per slot, whatever the pages
+    (models/recurrent_state.py); KV quantization leaves it in float."""
+    return init_states(cfg, num_layers, slots, dtype)
 
 
 register_block("attention", "gated_deltanet", GatedDeltaNet)

@@ -3,7 +3,8 @@ small, odd shapes: 3 query heads on 1 kv head, 4 value heads on 2 key heads, key
 value_dim 12, a quarter of head_dim rotary, five layers whose pattern ends on a linear layer.
 Import gives transformers' logits, export writes its tensors back bit for bit; a hybrid train
 step over packed documents on fsdp x tensor equals one device's; the FLOPs count the
-projections the model really has; generation refuses in one line until its cache lands."""
+projections the model really has; generation through the engine's per-slot recurrent state
+equals transformers.generate, and batching, slot reuse and preemption change no token."""
 
 import jax
 import numpy as np
@@ -67,13 +68,17 @@ def test_imports_with_logits_parity_and_exports_exactly(imported):
   np.testing.assert_array_equal(_hf_logits(reloaded, tokens), _hf_logits(model, tokens))
 
 
-def test_generation_refuses_in_one_line(imported):
-  from jaxpar.data import ByteTokenizer
-  from jaxpar.inference import Engine
-  _, _, directory = imported
-  with pytest.raises(ConfigError, match="generation with gated_deltanet layers is not built yet"):
-    Engine.from_checkpoint(directory / "jaxpar", mesh={"data": 1, "fsdp": 1}, devices=jax.devices()[:1],
-                           tokenizer=ByteTokenizer(), slots=1, page_size=4)
+def test_generates_like_transformers(imported):
+  """Greedy through the engine (a 10-token prompt in prefill chunks of 8, so the state
+  carries from one chunk to the next, then 48 decode steps) equals transformers.generate."""
+  from tests.test_hf import assert_generates_like_transformers
+  model, config, directory = imported
+  engine = assert_generates_like_transformers(model, directory, max_tokens=48)
+  g, slots, linear = config.model.gated_deltanet, 1, TYPES.count("linear_attention")
+  per_slot = 4 * g.num_value_heads * g.key_head_dim * g.value_head_dim + 4 * (g.conv_kernel - 1) * (
+      2 * g.num_key_heads * g.key_head_dim + g.num_value_heads * g.value_head_dim)  # f32 state and conv inputs
+  assert engine.cache_bytes["states"] == linear * slots * per_slot
+  assert not engine.sharing.enabled  # no state per prompt block to share
 
 
 HYBRID = Qwen35Config(vocab_size=320, embed_dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -108,12 +113,48 @@ def test_train_step_on_8_devices_equals_one_device():
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=5e-5 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
 
 
+def _hybrid_engine(**options):
+  from jaxpar.data import ByteTokenizer
+  from jaxpar.inference import Engine
+  runtime = Runtime(HYBRID, MeshConfig(fsdp=1), jax.devices()[:1])
+  params, model_state = runtime.init()
+  return Engine(runtime, params, ByteTokenizer(), model_state=model_state, page_size=4, prefill_chunks=(8,),
+                **options)
+
+
+def test_batched_and_preempted_requests_get_their_own_tokens():
+  """Four slots, reused by later requests (a slot's old state must not leak into the next
+  sequence) and a page pool that forces preemption (the state is rebuilt from the prompt):
+  every request's tokens equal its tokens alone, and greedy ones equal a full recompute."""
+  from jaxpar.inference import SamplingParams
+  engine = _hybrid_engine(slots=4, num_pages=16)
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, 256, n).tolist() for n in (3, 9, 14, 5, 11, 7)]
+  settings = [SamplingParams(max_tokens=12, temperature=t, seed=i, stop_token_ids=())
+              for i, t in enumerate((0.0, 0.8, 0.0, 0.8, 0.0, 0.8))]
+  together = engine.generate(prompts, settings)
+  assert engine.stats["preemptions"] > 0
+  alone = [engine.generate([p], s)[0].tokens for p, s in zip(prompts, settings)]
+  assert [r.tokens for r in together] == alone
+  logits_of = jax.jit(lambda params, tokens: engine.runtime.merge(params)(tokens)[0][0, -1])
+  tokens = list(prompts[0])
+  for _ in range(12):
+    tokens.append(int(np.argmax(logits_of(engine.params, np.asarray([tokens], np.int32)))))
+  assert alone[0] == tokens[len(prompts[0]):]
+
+
+def test_speculative_decoding_refuses_in_one_line():
+  from jaxpar.inference.speculative import NgramDraft
+  with pytest.raises(ConfigError, match="cannot roll back rejected drafts yet"):
+    _hybrid_engine(slots=1, speculative=NgramDraft(k=2))
+
+
 def test_flops_count_the_projections_the_model_has():
   from jaxpar.models.flops import mixer_params
   from jaxpar.runtime import abstract_model
   params = abstract_model(HYBRID)[1]
   mixers = {group: params[group]["attn"] for group in ("layers", "gated_deltanet_layers")}
-  projections = sum(np.prod(a.value.shape) for mixer in mixers.values() for name, a in mixer.items()
+  projections = sum(np.prod(a.shape) for mixer in mixers.values() for name, a in mixer.items()
                     if name in ("q", "k", "v", "o", "gate", "z", "a", "b"))
   assert mixer_params(HYBRID) == projections
 

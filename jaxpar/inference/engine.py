@@ -16,6 +16,7 @@ depends only on its seed and position.
 """
 
 import collections
+import logging
 import queue
 import time
 from typing import Iterator
@@ -40,6 +41,7 @@ from jaxpar.models.kv_quant import KVQuantization
 from jaxpar.weights import open_run
 
 DEFAULT_CHUNKS = (16, 64, 256)
+_log = logging.getLogger(__name__)
 
 
 def bytes_to_move(tree, shardings) -> int:
@@ -62,8 +64,10 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
   ask for prompt log-probabilities (`processing.py`) on first use, or there too with
   `compile_extras` (a server should not pause the running decodes to compile).
   prefix_caching: requests share the cache pages of the prompt blocks they have in common
-  (`prefix_cache.py`); outputs are the same either way (off where local layers' rings cannot be shared).
-  cache_bytes: device bytes of the cache, {"pool": the page pool's, "rings": the local layers'}.
+  (`prefix_cache.py`); outputs are the same either way (off where local layers' rings or
+  linear layers' states cannot be shared).
+  cache_bytes: device bytes of the cache, {"pool": the page pool's, "rings": the local layers',
+  "states": linear-attention layers' per-slot states}.
   decode_burst: decode steps run in one device call (`programs.burst_kind`) while no request
   waits, prefills, adjusts logits or has yet to stream its first token: the host round trip
   and dispatch once per K tokens, the same tokens, streamed K at a time.
@@ -126,7 +130,12 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
       self.programs.compile("speculate", slots, speculative.k + 1, self.pages_per_seq, speculative.target_program)
     self._compile_all(echo or (lambda text: None), compile_extras)
     self.stats = collections.Counter()
-    self.sharing = PrefixSharing(self.pool, self.stats, prefix_caching and self.local_window is None)
+    if prefix_caching and self.cache_bytes["states"]:
+      # A shared prompt block would need the recurrent state as of its end, which is not kept.
+      _log.info("prefix caching is off: the model's linear-attention layers keep one state per sequence, "
+                "not per prompt block, so requests cannot share prompt pages")
+    self.sharing = PrefixSharing(self.pool, self.stats, prefix_caching and self.local_window is None
+                                 and not self.cache_bytes["states"])
 
   @classmethod
   def from_run(cls, run, *, tokenizer=None, adapters: dict | None = None, **options) -> "Engine":

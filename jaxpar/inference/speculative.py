@@ -139,6 +139,9 @@ def _check_round(k: int, *engines):
     if engine.local_window is not None and k + 1 > engine.local_window:
       raise ConfigError(f"speculative k={k}: a round writes k + 1 positions, more than the local layers' window "
                         f"({engine.local_window}) keeps; use k < {engine.local_window}")
+    if engine.cache_bytes["states"]:
+      raise ConfigError(f"speculative k={k}: the model's linear-attention layers keep one state per sequence, "
+                        "which cannot roll back rejected drafts yet; serve it without speculative decoding")
     if engine.adapters:
       raise ConfigError("speculative decoding does not serve stacked adapters: merge the adapter "
                         "(`jaxpar lora merge`) and use the merged model as the target")
