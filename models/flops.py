@@ -43,12 +43,12 @@ def dense_train_flops_per_token(cfg, seq_len: int) -> float:
 
 def moe_active_matmul_params(cfg) -> int:
   """Matmul parameters one token passes through in a mixture-of-experts decoder: attention,
-  the router, its k routed experts and the shared expert in MoE layers, the dense MLP in
+  the router, its k routed experts and the shared expert (and its gate) in MoE layers, the dense MLP in
   the first `first_dense_layers`, and the output head; with multi-token prediction
   (DeepSeek-V3) its merge projection, one more MoE layer and the head again. Idle experts
   do no work."""
   m, e = cfg.moe, cfg.embed_dim
-  moe_ffn = e * m.num_experts + 3 * e * (m.experts_per_token * m.expert_mlp_dim + m.shared_mlp_dim)
+  moe_ffn = e * (m.num_experts + m.shared_gate) + 3 * e * (m.experts_per_token * m.expert_mlp_dim + m.shared_mlp_dim)
   dense = cfg.first_dense_layers
   mtp = getattr(cfg, "mtp_depth", 0) * (2 * e * e + attention_params(cfg) + moe_ffn + e * cfg.vocab_size)
   return (mixer_params(cfg) + dense * 3 * e * cfg.mlp_dim

@@ -7,6 +7,7 @@ compute (sorting, grouped matmuls, the all-to-all of expert parallelism) happens
 """
 
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -31,7 +32,8 @@ class MoE(nnx.Module):
   Parameters: router [embed, experts]; gate, up [experts, embed, mlp]; down
   [experts, mlp, embed]; with moe.router_bias, router_bias [experts]; with moe.expert_bias,
   gate_bias, up_bias [experts, mlp] and down_bias [experts, embed] (GPT-OSS);
-  `shared` (an MLP) when moe.shared_mlp_dim > 0; with model.lora, the
+  `shared` (an MLP) when moe.shared_mlp_dim > 0, with moe.shared_gate its gate
+  `shared_gate` [embed, 1]; with model.lora, the
   shared MLP's adapters and (lora.experts) one adapter per expert in `lora`. Model state: `bias`
   [experts] when moe.bias_update_rate > 0.
   aux losses: moe_balance, moe_router_z (already weighted); metrics: moe/load (fraction of
@@ -54,6 +56,8 @@ class MoE(nnx.Module):
                           out_sharding=("experts", "mlp", "embed"))
     self.shared = (MLP(d, m.shared_mlp_dim, param_dtype=param_dtype, compute_dtype=compute_dtype,
                        rngs=rngs, adapters=cfg.lora) if m.shared_mlp_dim else None)
+    self.shared_gate = (nnx.Param(fan_in()(rngs.params(), (d, 1), param_dtype), out_sharding=("embed", None))
+                        if m.shared_gate else None)
     self.lora = lora.expert_adapters(cfg.lora, rngs, gate=self.gate, up=self.up, down=self.down)
     self.bias = RouterBias(jnp.zeros((e,), jnp.float32)) if m.bias_update_rate > 0 else None
     # Biases are offsets, not weights: not decayed (as norm scales and sinks).
@@ -83,7 +87,10 @@ class MoE(nnx.Module):
       used = (weights * kept).astype(dt)
       y = y + jnp.einsum("blk,blkd->bld", used, self.down_bias[...].astype(dt)[ids])
     if self.shared is not None:
-      y = y + self.shared(x)[0]
+      shared = self.shared(x)[0]
+      if self.shared_gate is not None:
+        shared = shared * jax.nn.sigmoid(dense(x, self.shared_gate[...].astype(dt)))
+      y = y + shared
     load = router.load_fractions(ids, m.num_experts)
     if self.bias is not None:
       self.bias[...] = router.updated_bias(self.bias[...], load, m.bias_update_rate)

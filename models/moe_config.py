@@ -20,6 +20,8 @@ class MoEConfig(Frozen):
   experts_per_token: int = Field(2, ge=1)  # top-k
   expert_mlp_dim: int = Field(256, ge=1)  # hidden width of each routed expert
   shared_mlp_dim: int = Field(0, ge=0)  # an always-on SwiGLU of this width (0: none; DeepSeek)
+  # The shared expert's output times sigmoid(x . w), w [embed] learned (Qwen3-Next, Qwen3.5 MoE).
+  shared_gate: bool = False
   # softmax over all experts (Mixtral, Qwen3-MoE) or independent sigmoids (DeepSeek-V3).
   router: Literal["softmax", "sigmoid"] = "softmax"
   normalize_weights: bool = True  # the top-k weights sum to 1 (Qwen3's norm_topk_prob)
@@ -55,6 +57,8 @@ class MoEConfig(Frozen):
 
   @model_validator(mode="after")
   def _top_k(self):
+    if self.shared_gate and not self.shared_mlp_dim:
+      raise ValueError("model.moe.shared_gate gates the shared expert: set model.moe.shared_mlp_dim too")
     if self.experts_per_token > self.num_experts:
       raise ValueError(f"model.moe.experts_per_token={self.experts_per_token} exceeds "
                        f"model.moe.num_experts={self.num_experts}")

@@ -24,33 +24,46 @@ transformers = pytest.importorskip("transformers")
 TYPES = ["linear_attention"] * 3 + ["full_attention", "linear_attention"]
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory):
+LINEAR_SHAPES = dict(vocab_size=64, hidden_size=48, num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+                     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=12,
+                     max_position_embeddings=128, num_hidden_layers=5, layer_types=TYPES)
+MOE_SHAPES = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=20)
+HF_CONFIGS = {
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**LINEAR_SHAPES, intermediate_size=80),
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(**LINEAR_SHAPES, **MOE_SHAPES),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(**LINEAR_SHAPES, **MOE_SHAPES, intermediate_size=80),
+}
+
+
+def _import(family, directory):
   from jaxpar.convert.hf import hf_to_jaxpar
-  directory = tmp_path_factory.mktemp("qwen3_5")
-  hf_config = transformers.Qwen3_5TextConfig(
-      vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=5, num_attention_heads=3,
-      num_key_value_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-      linear_value_head_dim=12, max_position_embeddings=128, layer_types=TYPES)
   torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
-  with torch.no_grad():  # every weight random; Qwen3.5's norms store (scale - 1), its gated norm the scale
+  # Eager experts: the grouped-matmul form takes no float64 (the exact logits below).
+  model = transformers.AutoModelForCausalLM.from_config(HF_CONFIGS[family](), experts_implementation="eager").eval()
+  with torch.no_grad():  # every weight random; these norms store (scale - 1), the gated norm the scale
     for name, p in model.named_parameters():
       p.copy_(0.1 * torch.randn_like(p) + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0))
   model.save_pretrained(directory / "hf")
   return model, hf_to_jaxpar(directory / "hf", directory / "jaxpar"), directory
 
 
-def test_imports_with_logits_parity_and_exports_exactly(imported):
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+  return _import("qwen3_5", tmp_path_factory.mktemp("qwen3_5"))
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
+def imported_moe(request, tmp_path_factory):
+  return _import(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _assert_round_trip(model, config, directory):
+  """f32 logits within 1e-5 (of the largest) of transformers' float64 ones; the export
+  holds every HF tensor bit for bit and transformers reloads it to the same logits."""
   from safetensors.numpy import load_file
   from jaxpar.convert.hf import jaxpar_to_hf
   from tests.test_hf import _hf_logits, _our_logits
-  model, config, directory = imported
-  m = config.model
-  assert [k.mixer for k in m.layer_pattern] == ["gated_deltanet"] * 3 + [None]  # cycled: layer 4 is linear
-  assert (m.family, m.rope_fraction, m.gated_deltanet.num_value_heads, m.gated_deltanet.key_head_dim) == \
-      ("qwen3_5", 0.25, 4, 16)
-  tokens = np.random.default_rng(0).integers(0, m.vocab_size, (2, 40))
+  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (2, 40))
   # The delta rule's f32 rounding differs between any two orders of the same sums (transformers'
   # own f32 logits are ~1.4e-5 from its float64 ones here): compare with the exact answer.
   with torch.no_grad():
@@ -66,6 +79,24 @@ def test_imports_with_logits_parity_and_exports_exactly(imported):
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory / "back").eval()
   assert reloaded.config.layer_types == TYPES
   np.testing.assert_array_equal(_hf_logits(reloaded, tokens), _hf_logits(model, tokens))
+
+
+def test_imports_with_logits_parity_and_exports_exactly(imported):
+  model, config, directory = imported
+  m = config.model
+  assert [k.mixer for k in m.layer_pattern] == ["gated_deltanet"] * 3 + [None]  # cycled: layer 4 is linear
+  assert (m.family, m.rope_fraction, m.gated_deltanet.num_value_heads, m.gated_deltanet.key_head_dim) == \
+      ("qwen3_5", 0.25, 4, 16)
+  _assert_round_trip(model, config, directory)
+
+
+def test_moe_variants_import_with_logits_parity_and_export_exactly(imported_moe):
+  """Qwen3.5 MoE and Qwen3-Next: routed experts, a sigmoid-gated shared expert, and (Qwen3-Next)
+  q, k, v, z and b, a grouped by key head in one tensor each."""
+  model, config, directory = imported_moe
+  m = config.model
+  assert (m.mlp, m.moe.num_experts, m.moe.shared_mlp_dim, m.moe.shared_gate) == ("moe", 4, 20, True)
+  _assert_round_trip(model, config, directory)
 
 
 def test_generates_like_transformers(imported):
@@ -164,13 +195,14 @@ def test_a_linear_mixer_needs_its_shape():
     Qwen35Config(gated_deltanet=None)
 
 
-def test_shipped_config_has_transformers_parameter_count():
+@pytest.mark.parametrize("name", ["qwen3.5-9b", "qwen3-next-80b-a3b"])
+def test_shipped_config_has_transformers_parameter_count(name):
   """Our parameter count at real size equals transformers' for the config we would export
   (built on the meta device: no memory), so the shipped shapes are the model's."""
   from jaxpar.config import load_config
   from jaxpar.convert.hf import hf_config_from_model
   from jaxpar.runtime import abstract_model, count_params
-  model = load_config("qwen3.5-9b").model
+  model = load_config(name).model
   hf_config = hf_config_from_model(model, "bfloat16")
   assert hf_config["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
   with torch.device("meta"):
