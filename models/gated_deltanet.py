@@ -8,25 +8,27 @@ q, k and v each pass a short causal depthwise convolution and SiLU; q and k are
 L2-normalised (q also scaled by key_dim^-0.5); beta = sigmoid(b x) and
 g = -exp(a_log) softplus(a x + dt_bias). The output is RMS-normalised per head, gated by
 SiLU(z x) and projected back. The recurrence itself is `pallas_kernels.gated_delta_rule`
-(chunked for training and prefill, a reference beside it). Under context parallelism the
-block puts the zig-zag-ordered sequence back in order and lets the partitioner move it (exact;
-LASP-2's one all-gather of per-chunk states is the planned replacement).
+(chunked for training and prefill, a reference beside it). Under context parallelism each
+device keeps its pieces of the sequence (zig-zag order or not) and only fixed-size states and
+convolution tails cross devices (LASP-2; `_split_sequence`).
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from jaxpar import pallas_kernels
 from jaxpar.errors import ConfigError
-from jaxpar.mesh import constrain, num_shards
+from jaxpar.mesh import constrain, mesh_axes, num_shards
 from jaxpar.models import caches
 from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.recurrent_state import RecurrentState, init_states
 from jaxpar.models.registry import register_block
+from jaxpar.pallas_kernels.linear_attention.sequence_parallel import from_predecessor, gated_delta_rule_split
 
 _L2_EPS = 1e-6  # as the FLA kernels and transformers normalise q and k
 
@@ -36,31 +38,37 @@ def l2_normalize(x):
   return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + _L2_EPS)
 
 
-def causal_conv(x, kernel, segment_ids=None):
+def causal_conv(x, kernel, segment_ids=None, history=None, history_segments=None):
   """Depthwise causal convolution over the length: x [B, L, H, D], kernel [K, H, D]; output
-  t is sum_i kernel[i] x[t - (K - 1) + i] (transformers' conv1d layout), with tokens before
-  the row or in another packed segment read as zeros."""
+  t is sum_i kernel[i] x[t - (K - 1) + i] (transformers' conv1d layout). `history`
+  [B, K-1, H, D]: the inputs before x (None: zeros, the row's start); with `segment_ids`,
+  an input of another packed segment than the output's reads as zero (`history_segments`
+  [B, K-1]: the history's ids)."""
   taps, length = kernel.shape[0], x.shape[1]
+  if history is None:
+    history = jnp.zeros((x.shape[0], taps - 1, *x.shape[2:]), x.dtype)
+  joined = jnp.concatenate([history.astype(jnp.float32), x.astype(jnp.float32)], axis=1)
+  if segment_ids is not None:
+    before = jnp.full((x.shape[0], taps - 1), -1, segment_ids.dtype) if history_segments is None else history_segments
+    joined_ids = jnp.concatenate([before, segment_ids], axis=1)
   out = jnp.zeros(x.shape, jnp.float32)
   for i in range(taps):
-    shift = taps - 1 - i
-    past = jnp.pad(x, ((0, 0), (shift, 0), (0, 0), (0, 0)))[:, :length].astype(jnp.float32)
-    if segment_ids is not None and shift:
-      same = segment_ids == jnp.pad(segment_ids, ((0, 0), (shift, 0)), constant_values=-1)[:, :length]
-      past = jnp.where(same[:, :, None, None], past, 0.0)
+    past = joined[:, i:i + length]
+    if segment_ids is not None and i < taps - 1:
+      past = jnp.where((joined_ids[:, i:i + length] == segment_ids)[:, :, None, None], past, 0.0)
     out = out + past * kernel[i].astype(jnp.float32)
   return out
 
 
 def conv_step(x, kernel, history, count):
   """The same convolution continuing a sequence: x [B, T, H, D] after `history` [B, H, K-1, D]
-  (the inputs before it) -> (output [B, T, H, D], the new history: the last K-1 inputs of
-  history and each row's first `count` [B] tokens; later ones are padding)."""
-  taps, length = kernel.shape[0], x.shape[1]
-  joined = jnp.concatenate([jnp.swapaxes(history, 1, 2).astype(jnp.float32), x.astype(jnp.float32)], axis=1)
-  out = sum(joined[:, i:i + length] * kernel[i].astype(jnp.float32) for i in range(taps))
+  (the generation cache's layout) -> (output [B, T, H, D], the new history: the last K-1
+  inputs of history and each row's first `count` [B] tokens; later ones are padding)."""
+  taps = kernel.shape[0]
+  before = jnp.swapaxes(history, 1, 2)
+  joined = jnp.concatenate([before.astype(jnp.float32), x.astype(jnp.float32)], axis=1)
   last = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, taps - 1, axis=0))(joined, count)
-  return out, jnp.swapaxes(last, 1, 2)
+  return causal_conv(x, kernel, history=before), jnp.swapaxes(last, 1, 2)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -102,51 +110,87 @@ class GatedDeltaNet(nnx.Module):
   def __call__(self, x, context, cache, options):
     """x [B, L, embed] -> ([B, L, embed], cache). `options` (the layer's attention spec and
     RoPE) do not apply: position lives in the recurrence. Through a RecurrentState cache
-    (generation), each row continues its slot's sequence from its state."""
+    (generation), each row continues its slot's sequence from its state; with the length
+    split over devices (context parallelism), the pieces pass states LASP-2 style."""
     generating = isinstance(cache, RecurrentState)
     if not generating and not isinstance(cache, (caches.NoCache, caches.SimulatedKVQuantization)):
       raise ConfigError(f"a gated_deltanet layer keeps a recurrent state, not {type(cache).__name__}")
     dt, segments, positions = self.dtype, context.segment_ids, context.positions
-    if context.zigzag:  # the recurrence runs in token order: put the split sequence back in it
-      shards = num_shards("length")
-      x = pallas_kernels.unzigzag(x, shards)
-      segments = None if segments is None else pallas_kernels.unzigzag(segments, shards)
 
     def project(name):
       return checkpoint_name(dense(x, getattr(self, name), dtype=dt, precision=self.precision), "qkv_proj")
-    mixed, histories = {}, {}
-    for n in ("q", "k", "v"):
-      kernel = getattr(self, f"conv_{n}")[...]
-      if generating:
-        history = cache.read(f"conv_{n}", positions)
-        mixed[n], new = conv_step(project(n), kernel, history, jnp.sum(positions >= 0, axis=1))
-        histories[f"conv_{n}"] = new
-      else:
-        mixed[n] = causal_conv(project(n), kernel, segments)
-    q, k, v = (jax.nn.silu(mixed[n]) for n in ("q", "k", "v"))
-    q = l2_normalize(q) * self.options.key_head_dim ** -0.5
-    k = l2_normalize(k)
-    q = constrain(q, ("batch", "length", "act_kv_heads", "head_dim"))
-    k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
-    v = constrain(v, ("batch", "length", "act_heads", "head_dim"))
+    inputs = {n: project(n) for n in ("q", "k", "v")}
+    kernels = {n: getattr(self, f"conv_{n}")[...] for n in ("q", "k", "v")}
     beta = jax.nn.sigmoid(project("b").astype(jnp.float32))
     decay = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
         project("a").astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
     if generating:  # padding neither decays nor writes the state
+      mixed, histories = {}, {}
+      for n in ("q", "k", "v"):
+        mixed[n], histories[f"conv_{n}"] = conv_step(inputs[n], kernels[n], cache.read(f"conv_{n}", positions),
+                                                     jnp.sum(positions >= 0, axis=1))
       valid = (positions >= 0)[..., None]
       decay, beta = jnp.where(valid, decay, 0.0), jnp.where(valid, beta, 0.0)
-      out, state = self._continue(q, k, v, decay, beta, cache.read("delta", positions))
+      out, state = self._continue(*self._activate(mixed), decay, beta, cache.read("delta", positions))
       cache = cache.write({**histories, "delta": state}, positions)
+    elif num_shards("length") > 1:
+      out = self._split_sequence(inputs, kernels, decay, beta, segments, context.zigzag)
     else:
-      out, _ = pallas_kernels.gated_delta_rule(q, k, v, decay, beta, segment_ids=segments,
-                                               implementation=self.options.implementation,
-                                               chunk_size=self.options.chunk_size)
+      q, k, v = self._activate({n: causal_conv(inputs[n], kernels[n], segments) for n in inputs})
+      q = constrain(q, ("batch", "length", "act_kv_heads", "head_dim"))
+      k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
+      v = constrain(v, ("batch", "length", "act_heads", "head_dim"))
+      out, _ = self._rule(q, k, v, decay, beta, None, segments)
     gate = jax.nn.silu(project("z").astype(jnp.float32))
     out = checkpoint_name((self.norm(out) * gate).astype(dt), "attention_out")
-    out = dense(out, self.o, contract=2, dtype=dt, precision=self.precision)
-    if context.zigzag:
-      out = pallas_kernels.zigzag(out, shards)
-    return checkpoint_name(out, "out_proj"), cache
+    return checkpoint_name(dense(out, self.o, contract=2, dtype=dt, precision=self.precision), "out_proj"), cache
+
+  def _activate(self, mixed: dict):
+    """The convolved q, k, v -> SiLU; q and k L2-normalised, q scaled by key_dim^-0.5."""
+    q, k, v = (jax.nn.silu(mixed[n]) for n in ("q", "k", "v"))
+    return l2_normalize(q) * self.options.key_head_dim ** -0.5, l2_normalize(k), v
+
+  def _rule(self, q, k, v, decay, beta, initial_state, segments):
+    return pallas_kernels.gated_delta_rule(q, k, v, decay, beta, initial_state=initial_state, segment_ids=segments,
+                                           implementation=self.options.implementation,
+                                           chunk_size=self.options.chunk_size)
+
+  def _split_sequence(self, inputs: dict, kernels: dict, decay, beta, segments, zigzag: bool):
+    """Convolution and delta rule with the length split over its mesh axes: per device, inside
+    a shard_map manual over those axes only (batch and heads stay the partitioner's). Each
+    piece takes the last K-1 inputs of the piece before it for its convolution, and its
+    starting state from the LASP-2 pass (pallas_kernels/linear_attention/sequence_parallel.py):
+    two all-gathers per layer whose sizes do not depend on the length."""
+    axes, shards = mesh_axes("length"), num_shards("length")
+    split = dict(axes=axes, shards=shards, zigzag=zigzag)
+    count, taps = 2 if zigzag else 1, self.options.conv_kernel
+    piece = decay.shape[1] // (shards * count)
+    if piece < taps - 1:
+      raise ConfigError(f"data.seq_len={decay.shape[1]} gives each of the {shards * count} pieces over mesh axes "
+                        f"{axes} {piece} tokens, fewer than the convolution's {taps - 1} of history: "
+                        "use a longer sequence or fewer context devices")
+
+    def local(inputs, kernels, decay, beta, segments):
+      pieces = {n: jnp.split(x, count, axis=1) for n, x in inputs.items()}
+      ids = jnp.split(segments, count, axis=1) if segments is not None else [None] * count
+      mixed = {n: [] for n in inputs}
+      for n, parts in pieces.items():
+        tails = [part[:, part.shape[1] - (taps - 1):] for part in parts]
+        histories = from_predecessor(tails, jnp.zeros_like(tails[0]), **split)
+        for p, part in enumerate(parts):
+          history_ids = None
+          if segments is not None:
+            tail_ids = [i[:, i.shape[1] - (taps - 1):] for i in ids]
+            history_ids = from_predecessor(tail_ids, jnp.full_like(tail_ids[0], -1), **split)[p]
+          mixed[n].append(causal_conv(part, kernels[n], ids[p], histories[p], history_ids))
+      q, k, v = self._activate({n: jnp.concatenate(parts, axis=1) for n, parts in mixed.items()})
+      return gated_delta_rule_split(self._rule, q, k, v, decay, beta, segments, **split)
+
+    sequence = PartitionSpec(None, axes)
+    specs = ({n: sequence for n in inputs}, {n: PartitionSpec() for n in kernels}, sequence, sequence,
+             None if segments is None else sequence)
+    return jax.shard_map(local, in_specs=specs, out_specs=sequence, axis_names=set(axes), check_vma=False)(
+        inputs, kernels, decay, beta, segments)
 
   def _continue(self, q, k, v, decay, beta, state):
     """The delta rule from each row's `state`: one token by the decode step, more (a prompt
@@ -154,9 +198,7 @@ class GatedDeltaNet(nnx.Module):
     if q.shape[1] == 1:
       out, state = pallas_kernels.gated_delta_step(state, q[:, 0], k[:, 0], v[:, 0], decay[:, 0], beta[:, 0])
       return out[:, None], state
-    return pallas_kernels.gated_delta_rule(q, k, v, decay, beta, initial_state=state,
-                                           implementation=self.options.implementation,
-                                           chunk_size=self.options.chunk_size)
+    return self._rule(q, k, v, decay, beta, state, None)
 
   @staticmethod
   def matmul_params(cfg) -> int:

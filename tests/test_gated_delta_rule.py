@@ -31,15 +31,15 @@ def packed_segment_ids():
   return ids
 
 
-def inputs(seed=0, key_heads=KEY_HEADS):
+def inputs(seed=0, key_heads=KEY_HEADS, length=LENGTH):
   """(q, k, v, g, beta, initial_state) as the model block gives them: unit q and k, decays
   exp(g) in (0, 1), beta in (0, 1)."""
   rng = np.random.default_rng(seed)
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-  q, k = (unit(rng.normal(size=(BATCH, LENGTH, key_heads, KEY_DIM))) for _ in range(2))
-  v = rng.normal(size=(BATCH, LENGTH, HEADS, VALUE_DIM))
-  g = -np.logaddexp(0.0, rng.normal(size=(BATCH, LENGTH, HEADS))) * 0.5
-  beta = 1 / (1 + np.exp(-rng.normal(size=(BATCH, LENGTH, HEADS))))
+  q, k = (unit(rng.normal(size=(BATCH, length, key_heads, KEY_DIM))) for _ in range(2))
+  v = rng.normal(size=(BATCH, length, HEADS, VALUE_DIM))
+  g = -np.logaddexp(0.0, rng.normal(size=(BATCH, length, HEADS))) * 0.5
+  beta = 1 / (1 + np.exp(-rng.normal(size=(BATCH, length, HEADS))))
   state = rng.normal(size=(BATCH, HEADS, KEY_DIM, VALUE_DIM))
   return tuple(x.astype(np.float32) for x in (q, k, v, g, beta, state))
 
@@ -115,3 +115,38 @@ def test_the_door_runs_the_chunked_form_and_refuses_bad_arguments():
   *three_heads, _ = inputs(key_heads=3)
   with pytest.raises(ValueError, match=r"value heads \(4\) must be a multiple of key heads \(3\)"):
     gated_delta_rule(*three_heads)
+
+
+@pytest.mark.parametrize("zigzag", [False, True])
+def test_split_over_devices_equals_one_device(zigzag):
+  """LASP-2 over 4 devices (8 pieces zig-zagged): packed segments that start inside a piece
+  and exactly at a piece's first token; outputs and gradients equal the one-device door."""
+  from functools import partial
+  from jax.sharding import PartitionSpec
+  from jaxpar.pallas_kernels.attention.layout import unzigzag, zigzag as to_zigzag
+  from jaxpar.pallas_kernels.linear_attention.sequence_parallel import gated_delta_rule_split
+  q, k, v, g, beta, _ = inputs(7, length=64)
+  segments = jnp.asarray([[0] * 13 + [1] * 19 + [2] * 32, [5] * 40 + [6] * 24], jnp.int32)  # starts at 13, 32, 40
+  mesh = jax.make_mesh((4,), ("context",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
+  rule = lambda q, k, v, g, b, s0, seg: gated_delta_rule(q, k, v, g, b, initial_state=s0, segment_ids=seg,  # noqa: E731
+                                                          chunk_size=4)
+  order = (lambda x: to_zigzag(x, 4)) if zigzag else (lambda x: x)
+  back = (lambda x: unzigzag(x, 4)) if zigzag else (lambda x: x)
+  spec = PartitionSpec(None, "context")
+
+  def split(q, k, v, g, beta):
+    local = partial(gated_delta_rule_split, rule, axes=("context",), shards=4, zigzag=zigzag)
+    out = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec, check_vma=False)(
+        *(order(x) for x in (q, k, v, g, beta, segments)))
+    return back(out)
+
+  def whole(q, k, v, g, beta):
+    return gated_delta_rule(q, k, v, g, beta, segment_ids=segments, chunk_size=4)[0]
+
+  cotangent = np.random.default_rng(8).normal(size=v.shape).astype(np.float32)
+  loss = lambda f: lambda *x: jnp.sum(f(*x) * cotangent)  # noqa: E731
+  np.testing.assert_allclose(jax.jit(split)(q, k, v, g, beta), whole(q, k, v, g, beta), rtol=1e-5, atol=1e-5)
+  got = jax.jit(jax.grad(loss(split), argnums=range(5)))(q, k, v, g, beta)
+  want = jax.grad(loss(whole), argnums=range(5))(q, k, v, g, beta)
+  for name, a, b in zip("q k v g beta".split(), got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)

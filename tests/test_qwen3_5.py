@@ -58,19 +58,21 @@ def imported_moe(request, tmp_path_factory):
 
 
 def _assert_round_trip(model, config, directory):
-  """f32 logits within 1e-5 (of the largest) of transformers' float64 ones; the export
-  holds every HF tensor bit for bit and transformers reloads it to the same logits."""
+  """f32 logits as close to transformers' float64 ones as its own f32 logits are (within 2x,
+  or 1e-5 of the largest); the export holds every HF tensor bit for bit and transformers
+  reloads it to the same logits."""
   from safetensors.numpy import load_file
   from jaxpar.convert.hf import jaxpar_to_hf
   from tests.test_hf import _hf_logits, _our_logits
   tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (2, 40))
   # The delta rule's f32 rounding differs between any two orders of the same sums (transformers'
-  # own f32 logits are ~1.4e-5 from its float64 ones here): compare with the exact answer.
+  # own f32 logits are 1-2e-5 from its float64 ones here): both are held to the exact answer.
   with torch.no_grad():
     exact = model.double()(torch.tensor(tokens)).logits.numpy()
   model.float()
-  np.testing.assert_allclose(_our_logits(directory / "jaxpar", config, tokens), exact, rtol=1e-5,
-                             atol=1e-5 * np.abs(exact).max())
+  theirs = np.abs(_hf_logits(model, tokens) - exact).max()
+  ours = np.abs(_our_logits(directory / "jaxpar", config, tokens) - exact).max()
+  assert ours <= max(2 * theirs, 1e-5 * np.abs(exact).max()), (ours, theirs)
   jaxpar_to_hf(directory / "jaxpar", directory / "back")
   original, exported = (load_file(directory / d / "model.safetensors") for d in ("hf", "back"))
   assert sorted(exported) == sorted(original)
@@ -214,3 +216,29 @@ def test_a_pipeline_over_a_hybrid_stack_refuses_in_one_line():
   from jaxpar.parallel import ParallelPlan
   with pytest.raises(ConfigError, match="pipelining a hybrid stack is not built yet"):
     ParallelPlan.of(MeshConfig(stage=2)).check(HYBRID.model_copy(update={"num_layers": 4}))
+
+
+def _linear_only_collectives(seq_len: int) -> list:
+  """The collectives of a train step of a model of Gated DeltaNet layers only, its sequence
+  split 4 ways over `context` (nothing else split), at `seq_len` tokens."""
+  from jaxpar.aot import hlo
+  model = Qwen35Config(**{**HYBRID.model_dump(), "layer_pattern": [{"mixer": "gated_deltanet"}],
+                          "max_seq_len": seq_len})
+  runtime = Runtime(model, MeshConfig(context=4, fsdp=1), jax.devices()[:4])
+  batch = synthetic_batch(small_config(data={"global_batch_size": 2, "seq_len": seq_len}), documents_per_row=2)
+  step = jax.jit(make_gradients(lm_loss(runtime.graphdef, z_loss=1e-4, logits_chunk_len=0), microbatches=1))
+  params, _ = runtime.init()
+  with runtime.context():
+    compiled = step.lower(params, batch).compile()
+  return hlo.collectives(compiled.as_text(), cpu=True)
+
+
+def test_linear_layers_move_states_not_sequences_over_context():
+  """LASP-2: under context parallelism the collectives in the layer loop (convolution tails,
+  piece states, and their gradients) are the same bytes at 64 and at 128 tokens; softmax
+  attention's key and value gathers would double. (Outside the loop, the step's zig-zag
+  reordering of the tokens and the loss move per-token data, as for any model.)"""
+  short, long = (_linear_only_collectives(n) for n in (64, 128))
+  per_layer = lambda found: sorted((c.kind, c.bytes) for c in found if c.count == HYBRID.num_layers)  # noqa: E731
+  assert sum(b for kind, b in per_layer(short) if kind == "all-gather") > 0
+  assert per_layer(long) == per_layer(short)
