@@ -1,6 +1,6 @@
 """Model families at real size: KV-cache bytes per token of the shipped configs.
 
-    python benchmarks/families.py [--v5p] [--v6e] [--tiny [CONFIG ...]]
+    python benchmarks/families.py [--v5p] [--v6e] [--linear] [--tiny [CONFIG ...]]
 
 Local/global part (Gemma 2, Gemma 3, GPT-OSS): a layer with a
 sliding window never reads keys further back than its window, so over a long sequence its
@@ -23,6 +23,10 @@ Tiny part: with --tiny, each family's tiny config on 1 CPU device (float32): tra
 tokens/s (the mean of 5 steps after 2 warm-up steps, the config's batch and sequence) and
 decode tokens/s (random weights, greedy, 8 prompts of 64 tokens, 64 new: batch x 63 over
 the time past the first token, best of 2), against `tiny`, the Llama-style baseline.
+
+With --linear: the linear-attention hybrids (Qwen3.5, Qwen3-Next) against softmax attention
+(benchmarks/linear_attention.py): cache bytes per token at 32k, token-mixing tokens/s from 2k
+to 32k on CPU, and collective bytes per layer under context parallelism by length.
 
 With --v6e: the shipped local/global configs' full train steps, every layer, compiled
 (libtpu, on this host) for the TPU slice their files name, with the per-chip HBM the
@@ -171,3 +175,7 @@ if __name__ == "__main__":
   if "--v6e" in sys.argv:
     print()
     local_global_train_on_their_slices()
+  if "--linear" in sys.argv:
+    import linear_attention
+    print()
+    linear_attention.main()

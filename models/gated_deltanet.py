@@ -170,20 +170,21 @@ class GatedDeltaNet(nnx.Module):
                         f"{axes} {piece} tokens, fewer than the convolution's {taps - 1} of history: "
                         "use a longer sequence or fewer context devices")
 
+    def tail(x):  # the last K-1 tokens of a piece: what the next piece's convolution reads
+      return x[:, x.shape[1] - (taps - 1):]
+
     def local(inputs, kernels, decay, beta, segments):
-      pieces = {n: jnp.split(x, count, axis=1) for n, x in inputs.items()}
-      ids = jnp.split(segments, count, axis=1) if segments is not None else [None] * count
-      mixed = {n: [] for n in inputs}
-      for n, parts in pieces.items():
-        tails = [part[:, part.shape[1] - (taps - 1):] for part in parts]
-        histories = from_predecessor(tails, jnp.zeros_like(tails[0]), **split)
-        for p, part in enumerate(parts):
-          history_ids = None
-          if segments is not None:
-            tail_ids = [i[:, i.shape[1] - (taps - 1):] for i in ids]
-            history_ids = from_predecessor(tail_ids, jnp.full_like(tail_ids[0], -1), **split)[p]
-          mixed[n].append(causal_conv(part, kernels[n], ids[p], histories[p], history_ids))
-      q, k, v = self._activate({n: jnp.concatenate(parts, axis=1) for n, parts in mixed.items()})
+      ids, history_ids = [None] * count, [None] * count
+      if segments is not None:
+        ids = jnp.split(segments, count, axis=1)
+        history_ids = from_predecessor([tail(i) for i in ids], jnp.full_like(tail(ids[0]), -1), **split)
+      mixed = {}
+      for n, x in inputs.items():
+        parts = jnp.split(x, count, axis=1)
+        histories = from_predecessor([tail(part) for part in parts], jnp.zeros_like(tail(parts[0])), **split)
+        mixed[n] = jnp.concatenate([causal_conv(part, kernels[n], ids[p], histories[p], history_ids[p])
+                                    for p, part in enumerate(parts)], axis=1)
+      q, k, v = self._activate(mixed)
       return gated_delta_rule_split(self._rule, q, k, v, decay, beta, segments, **split)
 
     sequence = PartitionSpec(None, axes)
