@@ -151,3 +151,15 @@ def test_launch_local_passes_the_output_on_without_gloo_connection_banners(capfd
   out = capfd.readouterr().out
   assert "process 0 sees 2" in out and "process 1 sees 2" in out, out
   assert "[Gloo]" not in out, out  # gloo prints one per connection it makes: nothing to act on
+
+
+def test_banners_that_gloo_threads_interleave_into_one_line_are_dropped_too():
+  """Two of gloo's threads write at once: their banners can share one line (seen in CI)."""
+  import io
+  from jaxpar.cluster.launch_local import _forward
+  garbled = (b"[Gloo] Rank [Gloo] Rank 1 is connected to 11 is connected to  peer ranks. 1Expected number of "
+             b"connected peer ranks is :  peer ranks. 1Expected number of connected peer ranks is : 1\n"
+             b"process 0 sees 2\n")
+  out = io.BytesIO()
+  _forward(io.BufferedReader(io.BytesIO(garbled)), out)
+  assert out.getvalue() == b"process 0 sees 2\n"

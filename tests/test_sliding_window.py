@@ -116,7 +116,8 @@ def test_mixed_model_keeps_only_the_windows_pages_on_local_layers(mixed, kv_cach
   assert {x.shape[:3] for x in jax.tree.leaves(rings) if x.shape[2] != 2} == {(2, 2, 2 * ring)}
   if kv_cache is None:  # 2 (k, v) x 2 kv heads x 16 head_dim x 4 bytes per layer, page position
     per_page = 2 * 2 * 16 * 4 * PAGE
-    assert engine.cache_bytes == {"pool": per_page * engine.pool.num_pages, "rings": 2 * per_page * 2 * ring}
+    assert engine.cache_bytes == {"pool": per_page * engine.pool.num_pages, "rings": 2 * per_page * 2 * ring,
+                                  "states": 0}
   prompts = [np.random.default_rng(3).integers(0, 256, n).tolist() for n in (5, 40)]
   requests = [engine.submit(p, SamplingParams(max_tokens=70, logprobs=True, **NO_STOP)) for p in prompts]
   most = 0

@@ -12,7 +12,8 @@ notice within --peer-timeout) before they are killed, so the launcher never hang
 
 The processes' standard output passes through the launcher as it comes, less gloo's
 `[Gloo] Rank N is connected to M peer ranks` line for every connection it makes (16 for two
-processes of four devices): nothing a user can act on. Standard error is theirs untouched.
+processes of four devices), even when two of them interleave into one line: nothing a user
+can act on. Standard error is theirs untouched.
 """
 
 import os
@@ -28,7 +29,9 @@ from jaxpar.cluster.preemption import SAME_SIGNAL_S
 from jaxpar.errors import UserError
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
-_GLOO_BANNER = re.compile(rb"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# Anywhere in a line: gloo's threads write their banners at once, and two can interleave
+# character by character into one line ("[Gloo] Rank [Gloo] Rank 1 is connected to 11 is ...").
+_GLOO_BANNER = re.compile(rb"\[Gloo\] Rank")
 
 
 def free_port() -> int:
@@ -63,12 +66,12 @@ def _forward(stream, out):
   pending = b""
   while chunk := stream.read1(65536):
     *lines, pending = (pending + chunk).split(b"\n")
-    kept = b"".join(line + b"\n" for line in lines if not _GLOO_BANNER.match(line))
+    kept = b"".join(line + b"\n" for line in lines if not _GLOO_BANNER.search(line))
     if pending and not b"[Gloo]".startswith(pending[:6]):
       kept, pending = kept + pending, b""
     out.write(kept)
     out.flush()
-  if pending and not _GLOO_BANNER.match(pending):
+  if pending and not _GLOO_BANNER.search(pending):
     out.write(pending)
     out.flush()
 
