@@ -26,9 +26,14 @@ def _pieces(x, count: int):
   return None if x is None else jnp.split(x, count, axis=1)
 
 
-def _chunk_order(shards: int, zigzag: bool):
-  """chunk[d][p]: the sequence position (in pieces) of device d's piece p."""
-  return [[d, 2 * shards - 1 - d] if zigzag else [d] for d in range(shards)]
+def _layout(shards: int, zigzag: bool, axes: tuple):
+  """(the (device, piece) at each sequence position, in pieces; this device's pieces'
+  positions, traced): where every piece sits in the sequence."""
+  order = [[d, 2 * shards - 1 - d] if zigzag else [d] for d in range(shards)]
+  at = {order[d][p]: (d, p) for d in range(shards) for p in range(len(order[0]))}
+  device = lax.axis_index(axes)
+  mine = [jnp.asarray([order[d][p] for d in range(shards)])[device] for p in range(len(order[0]))]
+  return [at[i] for i in range(len(at))], mine
 
 
 def gated_delta_rule_split(rule, q, k, v, g, beta, segment_ids, *, axes: tuple, shards: int, zigzag: bool):
@@ -51,22 +56,18 @@ def gated_delta_rule_split(rule, q, k, v, g, beta, segment_ids, *, axes: tuple, 
   gather = lambda x: lax.all_gather(jnp.stack(x), axes, axis=0, tiled=False)  # noqa: E731  [N, count, ...]
   all_moves, all_offsets = gather(moves), gather(offsets)
   all_ends = gather(ends) if ends else None
-  order = _chunk_order(shards, zigzag)
-  by_position = {order[d][p]: (d, p) for d in range(shards) for p in range(count)}
+  at, mine = _layout(shards, zigzag, axes)
   starts = [jnp.zeros((batch, num_heads, key_dim, value_dim), jnp.float32)]
   for position in range(1, shards * count):
-    d, p = by_position[position - 1]
+    d, p = at[position - 1]
     carried = jnp.einsum("bhij,bhjv->bhiv", all_moves[d, p], starts[-1]) + all_offsets[d, p]
     if all_ends is not None:
-      here = all_ends[by_position[position][0], by_position[position][1], :, 0]
+      here = all_ends[at[position][0], at[position][1], :, 0]
       carried = jnp.where((here == all_ends[d, p, :, 1])[:, None, None, None], carried, 0.0)
     starts.append(carried)
   starts = jnp.stack(starts)  # [positions, B, Hv, Dk, Dv]
-  device = lax.axis_index(axes)
-  outs = []
-  for p, ((qp, kp, vp, gp, bp), sp) in enumerate(zip(pieces, segs)):
-    position = jnp.asarray([order[d][p] for d in range(shards)])[device]
-    outs.append(rule(qp, kp, vp, gp, bp, starts[position], sp)[0])
+  outs = [rule(qp, kp, vp, gp, bp, starts[mine[p]], sp)[0]
+          for p, ((qp, kp, vp, gp, bp), sp) in enumerate(zip(pieces, segs))]
   return jnp.concatenate(outs, axis=1)
 
 
@@ -76,8 +77,6 @@ def from_predecessor(values: list, fill, *, axes: tuple, shards: int, zigzag: bo
   convolution needs across a piece boundary."""
   count = len(values)
   gathered = lax.all_gather(jnp.stack(values), axes, axis=0, tiled=False)  # [N, count, ...]
-  order = _chunk_order(shards, zigzag)
-  by_position = {order[d][p]: (d, p) for d in range(shards) for p in range(count)}
-  table = jnp.stack([fill] + [gathered[by_position[i]] for i in range(shards * count - 1)])  # by position
-  device = lax.axis_index(axes)
-  return [table[jnp.asarray([order[d][p] for d in range(shards)])[device]] for p in range(count)]
+  at, mine = _layout(shards, zigzag, axes)
+  table = jnp.stack([fill] + [gathered[at[i]] for i in range(shards * count - 1)])  # by position
+  return [table[position] for position in mine]
