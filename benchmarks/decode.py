@@ -11,8 +11,7 @@ system once in turn (the host's speed drifts: this way each gets the same moment
 per call, and `--burst` steps per call (`Engine(decode_burst=K)`: the same tokens, streamed
 K at a time; the first token still comes from a single step). Then: the same requests on an engine
 sized for 2048 positions, with and without narrower page tables; continuous batching under a
-stream of mixed-length requests. Speculative decoding: benchmarks/speculative.py (it uses
-`trained_engine` from here).
+stream of mixed-length requests. Speculative decoding: benchmarks/speculative.py.
 """
 
 import argparse
@@ -122,19 +121,6 @@ def continuous_batching(model_cfg, requests=48, slots=8, seed=0):
   done = engine.generate(prompts, settings)
   elapsed = time.perf_counter() - start
   return sum(len(d.tokens) for d in done) / elapsed, engine.stats
-
-
-def trained_engine(overrides, steps, slots, **options):
-  """The embedded default's model (with `overrides`) trained `steps` steps on the bundled
-  corpus: speculative decoding needs a draft that agrees with its target, which random
-  weights do not. `options` go to Engine."""
-  from jaxpar.train.trainer import Trainer
-  config = load_config("tiny", [f"train.steps={steps}", "checkpoint.enabled=false", "mesh.fsdp=1",
-                                "train.run_dir=/tmp/jaxpar-bench-spec", *overrides])
-  trainer = Trainer(config, devices=jax.devices()[:1])
-  state = trainer.fit(show_progress=False).state
-  return Engine(trainer.runtime, state.params, trainer.tokenizer(), model_state=state.model_state,
-                slots=slots, max_seq_len=256, page_size=16, prefill_chunks=(64,), **options)
 
 
 def main():

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxpar.mesh import build_mesh, execution_options, resolve_rules, state_shardings
 from jaxpar.models import build_model, get_family
+from jaxpar.models.medusa import MedusaParam
 from jaxpar.models.pipeline import reorder_layers
 from jaxpar.models.transformer import PIPELINED_GROUP
 from jaxpar.parallel import ParallelConfig, ParallelPlan
@@ -40,8 +41,9 @@ def weight_decay_mask(abstract_params) -> dict:
 
 
 def adapter_leaves(abstract_params) -> dict:
-  """True for every adapter (nnx.LoRAParam, models/lora.py) leaf: what trains under model.lora."""
-  return nnx.to_pure_dict(jax.tree.map(lambda v: isinstance(v, nnx.LoRAParam), abstract_params,
+  """True for every leaf that trains over a frozen base: the adapters (nnx.LoRAParam,
+  models/lora.py) under model.lora, the draft heads (models/medusa.py) under model.medusa."""
+  return nnx.to_pure_dict(jax.tree.map(lambda v: isinstance(v, (nnx.LoRAParam, MedusaParam)), abstract_params,
                                        is_leaf=lambda x: isinstance(x, nnx.Variable)))
 
 
@@ -63,8 +65,9 @@ class Runtime:
   preset, as the plan runs them); plan: what each mesh axis does (jaxpar/parallel.py);
   graphdef + abstract_params / abstract_model_state: the model without memory;
   param_shardings / model_state_shardings: NamedShardings read from the axis names;
-  adapter_mask: under model.lora, a params-shaped tree of bools, True for the adapters (the
-  only weights that train: jaxpar/finetune/partition.py); None without adapters.
+  adapter_mask: under model.lora or model.medusa, a params-shaped tree of bools, True for the
+  adapters or draft heads (the only weights that train: jaxpar/weights/frozen.py); None when
+  the whole model trains.
   """
 
   @classmethod
@@ -88,7 +91,7 @@ class Runtime:
     self.num_params = count_params(abstract_params)
     self.decay_mask = weight_decay_mask(abstract_params)
     self.axis_names = logical_axis_names(abstract_params)
-    self.adapter_mask = adapter_leaves(abstract_params) if model_cfg.lora is not None else None
+    self.adapter_mask = adapter_leaves(abstract_params) if model_cfg.frozen_base is not None else None
     self.abstract_params = nnx.to_pure_dict(abstract_params)
     self.abstract_model_state = nnx.to_pure_dict(abstract_model_state)
     self.param_shardings = self._shardings(abstract_params)

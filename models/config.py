@@ -105,6 +105,21 @@ class LoRAConfig(Frozen):
     return self.alpha / self.rank
 
 
+class MedusaConfig(Frozen):
+  """Medusa draft heads (Cai et al. 2024, Medusa-1; models/medusa.py): `heads` extra
+  next-next-token predictors over the frozen model's final hidden state, head i guessing the
+  token i + 2 ahead. Each is `layers` residual SiLU blocks, then its own output projection.
+  Only the heads train (`train.objective: medusa`); `base`: the checkpoint holding the frozen
+  model (None: the model's random init, for tests), as model.lora.base is for adapters.
+  `shared_projection`: the heads use the model's output projection as it is, with no copy of
+  their own: far fewer weights, and one read of the projection per round for all heads
+  (where the projection is most of the model, as in small models with large vocabularies)."""
+  heads: int = Field(4, ge=1, le=16)
+  layers: int = Field(1, ge=1)
+  shared_projection: bool = False
+  base: str | None = None
+
+
 REMAT_PRESETS = ("none", "full", "save_dots", "save_dots_no_batch")
 # Activations the layers name with `checkpoint_name` (decoder.py, attention.py, mlp.py).
 REMAT_NAMES = ("decoder_layer_input", "qkv_proj", "attention_out", "out_proj", "mlp_in", "mlp_out")
@@ -268,6 +283,16 @@ class ModelConfig(Frozen):
   # the fly over float weights; compute_dtype: no quantization.
   train_precision: Literal["compute_dtype", "fp8", "fp8_blockwise", "int8"] = "compute_dtype"
   lora: LoRAConfig | None = None  # None: no adapters
+  medusa: MedusaConfig | None = None  # None: no draft heads
+
+  @property
+  def frozen_base(self) -> tuple[str, str | None] | None:
+    """(config section, base checkpoint) of the weights trained over a frozen base (adapters
+    or draft heads), or None when the whole model trains."""
+    for section in ("lora", "medusa"):
+      if getattr(self, section) is not None:
+        return f"model.{section}", getattr(self, section).base
+    return None
 
   @model_validator(mode="after")
   def _heads(self):
@@ -296,6 +321,9 @@ class ModelConfig(Frozen):
     if "gated_deltanet" in mixers and self.gated_deltanet is None:
       raise ValueError("model.layer_pattern uses mixer gated_deltanet: give its shape in model.gated_deltanet "
                        "(num_key_heads, num_value_heads, key_head_dim, value_head_dim)")
+    if self.lora is not None and self.medusa is not None:
+      raise ValueError("model.lora and model.medusa both train over a frozen base: merge the adapters first "
+                       "(`jaxpar lora merge`) and train the heads over the merged model")
     if not 0 <= self.first_dense_layers <= self.num_layers:
       raise ValueError(f"model.first_dense_layers={self.first_dense_layers} must be between 0 and "
                        f"model.num_layers={self.num_layers}")

@@ -21,6 +21,7 @@ from jaxpar.models.decoder import RESIDUAL, LayerContext
 from jaxpar.models.embedding import embed_lookup
 from jaxpar.models.init import embedding_init, fan_in
 from jaxpar.models.layer_pattern import layer_mixer, sliding_windows, unit_options
+from jaxpar.models.medusa import MedusaHeads
 from jaxpar.models.norm import RMSNorm
 from jaxpar.models.registry import get_block
 from jaxpar.models.pipeline import run_group
@@ -103,6 +104,8 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.unembed = nnx.Param(fan_in()(rngs.params(), (cfg.embed_dim, cfg.vocab_size), param_dtype),
                                out_sharding=("embed", "vocab"))
+    if cfg.medusa is not None:  # draft heads over the final hidden state (speculative decoding)
+      self.medusa = MedusaHeads(cfg, rngs)
 
   def __call__(self, tokens, positions=None, segment_ids=None, kv_quantization=None, *, zigzag=False):
     """-> (logits [B, L, vocab] in the compute dtype, aux {"losses", "metrics"}); the
@@ -152,7 +155,7 @@ class Transformer(nnx.Module):
     [B, T, vocab], or [B, vocab] at each row's `logits_index` [B] when given. With
     `kv_quantization` the cache is the quantized layout (`init_cache(...,
     kv_quantization=)`) and `tail_index` [B] names each row's slot."""
-    x, cache = self._decode_hidden(tokens, positions, cache, page_table, kv_quantization, tail_index)
+    x, cache = self.decode_hidden(tokens, positions, cache, page_table, kv_quantization, tail_index)
     if logits_index is not None:
       x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
     return self.logits(x), cache
@@ -160,9 +163,11 @@ class Transformer(nnx.Module):
   def prefill_cache(self, tokens, positions, cache: dict, page_table, *, kv_quantization=None,
                     tail_index=None) -> dict:
     """Only write the new tokens' keys and values into the cache (no logits): prefill."""
-    return self._decode_hidden(tokens, positions, cache, page_table, kv_quantization, tail_index)[1]
+    return self.decode_hidden(tokens, positions, cache, page_table, kv_quantization, tail_index)[1]
 
-  def _decode_hidden(self, tokens, positions, cache, page_table, kv_quantization, tail_index):
+  def decode_hidden(self, tokens, positions, cache, page_table, kv_quantization=None, tail_index=None):
+    """`decode`'s final-normed hidden states [B, T, embed] before the output projection, and
+    the updated cache (a draft source's heads read them)."""
     first = jnp.zeros((), jnp.int32)
     windows = {g.name: sliding_windows(self.cfg, g.indices) for g in layer_groups(self.cfg)}
     views = {name: caches.for_generation(pages, page_table, first, kv_quantization=kv_quantization,

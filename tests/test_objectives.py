@@ -42,7 +42,7 @@ def test_the_documented_objective_trains_and_validates_its_keys(smoothed):
 
 def test_unknown_objectives_and_keys_are_one_line_errors():
   with pytest.raises(ConfigError, match=r"train.objective='ppo' is not a registered objective; choose one of "
-                                        r"\['dpo', 'grpo', 'lm', 'sft'"):  # and any a test registers
+                                        r"\['dpo', 'grpo', 'lm', 'medusa', 'sft'"):  # and any a test registers
     from_dict({"train": {"objective": "ppo"}})
   with pytest.raises(ConfigError, match=r"unknown config key 'objective.beta'"):
     from_dict({"objective": {"beta": 0.1}})  # lm has no keys

@@ -11,8 +11,11 @@ from jaxpar.config import MeshConfig, ModelConfig
 from jaxpar.data import ByteTokenizer
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.errors import ConfigError, UserError
+from jaxpar.inference.medusa import MedusaDraft
 from jaxpar.inference.speculative import DraftModel, NgramDraft, ngram_lookup, verify
+from jaxpar.models.medusa import fingerprint
 from jaxpar.runtime import Runtime
+from jaxpar.weights import split_weights
 from tests.helpers import SMALL_MODEL
 
 # Chi-square 99.9% quantiles: a correct sampler fails these once in a thousand seeds.
@@ -81,6 +84,9 @@ def _engine(vocab, seed, slots=8, num_pages=None, draft=None, **model):
   config = ModelConfig(**{**SMALL_MODEL, "max_seq_len": 64, "vocab_size": vocab, **model})
   runtime = Runtime(config, MeshConfig(fsdp=1), jax.devices()[:1], seed=seed)
   params, model_state = runtime.init()
+  if config.medusa is not None:  # random heads (a fresh one only repeats the model), stamped with their base
+    params["medusa"]["w"] = jax.random.normal(jax.random.key(seed), params["medusa"]["w"].shape)
+    model_state["medusa"]["base_fingerprint"] = fingerprint(split_weights(runtime, params)[1])
   return Engine(runtime, params, ByteTokenizer(), model_state=model_state, slots=slots, page_size=8,
                 prefill_chunks=(8,), num_pages=num_pages, speculative=draft)
 
@@ -183,11 +189,14 @@ def test_speculative_refuses_what_it_cannot_do():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["draft", "ngram"])
+@pytest.mark.parametrize("source", ["draft", "ngram", "medusa"])
 def test_sampled_speculative_matches_the_target_distribution(source):
+  """Medusa: random heads over the target (their proposals come out of its own pass), on its
+  output projection (`shared_projection`)."""
   vocab = 16
-  draft = DraftModel(_engine(vocab, 5, num_layers=1), k=2) if source == "draft" else NgramDraft(k=2, max_n=2)
-  target = _engine(vocab, 0, draft=draft)
+  draft = {"draft": lambda: DraftModel(_engine(vocab, 5, num_layers=1), k=2),
+           "ngram": lambda: NgramDraft(k=2, max_n=2), "medusa": lambda: MedusaDraft(k=2)}[source]()
+  target = _engine(vocab, 0, draft=draft, **({"medusa": {"heads": 2, "shared_projection": True}} if source == "medusa" else {}))
   prompt = [3, 1, 4] if source == "draft" else [3, 1, 4, 3, 1]  # "3 1" occurred: lookup proposes "4 3"
   draws = []
   for start in range(0, 640, 8):
@@ -196,7 +205,7 @@ def test_sampled_speculative_matches_the_target_distribution(source):
     draws += [r.tokens for r in results]
   draws = np.asarray(draws)
   # Exact target distributions: p(t1 | prompt) and the marginal of t2.
-  logits_of = jax.jit(lambda tokens: target.runtime.merge(target.params)(tokens)[0][:, -1])
+  logits_of = jax.jit(lambda tokens: target.runtime.merge(target.params, target.model_state)(tokens)[0][:, -1])
   p1 = np.asarray(jax.nn.softmax(logits_of(jnp.asarray([prompt])))[0], np.float64)
   p2_given = np.asarray(jax.nn.softmax(logits_of(jnp.asarray([prompt + [t] for t in range(vocab)]))), np.float64)
   for column, probs in ((0, p1), (1, p1 @ p2_given)):

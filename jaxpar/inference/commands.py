@@ -48,12 +48,13 @@ def add_engine_args(parser):
   parser.add_argument("--decode-burst", type=int, default=1, metavar="K",
                       help="decode steps per device call while no request needs the host between "
                       "tokens: fewer round trips, tokens streamed K at a time (default 1)")
-  parser.add_argument("--speculative", metavar="draft=PATH,k=K | ngram,k=K,n=N",
+  parser.add_argument("--speculative", metavar="draft=PATH,k=K | ngram,k=K,n=N | medusa[=HEADS],k=K",
                       help="speculative decoding: the checkpoint at PATH (a smaller model on the same tokenizer), "
-                      "or prompt lookup (ngram: what followed the latest earlier occurrence of the last N tokens, "
-                      "default 3), proposes up to K tokens (default 4) that the model checks in one pass; the same "
-                      "greedy tokens, the same sampling distribution. serve: add default=off for requests to "
-                      "opt in with \"speculative\": true")
+                      "prompt lookup (ngram: what followed the latest earlier occurrence of the last N tokens, "
+                      "default 3), or Medusa draft heads (the run's own, or those of the run HEADS trained with "
+                      "train.objective=medusa over this one) propose up to K tokens (default 4; medusa: one per "
+                      "head) that the model checks in one pass; the same greedy tokens, the same sampling "
+                      "distribution. serve: add default=off for requests to opt in with \"speculative\": true")
 
 
 def add_sampling_args(parser):
@@ -71,21 +72,25 @@ def add_sampling_args(parser):
 
 def speculative_options(text: str) -> dict:
   """`draft=PATH,k=4` -> {"draft": PATH, "k": 4, "default": True}; `ngram,k=4,n=3,default=off`
-  -> {"ngram": True, "k": 4, "n": 3, "default": False} (default: whether requests that leave
-  the `speculative` field out take the draft tokens)."""
+  -> {"ngram": True, "k": 4, "n": 3, "default": False}; `medusa` or `medusa=HEADS,k=3` ->
+  {"medusa": None or HEADS, "k": None or 3, ...} (default: whether requests that leave the
+  `speculative` field out take the draft tokens)."""
   items = text.split(",")
-  ngram = items[0] == "ngram"
-  options = dict(item.partition("=")[::2] for item in items[ngram:])
-  allowed = {"k", "n", "default"} if ngram else {"draft", "k", "default"}
+  source, _, value = items[0].partition("=")
+  ngram, medusa = items[0] == "ngram", source == "medusa"
+  options = dict(item.partition("=")[::2] for item in items[ngram or medusa:])
+  allowed = {"k", "n", "default"} if ngram else {"k", "default"} if medusa else {"draft", "k", "default"}
   numbers = all(options.get(key, "1").isdigit() for key in ("k", "n"))
-  if (set(options) - allowed or not (ngram or options.get("draft")) or not numbers
+  if (set(options) - allowed or not (ngram or medusa or options.get("draft")) or not numbers
       or options.get("default", "on") not in ("on", "off")):
-    raise ConfigError(f"--speculative {text!r}: write draft=PATH[,k=K][,default=on|off] or "
-                      "ngram[,k=K][,n=N][,default=on|off], e.g. --speculative draft=runs/small,k=4 or "
-                      "--speculative ngram,k=4")
+    raise ConfigError(f"--speculative {text!r}: write draft=PATH[,k=K], ngram[,k=K][,n=N] or "
+                      "medusa[=HEADS_RUN][,k=K], each with [,default=on|off], e.g. --speculative draft=runs/small,k=4, "
+                      "--speculative ngram,k=4 or --speculative medusa")
   common = {"k": int(options.get("k", 4)), "default": options.get("default", "on") == "on"}
   if ngram:
     return {"ngram": True, "n": int(options.get("n", 3)), **common}
+  if medusa:  # k: one proposal per head unless given
+    return {**common, "medusa": value or None, "k": int(options["k"]) if "k" in options else None}
   return {"draft": options["draft"], **common}
 
 
@@ -107,16 +112,36 @@ def build_engine(ns, echo=None, **options):
   spec = speculative_options(ns.speculative) if ns.speculative else {}
   if spec.get("ngram"):
     options["speculative"] = NgramDraft(spec["k"], max_n=spec["n"])
+  elif "medusa" in spec:
+    return _medusa_engine(ns, mesh, spec, echo, options)
   elif spec:
     if echo:
       echo(f"loading the speculative draft {spec['draft']}")
     draft = Engine.from_checkpoint(spec["draft"], mesh=mesh, slots=ns.slots, max_seq_len=ns.max_seq_len,
                                    page_size=ns.page_size, prefix_caching=False)
     options["speculative"] = DraftModel(draft, spec["k"])
-  return Engine.from_checkpoint(ns.checkpoint, mesh=mesh, slots=ns.slots,
-                                max_seq_len=ns.max_seq_len, page_size=ns.page_size,
-                                num_pages=ns.num_pages, kv_cache=ns.kv_cache, prefix_caching=ns.prefix_caching,
-                                decode_burst=ns.decode_burst, echo=echo, **options)
+  return Engine.from_checkpoint(ns.checkpoint, mesh=mesh, **_engine_options(ns), echo=echo, **options)
+
+
+def _engine_options(ns) -> dict:
+  return dict(slots=ns.slots, max_seq_len=ns.max_seq_len, page_size=ns.page_size, num_pages=ns.num_pages,
+              kv_cache=ns.kv_cache, prefix_caching=ns.prefix_caching, decode_burst=ns.decode_burst)
+
+
+def _medusa_engine(ns, mesh, spec, echo, options):
+  """The engine over the run's own draft heads, or over heads attached from spec["medusa"]."""
+  from jaxpar.inference import Engine
+  from jaxpar.inference.medusa import MedusaDraft, with_heads
+  from jaxpar.weights import open_run
+  options["speculative"] = MedusaDraft(spec["k"])
+  with open_run(ns.checkpoint, mesh or {"data": -1, "fsdp": 1}) as run:
+    if spec["medusa"] is None:
+      return Engine.from_run(run, **_engine_options(ns), echo=echo, **options)
+    if echo:
+      echo(f"attaching the draft heads of {spec['medusa']}")
+    runtime, params, model_state = with_heads(run, spec["medusa"])
+    return Engine(runtime, params, run.tokenizer, model_state=model_state, **_engine_options(ns), echo=echo,
+                  **options)
 
 
 def sampling_from(ns, **overrides):

@@ -34,7 +34,7 @@ from jaxpar.inference.prefix_cache import PrefixSharing
 from jaxpar.inference.programs import Programs, burst_kind, program_key
 from jaxpar.inference.requests import Completion, Request, TokenEvent
 from jaxpar.inference.sampling import GREEDY, SamplingParams
-from jaxpar.inference.speculative import DraftModel, NgramDraft, SpeculativeCalls
+from jaxpar.inference.speculative import DraftSource, SpeculativeCalls
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import caches, kv_cache, kv_reach, local_window
 from jaxpar.models.kv_quant import KVQuantization
@@ -77,7 +77,7 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
   adapters: the names of the LoRA adapters stacked in `params` (model.lora.stacked, slots 1..n;
   `adapters.py` builds them); a request names one (`submit(..., adapter=NAME)`) or gets the base.
   speculative: a draft source (`speculative.DraftModel`: a smaller model; `NgramDraft`: prompt
-  lookup) whose proposals every decoding row checks, up to k at a time, instead of single
+  lookup; `medusa.MedusaDraft`: the model's own draft heads) whose proposals every decoding row checks, up to k at a time, instead of single
   decode steps (greedy tokens are the same; sampled ones follow the same distribution).
   """
 
@@ -86,7 +86,7 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
                prefill_chunks=DEFAULT_CHUNKS, prefill_budget: int | None = None, cache_dtype=None,
                kv_cache: str | None = None, echo=None, compile_extras: bool = False,
                prefix_caching: bool = True, adapters: tuple[str, ...] = (), decode_burst: int = 1,
-               run_ahead: bool = True, speculative: DraftModel | NgramDraft | None = None):
+               run_ahead: bool = True, speculative: DraftSource | None = None):
     cfg = runtime.model_config
     self.adapters = tuple(adapters)  # one name per stacked adapter (adapters.py builds both)
     if decode_burst < 1:

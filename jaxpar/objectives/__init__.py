@@ -1,7 +1,7 @@
 """Training objectives as plug-ins (base.py says what one brings): `lm` (next-token prediction
 on text), `sft` (on chat rows, the assistant's tokens), `dpo` (preference pairs), `grpo`
-(reinforcement learning on prompts, jaxpar/rl/). Another is
-a class decorated with `register_objective` in a new module here, or in an installed
+(reinforcement learning on prompts, jaxpar/rl/), `medusa` (draft heads over a frozen model).
+Another is a class decorated with `register_objective` in a new module here, or in an installed
 package's `jaxpar.objectives` entry point (jaxpar/plugins.py): no edit elsewhere."""
 
 from jaxpar import plugins

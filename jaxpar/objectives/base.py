@@ -75,6 +75,9 @@ class Objective:
       raise ConfigError(f"train.objective={self.name} trains on data.format={'|'.join(self.formats)} rows, not "
                         f"data.format={fmt}: set data.format={self.formats[0]}"
                         + (f", or train.objective={readers[0]} for {fmt} rows" if readers else ""))
+    if self.config.model.medusa is not None and self.name != "medusa":
+      raise ConfigError(f"model.medusa holds draft heads, which only train.objective=medusa trains (not "
+                        f"{self.name}): set train.objective=medusa, or drop model.medusa")
 
   @property
   def adapters(self) -> bool:

@@ -128,18 +128,22 @@ class SavedRun:
       mesh = MeshConfig(**(mesh or {"fsdp": -1}))
     self.runtime = Runtime(self.config.model, mesh, devices, seed=self.config.train.seed,
                            parallel=self.config.parallel)
-    if self.config.model.lora is None:
+    if self.config.model.frozen_base is None:
       saved = self.runtime.restore(self._checkpoints, self.step)
-    else:  # an adapter checkpoint: its adapters here, the base weights where model.lora.base says
-      saved = (join(self.read_adapters(self.runtime), load_base(self.runtime)),
-               self._checkpoints.restore_item("model_state", self.runtime.abstract_targets()[1], self.step))
+    else:  # adapters or draft heads here, the base weights where model.lora/medusa.base says
+      saved = (join(self.read_adapters(self.runtime), load_base(self.runtime)), self.read_model_state(self.runtime))
     self.params, self.model_state = relayout(saved, self.layer_order, self.runtime.layer_order())
     return self
 
   def read_adapters(self, runtime) -> dict:
-    """An adapter checkpoint's adapters alone, placed on `runtime` (one with its model.lora)."""
+    """An adapter (or draft-head) checkpoint's trained weights alone, placed on `runtime` (one
+    with its model.lora or model.medusa)."""
     targets = split_weights(runtime, runtime.abstract_targets()[0])[0]
     return self._checkpoints.restore_item("params", targets, self.step)
+
+  def read_model_state(self, runtime) -> dict:
+    """The saved model state (router biases, draft heads' base fingerprint), placed on `runtime`."""
+    return self._checkpoints.restore_item("model_state", runtime.abstract_targets()[1], self.step)
 
   def read_params(self, targets: dict) -> dict:
     """The saved parameters, placed per `targets` (sharded ShapeDtypeStructs of every one)."""
@@ -166,9 +170,10 @@ class SavedRun:
       raise CheckpointError(f"checkpoint {self.path} is quantized (model.quantization.mode={quantization.mode}): "
                             "quantized weights are for inference; train from the float checkpoint it was "
                             "quantized from")
-    if runtime.adapter_mask is not None and self.config.model.lora is None:
-      raise CheckpointError(f"--restore {self.directory}: that checkpoint has no adapters; to train adapters "
-                            f"over it, set model.lora.base={self.directory} instead")
+    if runtime.adapter_mask is not None and self.config.model.frozen_base is None:
+      section = runtime.model_config.frozen_base[0]
+      raise CheckpointError(f"--restore {self.directory}: that checkpoint is a whole model; to train "
+                            f"{section} over it, set {section}.base={self.directory} instead")
     items, data_state = self._checkpoints.restore(abstract_state, self.step)
     return relayout(items, self.layer_order, runtime.layer_order()), data_state
 
@@ -193,24 +198,24 @@ def open_run(path, mesh=None, step: int | None = None, *, devices=None) -> Saved
 
 
 def load_base(runtime) -> dict:
-  """The base weights of an adapted model (model.lora.base: a checkpoint; None: the model's
-  init from its seed, which tests and benchmarks use), placed on the runtime's shardings. The
-  trainer and `SavedRun.load` both get the base from here."""
+  """The base weights under adapters or draft heads (model.lora.base or model.medusa.base: a
+  checkpoint; None: the model's init from its seed, which tests and benchmarks use), placed on
+  the runtime's shardings. The trainer and `SavedRun.load` both get the base from here."""
   _, shardings = split_weights(runtime, runtime.param_shardings)
-  path = runtime.model_config.lora.base
+  section, path = runtime.model_config.frozen_base
   if path is None:
     with runtime.context():
       return jax.jit(lambda: split_weights(runtime, runtime.create()[0])[1], out_shardings=shardings)()
   with SavedRun(path) as source:
-    if source.config.model.lora is not None:
-      raise CheckpointError(f"model.lora.base={path} holds adapters itself: merge them into a base first "
-                            f"(`jaxpar lora merge {path} OUT`) and point model.lora.base at OUT")
+    if source.config.model.frozen_base is not None:
+      raise CheckpointError(f"{section}.base={path} holds adapters or draft heads itself: point {section}.base "
+                            f"at a whole model (merge adapters first: `jaxpar lora merge {path} OUT`)")
     ours = runtime.model_config
     if ours.quantization is not None and source.config.model.quantization is None:
       return _quantized_base(runtime, source, shardings)  # QLoRA over a float checkpoint
     if not same_network(ours, source.config.model):
-      raise CheckpointError(f"model.lora.base={path} was saved with a different model section: copy its "
-                            f"model section ({source.path}/config) into this config and add `lora:` to it")
+      raise CheckpointError(f"{section}.base={path} was saved with a different model section: copy its "
+                            f"model section ({source.path}/config) into this config and add `{section[6:]}:` to it")
     _, targets = split_weights(runtime, runtime.abstract_targets()[0])
     return source.read_params(targets)
 
@@ -234,7 +239,7 @@ def read_network(runtime, path, key: str) -> dict:
     with runtime.context():
       return jax.jit(lambda: runtime.create()[0], out_shardings=runtime.param_shardings)()
   with SavedRun(path) as source:
-    if source.config.model.lora is not None or not same_network(runtime.model_config, source.config.model):
+    if source.config.model.frozen_base is not None or not same_network(runtime.model_config, source.config.model):
       raise CheckpointError(f"{key}={path} holds another model (or adapters): give a checkpoint "
                             "of this config's model section (merge adapters first: `jaxpar lora merge`)")
     return source.read_params(runtime.abstract_targets()[0])

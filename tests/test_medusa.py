@@ -1,0 +1,137 @@
+"""Medusa draft heads: trained over a frozen base (`train.objective: medusa`) they learn to guess
+tokens further ahead than the model does, the base stays bitwise as it was, and as the engine's
+draft source they give exactly plain greedy decoding's tokens in fewer target passes, from
+Python and from `jaxpar generate`. Heads over another base, or asked for more proposals than
+they have, are refused in one line."""
+
+import gzip
+from importlib import resources
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.data import ByteTokenizer
+from jaxpar.data.heldout import token_windows
+from jaxpar.errors import ConfigError
+from jaxpar.inference import Engine, SamplingParams
+from jaxpar.inference.medusa import MedusaDraft, with_heads
+from jaxpar.models.medusa import fingerprint, same_fingerprint
+from jaxpar.objectives.medusa import ahead, head_accuracy
+from jaxpar.train.trainer import Trainer
+from jaxpar.weights import open_run, split_weights
+from tests.helpers import small_config
+
+HEADS = 3
+STEPS = 150
+TRAIN = {"steps": STEPS, "learning_rate": 3e-3, "warmup_steps": 5}
+PROMPTS = ["It is a truth universally acknowledged", "Mr. Darcy", "She was"]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=())
+ENGINE = dict(slots=4, max_seq_len=128, prefill_chunks=(32,))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """(base run, heads run): the small model trained on the bundled corpus, then 3 heads over it."""
+  root = tmp_path_factory.mktemp("medusa")
+  one = jax.devices()[:1]
+  Trainer(small_config(tmp_path=root / "base", train=TRAIN), devices=one).fit(show_progress=False)
+  heads = small_config(tmp_path=root / "heads", model={"medusa": {"heads": HEADS, "base": str(root / "base/run")}},
+                       train={**TRAIN, "objective": "medusa"})
+  Trainer(heads, devices=one).fit(show_progress=False)
+  return root / "base/run", root / "heads/run"
+
+
+@pytest.fixture(scope="module")
+def plain(runs):
+  return [r.tokens for r in Engine.from_checkpoint(runs[0], **ENGINE).generate(PROMPTS, GREEDY)]
+
+
+def _heldout(windows=16, seq_len=64):
+  text = gzip.decompress((resources.files("jaxpar.data") / "corpus/austen_heldout.txt.gz").read_bytes()).decode()
+  tokens = token_windows(text, ByteTokenizer(), seq_len, windows)
+  shape = (windows, seq_len)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones(shape, np.int32),
+          "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), shape), "loss_mask": np.ones(shape)}
+
+
+def test_ahead_shifts_targets_within_each_document():
+  batch = {"targets": np.array([[1, 2, 3, 4, 5]]), "loss_mask": np.ones((1, 5)),
+           "segment_ids": np.array([[1, 1, 1, 2, 2]])}
+  targets, mask = ahead(batch, 1)
+  assert targets[0, :4].tolist() == [2, 3, 4, 5]
+  # Position 2's token two ahead is in the next document; the last runs past the row.
+  assert mask[0].tolist() == [True, True, False, True, False]
+
+
+def test_heads_train_over_a_bitwise_frozen_base(runs):
+  base_run, heads_run = (open_run(p, mesh={"fsdp": 1}, devices=jax.devices()[:1]) for p in runs)
+  heads, base = split_weights(heads_run.runtime, heads_run.params)
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(base_run.params)):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+  assert all(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(heads))  # every head weight moved
+  stamp = heads_run.model_state["medusa"]["base_fingerprint"]
+  assert same_fingerprint(stamp, fingerprint(base_run.params))
+  assert not same_fingerprint(stamp, fingerprint(jax.tree.map(lambda x: x * 1.001, base_run.params)))
+
+
+def test_trained_heads_guess_further_ahead_than_fresh_ones(runs):
+  """Held-out text: each trained head beats the same head at its start (the model's own
+  next-token guess, repeated), by a margin of at least 5 points (the printed numbers)."""
+  run = open_run(runs[1], mesh={"fsdp": 1}, devices=jax.devices()[:1])
+  batch = jax.tree.map(jnp.asarray, _heldout())
+  trained = head_accuracy(run.model, batch)
+  fresh_params = {**run.params, "medusa": jax.tree.map(jnp.zeros_like, run.params["medusa"])}
+  fresh = head_accuracy(run.runtime.merge(fresh_params, run.model_state), batch)
+  print("held-out top-1 per head: trained", [f"{a:.3f}" for a in trained], "fresh", [f"{a:.3f}" for a in fresh])
+  assert all(t > f + 0.05 for t, f in zip(trained, fresh)), (trained, fresh)
+  assert trained[0] > trained[-1]  # a guess further ahead is harder
+
+
+def test_medusa_greedy_equals_plain_in_fewer_passes(runs, plain):
+  engine = Engine.from_checkpoint(runs[1], **ENGINE, speculative=MedusaDraft())
+  mixed = [SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(), speculative=on)
+           for on in (True, False, True)]
+  done = engine.generate(PROMPTS, mixed)
+  assert [r.tokens for r in done] == plain
+  assert done[1].draft_proposed == 0 and done[0].draft_accepted > 0 and done[2].draft_accepted > 0
+  # The speculating rows took fewer passes than their tokens (each kept proposal saves one, less
+  # where a row's last round kept more than it needed); the other row one per token.
+  kept = done[0].draft_accepted + done[2].draft_accepted
+  assert 3 * 40 - kept <= engine.stats["speculative_rounds"] < 3 * 40 - kept + 2 * HEADS
+  assert engine.pool.free == engine.pool.num_pages
+
+
+def test_heads_attach_to_their_base_and_refuse_another(runs, plain, tmp_path):
+  base, heads = runs
+  with open_run(base, mesh={"fsdp": 1}, devices=jax.devices()[:1]) as run:
+    runtime, params, model_state = with_heads(run, heads)
+    engine = Engine(runtime, params, run.tokenizer, model_state=model_state, **ENGINE,
+                    speculative=MedusaDraft(k=2))
+    assert [r.tokens for r in engine.generate(PROMPTS, GREEDY)] == plain
+    with pytest.raises(ConfigError, match="model has 3 draft heads"):
+      Engine(runtime, params, run.tokenizer, model_state=model_state, **ENGINE, speculative=MedusaDraft(k=4))
+    other = jax.tree.map(lambda x: x * 1.01, params)
+    with pytest.raises(ConfigError, match="trained over another base"):
+      Engine(runtime, other, run.tokenizer, model_state=model_state, **ENGINE, speculative=MedusaDraft())
+    with pytest.raises(ConfigError, match="has no draft heads"):
+      Engine.from_run(run, **ENGINE, speculative=MedusaDraft())
+
+
+def test_generate_attaches_heads_from_the_command_line(runs, plain, capsys):
+  base, heads = runs
+  main(["generate", str(base), "--prompt", PROMPTS[1], "--max-tokens", "40", "--temperature", "0",
+        "--speculative", f"medusa={heads},k=3", "--slots", "1", "--max-seq-len", "128"])
+  printed = capsys.readouterr().out
+  assert ByteTokenizer().decode(plain[1]) in printed
+
+
+def test_medusa_settings_are_checked_before_anything_compiles(runs, capsys):
+  with pytest.raises(ConfigError, match="only train.objective=medusa trains"):
+    Trainer(small_config(model={"medusa": {"heads": 2}}), devices=jax.devices()[:1])
+  with pytest.raises(ConfigError, match="add `medusa:"):
+    Trainer(small_config(train={"objective": "medusa"}), devices=jax.devices()[:1])
+  assert main(["generate", str(runs[0]), "--prompt", "x", "--speculative", "medusa,n=3"]) == 2
+  assert "medusa[=HEADS_RUN][,k=K]" in capsys.readouterr().err
