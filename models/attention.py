@@ -68,7 +68,7 @@ class Attention(nnx.Module):
                  v + self.v_bias[...].astype(dt))
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = self.embed_positions(q, k, context.positions, options.rope)
+    q, k = self.embed_positions(q, k, context.sequence_positions, options.rope)
     q = constrain(q, ("batch", "length", "act_heads", "head_dim"))
     k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
     v = constrain(v, ("batch", "length", "act_kv_heads", "head_dim"))

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxpar import pallas_kernels
+from jaxpar.errors import ConfigError
 from jaxpar.models import kv_cache, kv_cache_latent, kv_cache_quantized, kv_cache_windowed, kv_quant
 from jaxpar.models.recurrent_state import RecurrentState
 from jaxpar.models.registry import get_block
@@ -123,3 +124,21 @@ def cache_bytes(cache: dict) -> dict:
   rings = sum(nbytes(pages.get("windowed", {})) for pages in cache.values())
   states = sum(nbytes(pages) for pages in cache.values() if "delta" in pages)
   return {"pool": nbytes(cache) - rings - states, "rings": rings, "states": states}
+
+
+def copy_positions(cache: dict, page_table, source, target) -> dict:
+  """A float (or latent) paged cache with each row's keys and values at positions `source`
+  [B, m] copied to positions `target` [B, m] (negative: nothing), every layer at once: the
+  candidates a speculative tree pass kept, moved to the slots right after its root. Every
+  source is read before any target is written."""
+  def move(pages):  # [layers, heads, num_pages, page_size, dim]
+    num_pages, page_size = pages.shape[2], pages.shape[3]
+    at = lambda positions: jnp.take_along_axis(page_table, jnp.maximum(positions, 0) // page_size, axis=1)  # noqa: E731
+    values = pages[:, :, at(source), jnp.maximum(source, 0) % page_size]  # [layers, heads, B, m, dim]
+    pages_to = jnp.where((source >= 0) & (target >= 0), at(target), num_pages)  # out of range: dropped
+    return pages.at[:, :, pages_to, jnp.maximum(target, 0) % page_size].set(values, mode="drop")
+  for name, pages in cache.items():
+    if set(pages) - {"k", "v", "latent"}:
+      raise ConfigError(f"layer group {name}: only float or latent paged caches move positions (a speculative "
+                        "tree pass): serve with a float KV cache and without sliding-window or linear layers")
+  return {name: {key: move(x) for key, x in pages.items()} for name, pages in cache.items()}

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.errors import ConfigError
 from jaxpar.mesh import constrain
 from jaxpar.models.norm import RMSNorm
+from jaxpar.pallas_kernels import TreeMask
 from jaxpar.models.registry import get_block, register_block
 
 # The residual stream [B, L, embed] between blocks. Its length has its own name so the
@@ -29,10 +31,29 @@ class LayerContext:
 
   positions, segment_ids: int [B, L] (segment ids None: one sequence per row); zigzag: the
   length axis is in zig-zag order over the context devices (load balancing).
+  Speculative decoding's tree pass (generation only): `tree` (a TreeMask) says which of the
+  pass's tokens each one sees; `positions` are then the cache slots the tokens are written
+  at and `rope_positions` the positions they take in the sequence (the root's plus depth).
   """
   positions: jnp.ndarray
   segment_ids: jnp.ndarray | None = None
   zigzag: bool = struct.field(pytree_node=False, default=False)
+  rope_positions: jnp.ndarray | None = None
+  tree: TreeMask | None = struct.field(pytree_node=False, default=None)
+
+  @property
+  def sequence_positions(self):
+    """Where each token sits in its sequence: what rotary embeddings rotate by."""
+    return self.positions if self.rope_positions is None else self.rope_positions
+
+  def attention_spec(self, spec):
+    """A layer's spec for this pass: its own, or with the tree's mask over a causal one."""
+    if self.tree is None:
+      return spec
+    if spec.mask.window is not None or not spec.causal:
+      raise ConfigError("a speculative tree pass needs causal attention over the whole cache: serve a model "
+                        "with sliding-window layers with a chain (no tree)")
+    return spec.replace(mask=self.tree)
 
 
 class DecoderLayer(nnx.Module):

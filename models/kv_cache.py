@@ -53,7 +53,7 @@ class PagedCache:
     # The stacked pages and the layer's index: a kernel that reads them in place (CPU decode)
     # need not copy the layer's pages out first.
     out = pallas_kernels.paged_attention(q, cache.pages["k"], cache.pages["v"], context.positions,
-                                         self.page_table, spec, layer=self.layer, sinks=sinks)
+                                         self.page_table, context.attention_spec(spec), layer=self.layer, sinks=sinks)
     return out, cache
 
 

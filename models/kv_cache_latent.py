@@ -40,8 +40,8 @@ class LatentPagedCache:
     -> (out [B, T, heads, latent], cache)."""
     pages = kv_cache.scatter(self.pages["latent"], self.layer, self.page_table, k, context.positions)
     cache = self.replace(pages={"latent": pages})
-    out = pallas_kernels.paged_attention(q, pages, None, context.positions, self.page_table, spec,
-                                         layer=self.layer, sinks=sinks)
+    out = pallas_kernels.paged_attention(q, pages, None, context.positions, self.page_table,
+                                         context.attention_spec(spec), layer=self.layer, sinks=sinks)
     return out, cache
 
 

@@ -81,7 +81,7 @@ class MLAttention(nnx.Module):
     latent, k_rope = jnp.split(checkpoint_name(dense(x, self.kv_a, dtype=dt), "qkv_proj"), [m.kv_lora_rank], -1)
     latent = self.kv_norm(latent)
     q_nope, q_rope = jnp.split(q, [m.qk_nope_head_dim], -1)
-    q_rope, k_rope = self.embed_positions(q_rope, k_rope[:, :, None, :], context.positions, options.rope)
+    q_rope, k_rope = self.embed_positions(q_rope, k_rope[:, :, None, :], context.sequence_positions, options.rope)
     # Scores are over q/k's head dim whatever form they are computed in (times YaRN's mscale).
     mscale = softmax_mscale(options.rope and options.rope.scaling)
     spec = options.attention.replace(scale=(options.attention.scale or m.qk_head_dim ** -0.5) * mscale)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar import pallas_kernels
+from jaxpar.errors import ConfigError
 from jaxpar.mesh import constrain, num_shards
 from jaxpar.models import caches
 from jaxpar.models.decoder import RESIDUAL, LayerContext
@@ -165,15 +166,22 @@ class Transformer(nnx.Module):
     """Only write the new tokens' keys and values into the cache (no logits): prefill."""
     return self.decode_hidden(tokens, positions, cache, page_table, kv_quantization, tail_index)[1]
 
-  def decode_hidden(self, tokens, positions, cache, page_table, kv_quantization=None, tail_index=None):
+  def decode_hidden(self, tokens, positions, cache, page_table, kv_quantization=None, tail_index=None, *,
+                    tree=None, rope_positions=None):
     """`decode`'s final-normed hidden states [B, T, embed] before the output projection, and
-    the updated cache (a draft source's heads read them)."""
+    the updated cache (a draft source's heads read them). A speculative tree pass gives
+    `tree` (a TreeMask over the T tokens), `positions` their cache slots (consecutive per
+    row) and `rope_positions` their places in the sequence (LayerContext)."""
+    if tree is not None and kv_quantization is not None:
+      raise ConfigError("a speculative tree pass writes candidates past a row's end, which a quantized cache's "
+                        "tail page cannot hold: serve with a float KV cache, or with a chain (no tree)")
     first = jnp.zeros((), jnp.int32)
     windows = {g.name: sliding_windows(self.cfg, g.indices) for g in layer_groups(self.cfg)}
     views = {name: caches.for_generation(pages, page_table, first, kv_quantization=kv_quantization,
                                          tail_index=tail_index, windows=windows[name])
              for name, pages in cache.items()}
-    x, _, views = self._run_stack(self._embed(tokens), LayerContext(positions), views)
+    context = LayerContext(positions, rope_positions=rope_positions, tree=tree)
+    x, _, views = self._run_stack(self._embed(tokens), context, views)
     return self.final_norm(x), {name: view.pages for name, view in views.items()}
 
   def init_cache(self, num_pages: int, page_size: int, dtype=None, *, kv_quantization=None,

@@ -22,7 +22,8 @@ from jaxpar.pallas_kernels.attention.decode_common import visible_pages
 from jaxpar.pallas_kernels.attention.layout import unzigzag, zigzag
 from jaxpar.pallas_kernels.attention.reference import (attention_reference, decode_attention_reference,
                                                        paged_attention_reference)
-from jaxpar.pallas_kernels.attention.spec import IMPLEMENTATIONS, AttentionSpec, CausalMask, FullMask, LocalMask
+from jaxpar.pallas_kernels.attention.spec import (IMPLEMENTATIONS, AttentionSpec, CausalMask, FullMask, LocalMask,
+                                                 TreeMask)
 
 from jaxpar.pallas_kernels.linear_attention import (gated_delta_rule, gated_delta_rule_reference,
                                                     gated_delta_step)
@@ -33,7 +34,8 @@ from jaxpar.pallas_kernels.matmul.format import QuantizedWeight
 from jaxpar.pallas_kernels.matmul.quantize import dequantize_weight, quantize_weight
 
 __all__ = ["MatmulBlocks", "QuantizedWeight", "dequantize_weight", "quantize_weight", "quantized_matmul",
-           "IMPLEMENTATIONS", "AttentionSpec", "BlockSizes", "CausalMask", "FullMask", "LocalMask", "attention", "attention_reference",
+           "IMPLEMENTATIONS", "AttentionSpec", "BlockSizes", "CausalMask", "FullMask", "LocalMask", "TreeMask", "attention",
+           "attention_reference",
            "choose_implementation", "decode_attention", "decode_attention_reference",
            "default_block_sizes", "paged_attention", "paged_attention_reference", "unzigzag",
            "visible_pages", "zigzag", "gated_delta_rule", "gated_delta_rule_reference", "gated_delta_step"]

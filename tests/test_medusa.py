@@ -104,6 +104,30 @@ def test_medusa_greedy_equals_plain_in_fewer_passes(runs, plain):
   assert engine.pool.free == engine.pool.num_pages
 
 
+def test_a_tree_keeps_more_per_pass_with_the_same_tokens(runs, plain):
+  """A 12-node tree of the heads' top guesses against their chain: the same greedy tokens in
+  fewer target passes."""
+  passes = {}
+  for name, draft in (("chain", MedusaDraft()), ("tree", MedusaDraft(tree=12))):
+    engine = Engine.from_checkpoint(runs[1], **ENGINE, speculative=draft)
+    assert [r.tokens for r in engine.generate(PROMPTS, GREEDY)] == plain, name
+    passes[name] = engine.stats["speculative_rounds"]
+    assert engine.pool.free == engine.pool.num_pages
+  assert passes["tree"] < passes["chain"], passes
+
+
+def test_medusa_with_shared_prefixes_and_not_over_a_quantized_cache(runs):
+  """Requests that share a prompt (prefix caching) get plain decoding's tokens; a quantized
+  cache is refused (a round's proposals could complete a page, quantized before it is kept)."""
+  prompts = [PROMPTS[0] + " she said", PROMPTS[0] + " he said", PROMPTS[0] + " they said"]
+  want = [r.tokens for r in Engine.from_checkpoint(runs[0], **ENGINE).generate(prompts, GREEDY)]
+  engine = Engine.from_checkpoint(runs[1], **ENGINE, speculative=MedusaDraft())
+  assert [r.tokens for r in engine.generate(prompts, GREEDY)] == want
+  assert engine.stats["prefix_cache_hits"] > 0 and engine.stats["speculative_accepted"] > 0
+  with pytest.raises(ConfigError, match="--kv-cache float"):
+    Engine.from_checkpoint(runs[1], **ENGINE, kv_cache="int8", speculative=MedusaDraft())
+
+
 def test_heads_attach_to_their_base_and_refuse_another(runs, plain, tmp_path):
   base, heads = runs
   with open_run(base, mesh={"fsdp": 1}, devices=jax.devices()[:1]) as run:

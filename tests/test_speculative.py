@@ -189,14 +189,16 @@ def test_speculative_refuses_what_it_cannot_do():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["draft", "ngram", "medusa"])
+@pytest.mark.parametrize("source", ["draft", "ngram", "medusa", "medusa tree"])
 def test_sampled_speculative_matches_the_target_distribution(source):
   """Medusa: random heads over the target (their proposals come out of its own pass), on its
-  output projection (`shared_projection`)."""
+  output projection (`shared_projection`), as a chain or a tree."""
   vocab = 16
   draft = {"draft": lambda: DraftModel(_engine(vocab, 5, num_layers=1), k=2),
-           "ngram": lambda: NgramDraft(k=2, max_n=2), "medusa": lambda: MedusaDraft(k=2)}[source]()
-  target = _engine(vocab, 0, draft=draft, **({"medusa": {"heads": 2, "shared_projection": True}} if source == "medusa" else {}))
+           "ngram": lambda: NgramDraft(k=2, max_n=2), "medusa": lambda: MedusaDraft(k=2),
+           "medusa tree": lambda: MedusaDraft(tree=5)}[source]()
+  heads = {"medusa": {"heads": 2, "shared_projection": True}} if source.startswith("medusa") else {}
+  target = _engine(vocab, 0, draft=draft, **heads)
   prompt = [3, 1, 4] if source == "draft" else [3, 1, 4, 3, 1]  # "3 1" occurred: lookup proposes "4 3"
   draws = []
   for start in range(0, 640, 8):

@@ -77,8 +77,9 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
   adapters: the names of the LoRA adapters stacked in `params` (model.lora.stacked, slots 1..n;
   `adapters.py` builds them); a request names one (`submit(..., adapter=NAME)`) or gets the base.
   speculative: a draft source (`speculative.DraftModel`: a smaller model; `NgramDraft`: prompt
-  lookup; `medusa.MedusaDraft`: the model's own draft heads) whose proposals every decoding row checks, up to k at a time, instead of single
-  decode steps (greedy tokens are the same; sampled ones follow the same distribution).
+  lookup; `medusa.MedusaDraft`: the model's own draft heads) whose proposals every decoding
+  row checks, up to k at a time (or a tree of them), instead of single decode steps (greedy
+  tokens are the same; sampled ones follow the same distribution).
   """
 
   def __init__(self, runtime, params, tokenizer, *, model_state=None, slots: int = 8,

@@ -6,12 +6,15 @@ whose output-projection guess is the round's new token) and proposes its best gu
 token i + 1 after that one. So a round is one compiled program and no host work beyond
 reading its outputs; a row's first round after its prompt has no proposals yet and decodes
 one token, as plain decoding does. Proposals are deterministic (q one-hot), so sampled rows
-keep the target's distribution (speculative.verify).
+keep the target's distribution (speculative.verify). With a tree (draft_tree.py) the heads'
+top guesses fill a candidate tree instead of a chain, checked in the same one pass.
 
 The heads come with the model (a run trained with `train.objective: medusa`, which loads its
 base from model.medusa.base) or are attached to a served base (`with_heads`). Either way the
 heads' saved fingerprint of the base they were trained over must match the base served.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +22,10 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.inference.draft_tree import DraftTree, choose_tree, default_accuracy, verify_tree
 from jaxpar.inference.programs import Kind
 from jaxpar.inference.speculative import DETERMINISTIC_TARGET_PROGRAM, DraftSource, _check_round, check_proposals
+from jaxpar.models.caches import copy_positions
 from jaxpar.models.medusa import fingerprint, same_fingerprint
 from jaxpar.runtime import Runtime
 from jaxpar.weights import SavedRun, join, same_network, split_weights
@@ -39,17 +44,46 @@ def _medusa_round(k, graphdef, kv, params, model_state, cache, tokens, positions
   return accepted, token, jnp.argmax(heads, axis=-1).astype(jnp.int32), cache
 
 
-def _medusa_program(k: int) -> Kind:
-  return Kind(lambda *args: _medusa_round(k, *args), DETERMINISTIC_TARGET_PROGRAM.extra, ("rows", "rows", "rows"))
+def _tree_round(tree, graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings,
+                proposed, limit):
+  """The target's pass over [last token, *tree nodes] (positions: their cache slots), the
+  tree's acceptance test, the kept nodes' keys and values moved right after the root, then
+  the heads' next tree -> (accepted [B], the token after them [B], the kept tokens [B,
+  depth], the next tree's tokens [B, nodes], cache)."""
+  del proposed  # the nodes' tokens are tokens[:, 1:]
+  model = nnx.merge(graphdef, params, model_state)
+  root = positions[:, :1]
+  along = jnp.where(root >= 0, root + jnp.asarray(tree.depths)[None], -1)  # each node's place in its sequence
+  hidden, cache = model.decode_hidden(tokens, positions, cache, page_table, kv, rows, tree=tree.mask,
+                                      rope_positions=along)
+  accepted, path, token = verify_tree(tree, model.logits(hidden), tokens, settings, root[:, 0], limit)
+  kept = (jnp.arange(tree.depth)[None] < accepted[:, None]) & (root >= 0)
+  cache = copy_positions(cache, page_table, jnp.where(kept, root + path, -1),
+                         jnp.where(kept, root + 1 + jnp.arange(tree.depth)[None], -1))
+  last = jnp.take_along_axis(path, jnp.maximum(accepted - 1, 0)[:, None], axis=1)[:, 0]
+  last_kept = hidden[jnp.arange(hidden.shape[0]), jnp.where(accepted > 0, last, 0)]
+  guesses = jax.lax.top_k(model.medusa.logits(last_kept, model.output_projection()), tree.top_k)[1]  # [B, heads, k]
+  head, rank = tree.node_guesses()
+  return (accepted, token, jnp.take_along_axis(tokens, path, axis=1), guesses[:, head, rank].astype(jnp.int32),
+          cache)
+
+
+def _medusa_program(k: int, tree: DraftTree | None) -> Kind:
+  body = functools.partial(_medusa_round, k) if tree is None else functools.partial(_tree_round, tree)
+  return Kind(body, DETERMINISTIC_TARGET_PROGRAM.extra, ("rows",) * (3 if tree is None else 4))
 
 
 class MedusaDraft(DraftSource):
-  """Proposals from the served model's Medusa heads, up to `k` a round (default: one per head)."""
+  """Proposals from the served model's Medusa heads: a chain of up to `k` a round (default:
+  one per head), each head's best guess, or with `tree` (a DraftTree, or a node count for
+  `choose_tree` under DEFAULT accuracies) every node of a candidate tree."""
 
-  def __init__(self, k: int | None = None):
+  def __init__(self, k: int | None = None, tree: DraftTree | int | None = None):
     if k is not None:
       _check_round(k)
-    self.k = k
+    if k is not None and tree is not None:
+      raise ConfigError("speculative medusa: give k (a chain) or tree (its node count), not both")
+    self.k, self.tree = k, tree
     self.pending: dict[int, tuple[int, np.ndarray]] = {}  # request id -> (its length then, proposals)
 
   def bind(self, target):
@@ -57,14 +91,28 @@ class MedusaDraft(DraftSource):
     if cfg.medusa is None:
       raise ConfigError("speculative medusa: the served model has no draft heads: serve a run trained with "
                         "train.objective=medusa, or attach one with --speculative medusa=HEADS_RUN")
-    self.k = self.k or cfg.medusa.heads
-    if self.k > cfg.medusa.heads:
-      raise ConfigError(f"speculative medusa k={self.k}: the model has {cfg.medusa.heads} draft heads, one "
-                        f"proposal each: use k <= {cfg.medusa.heads}")
+    heads = cfg.medusa.heads
+    if isinstance(self.tree, int):
+      self.tree = choose_tree(default_accuracy(heads), self.tree)
+    if self.tree is not None:
+      if self.tree.depth > heads:
+        raise ConfigError(f"speculative medusa tree: {self.tree.depth} deep, but the model has {heads} draft heads "
+                          f"(one per depth): use a tree at most {heads} deep")
+      self.k = self.tree.nodes
+      if target.local_window is not None:
+        raise ConfigError("speculative medusa tree: candidates are written past a row's end and moved after the "
+                          "check, which sliding-window rings do not do: give k (a chain) instead of a tree")
+      if target.max_seq_len <= self.k + 1:
+        raise ConfigError(f"speculative medusa tree: {self.k} nodes do not fit the context of "
+                          f"{target.max_seq_len}: use fewer nodes or a longer context")
+    self.k = self.k or heads
+    if self.tree is None and self.k > heads:
+      raise ConfigError(f"speculative medusa k={self.k}: the model has {heads} draft heads, one "
+                        f"proposal each: use k <= {heads}")
     _check_round(self.k, target)
     check_base(target.runtime, target.params, target.model_state)
-    self.batch = len(target.slots)
-    self.target_program = _medusa_program(self.k)
+    self.batch, self.max_seq_len = len(target.slots), target.max_seq_len
+    self.target_program = _medusa_program(self.k, self.tree)
 
   def propose(self, rows, starts, settings):
     proposed = np.zeros((self.batch, self.k), np.int32)
@@ -72,8 +120,12 @@ class MedusaDraft(DraftSource):
     for i, request in enumerate(rows):
       length, drafts = self.pending.get(getattr(request, "id", None), (None, None))
       if length is not None and length == request.length:  # proposed for exactly this context
-        proposed[i], limit[i] = drafts, self.k
+        # A tree's nodes past the context are written nowhere: none of them is a candidate.
+        proposed[i], limit[i] = drafts, min(self.k, self.max_seq_len - length)
     return proposed, limit, None
+
+  def kept(self, proposed, outputs):
+    return (outputs[0], outputs[1:]) if self.tree is not None else (proposed, outputs)
 
   def receive(self, rows, outputs):
     (drafts,) = outputs

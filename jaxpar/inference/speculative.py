@@ -156,6 +156,12 @@ def _check_round(k: int, *engines):
   if k < 1:
     raise ConfigError(f"speculative k={k}: the draft must propose at least one token")
   for engine in engines:
+    if engine.kv_quantization is not None:
+      # A round's proposals can fill a page, which is then quantized before the target kept
+      # them: the kept tokens would be read back quantized where plain decoding reads them float.
+      raise ConfigError(f"speculative decoding over a quantized KV cache (--kv-cache "
+                        f"{engine.kv_quantization.mode}) would not give plain decoding's tokens: serve with "
+                        "--kv-cache float, or without speculative decoding")
     if engine.local_window is not None and k + 1 > engine.local_window:
       raise ConfigError(f"speculative k={k}: a round writes k + 1 positions, more than the local layers' window "
                         f"({engine.local_window}) keeps; use k < {engine.local_window}")
@@ -172,10 +178,15 @@ class DraftSource:
   checks the pair and compiles what the source needs; `propose(rows, starts, settings)` gives
   (proposals [B, k] host, how many of each row's are proposals [B], their distributions [B,
   k, V] or None for a deterministic source); `target_program` checks them. After a round,
-  `receive` gets the target program's outputs past the accepted counts and tokens (a
-  source whose proposals come out of the target's own pass), `advance` each row still
+  `kept` says which tokens the accepted counts count (the proposals, in order, unless the
+  program says otherwise: a tree's kept path), `receive` gets the program's other outputs
+  (a source whose proposals come out of the target's own pass), `advance` each row still
   running, `forget` each row that ended or was preempted."""
   target_program = DETERMINISTIC_TARGET_PROGRAM
+
+  def kept(self, proposed, outputs: list) -> tuple:
+    """(the tokens each row's accepted count counts [B, >= count], the outputs left)."""
+    return proposed, outputs
 
   def receive(self, rows, outputs):
     pass
@@ -332,6 +343,7 @@ class SpeculativeCalls:
     accepted, bonus, *more, self.cache = self._run("speculate", tokens, positions, table,
                                                    np.arange(len(rows), dtype=np.int32), settings, *given)
     accepted, bonus = np.asarray(accepted).tolist(), np.asarray(bonus).tolist()
+    kept, more = self.draft.kept(proposed, [np.asarray(x) for x in more])
     events = []
     for i, (request, n) in enumerate(zip(rows, starts)):
       if request is None:
@@ -340,7 +352,7 @@ class SpeculativeCalls:
       request.accepted += accepted[i]
       request.rounds += 1
       self.stats["speculative_rounds"] += 1
-      for token in [*proposed[i, :accepted[i]].tolist(), bonus[i]]:
+      for token in [*kept[i, :accepted[i]].tolist(), bonus[i]]:
         request.cached = request.length
         self.sharing.publish(request)
         events.append(self._deliver(request, request.accept(token, 0.0, self.tokenizer.decode, self.max_seq_len)))
@@ -349,7 +361,7 @@ class SpeculativeCalls:
           break
       else:
         self.draft.advance(request, n)
-    self.draft.receive(rows, [np.asarray(x) for x in more])
+    self.draft.receive(rows, more)
     self.stats["speculative_proposed"] += int(limit.sum())
     self.stats["speculative_accepted"] += sum(a for a, r in zip(accepted, rows) if r is not None)
     return events

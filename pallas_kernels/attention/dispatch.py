@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpar.errors import ConfigError
+from jaxpar.errors import ConfigError, UserError
 from jaxpar.mesh import current_execution_options, logical_shard_map
 from jaxpar.pallas_kernels.attention import context_parallel as cp
 from jaxpar.pallas_kernels.attention import decode_cpu, validation
@@ -32,7 +32,7 @@ from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
 from jaxpar.pallas_kernels.attention.flash_tpu import flash_attention_tpu
 from jaxpar.pallas_kernels.attention.reference import (attention_reference, decode_attention_reference,
                                                        paged_attention_reference)
-from jaxpar.pallas_kernels.attention.spec import AttentionSpec
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec, TreeMask
 from jaxpar.pallas_kernels.platform import current_device_kind, current_platform, interpret
 
 # On CPU the one-shot reference beats the loops up to about this many keys.
@@ -73,6 +73,9 @@ def attention(q, k, v, spec: AttentionSpec = AttentionSpec(), *, segment_ids=Non
   | "ring" (None: the current execution options'); zigzag: the length axis is in zig-zag
   order (layout.zigzag), else contiguous.
   """
+  if isinstance(spec.mask, TreeMask):
+    raise UserError("a tree mask is for paged attention over a pass's new tokens (speculative decoding's tree "
+                    "pass): call paged_attention")
   platform = current_platform()
   split = cp.length_split(zigzag)
   if split is not None:

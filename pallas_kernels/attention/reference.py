@@ -7,7 +7,7 @@ softmax as an extra column whose value is zero, so a query may put weight on not
 import jax
 import jax.numpy as jnp
 
-from jaxpar.pallas_kernels.attention.spec import AttentionSpec
+from jaxpar.pallas_kernels.attention.spec import AttentionSpec, TreeMask
 
 
 def visible(mask, q_pos, k_pos):
@@ -18,6 +18,17 @@ def visible(mask, q_pos, k_pos):
   if mask.window is not None:
     seen &= q_pos - k_pos < mask.window
   return seen
+
+
+def tree_visible(mask, q_positions, k_pos):
+  """[B, T, S]: where query i of a tree pass (at slot q_positions[:, i], the root's plus i)
+  may see the key at slot k_pos under a TreeMask: every key before the root, and of the
+  pass's own keys its ancestors and itself."""
+  index = jnp.arange(q_positions.shape[1])[None, :, None]
+  among = k_pos - (q_positions[:, :, None] - index)  # the key's index in the pass (< 0: cached before it)
+  inside = (among >= 0) & (among < q_positions.shape[1])
+  ancestry = jnp.asarray(mask.ancestry())[jnp.broadcast_to(index, among.shape), jnp.clip(among, 0, q_positions.shape[1] - 1)]
+  return (among < 0) | (inside & ancestry)
 
 
 def attention_mask(q_len, kv_len, mask, segment_ids=None):
@@ -133,6 +144,8 @@ def paged_attention_reference(q, k_pages, v_pages, q_positions, page_table, spec
   k_pos = jnp.arange(k.shape[1])[None, None, :]
   q_pos = q_positions[:, :, None]
   mask = (k_pos <= q_pos) & visible(spec.mask, q_pos, k_pos)  # cached keys stop at the query
+  if isinstance(spec.mask, TreeMask):
+    mask &= tree_visible(spec.mask, q_positions, k_pos)
   mask = mask[:, None, None]  # [B, 1, 1, T, S]
   logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
   probs = jnp.where(mask, softmax(logits, sinks), 0.0)

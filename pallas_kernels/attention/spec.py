@@ -9,6 +9,8 @@ see (masking.py turns a mask into tile masks and the tile ranges kernels skip to
 
 import dataclasses
 
+import numpy as np
+
 from jaxpar.errors import UserError
 from jaxpar.pallas_kernels.attention.block_sizes import BlockSizes
 
@@ -40,7 +42,31 @@ class FullMask:
   window = None
 
 
-Mask = CausalMask | LocalMask | FullMask
+@dataclasses.dataclass(frozen=True)
+class TreeMask:
+  """Speculative decoding's candidate trees: causal over what the cache held before the pass,
+  and among the pass's own queries a tree, query i seeing the pass's key j only when j is i
+  or one of its ancestors. `parents`: each query's parent's index in the pass (-1: query 0,
+  the root); parents come before their children. Paged attention over a pass's new tokens
+  only (`paged_attention`), whose positions are their cache slots, consecutive per row."""
+  parents: tuple[int, ...]
+  causal = True
+  window = None
+
+  def __post_init__(self):
+    if not self.parents or self.parents[0] != -1 or any(not 0 <= p < i for i, p in enumerate(self.parents) if i):
+      raise UserError(f"tree parents={self.parents}: query 0 is the root (-1) and every other query's "
+                      "parent comes before it")
+
+  def ancestry(self):
+    """[T, T] bool: query i sees the pass's key j (i itself and its ancestors)."""
+    ancestry = np.eye(len(self.parents), dtype=bool)
+    for i, parent in enumerate(self.parents[1:], 1):
+      ancestry[i] |= ancestry[parent]
+    return ancestry
+
+
+Mask = CausalMask | LocalMask | FullMask | TreeMask
 
 
 @dataclasses.dataclass(frozen=True)
