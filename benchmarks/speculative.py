@@ -1,38 +1,50 @@
 """Speculative decoding on CPU, side by side in one run: plain decoding, a draft model, n-gram
-prompt lookup and Medusa heads, at batch 1, 4 and 16, on prose and on text that repeats itself.
+prompt lookup and Medusa heads (a chain, and a tree grown from their measured accuracies), at
+batch 1, 4 and 16, on prose and on text that repeats itself.
 
-    python benchmarks/speculative.py [--steps 400] [--head-steps 400] [--batches 1 4 16] [--new 96] [--k 4]
+    python benchmarks/speculative.py [--config bench-50m] [--steps 400] [--head-steps 400]
+                                     [--batches 1 4 16] [--new 96] [--k 4] [--tree 8]
 
-The target is bench-20m (embed 256, 4 layers, vocab 32000: 20M parameters, most of them in
-the embedding and output projection) trained `--steps` steps on the bundled corpus; the draft
-model a 1-layer x 64 model on the same vocabulary trained alike; the Medusa heads 4 residual
-blocks on the target's output projection (`model.medusa.shared_projection`: a copy of the
-projection per head would read 4x the target's biggest matrix every round) trained
-`--head-steps` steps over the frozen target on the same text (`train.objective: medusa`).
-Speculation needs drafts that agree with their target, which random weights do not.
+The target is `--config` (bench-50m: embed 512, 8 layers, tied vocab 32000; or bench-20m)
+trained `--steps` steps on the bundled corpus; the draft model a 1-layer x 64 model on the
+same vocabulary trained alike; the Medusa heads `--k` residual blocks on the target's output
+projection (`model.medusa.shared_projection`: a copy of the projection per head would read
+k times the target's biggest matrix every round) trained `--head-steps` steps over the frozen
+target on the same text (`train.objective: medusa`). The tree: `--tree` nodes chosen by
+`choose_tree` from the heads' per-rank accuracies on the bundled held-out text. Speculation
+needs drafts that agree with their target, which random weights do not.
 
 Greedy, one CPU device, the same prompts for every source; each time is the best of 3 after
 a warm-up. For each: wall-clock seconds for the batch, generated tokens/s, the speed-up over
-plain decoding, acceptance (kept / proposed), tokens per target pass (per row), and whether
-the tokens equal plain decoding's.
+plain decoding, acceptance (kept / proposed), tokens per target pass (per row), the time of
+one round (one target pass, with its draft work), and whether the tokens equal plain
+decoding's.
 """
 
 import argparse
+import gzip
 import os
 import tempfile
+from importlib import resources
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from decode import best  # noqa: E402  (benchmarks/decode.py)
 
 from jaxpar.config import load_config  # noqa: E402
+from jaxpar.data.heldout import token_windows  # noqa: E402
 from jaxpar.inference import Engine, SamplingParams  # noqa: E402
+from jaxpar.inference.draft_tree import choose_tree  # noqa: E402
 from jaxpar.inference.medusa import MedusaDraft  # noqa: E402
 from jaxpar.inference.speculative import DraftModel, NgramDraft  # noqa: E402
+from jaxpar.objectives.medusa import rank_accuracy  # noqa: E402
 from jaxpar.train.trainer import Trainer  # noqa: E402
+from jaxpar.weights import open_run  # noqa: E402
 
 PROSE = ["It is a truth universally acknowledged", "Mr. Darcy", "She was", "The ball at Netherfield",
          "Elizabeth", "My dear", "In vain have I struggled", "Lady Catherine"]
@@ -42,10 +54,10 @@ REPEATING = [f"{p}, said she. {p}, said he. {p}" for p in PROSE]
 ONE_DEVICE = jax.devices()[:1]
 
 
-def train(root: Path, name: str, steps: int, overrides=()) -> Path:
-  """bench-20m with `overrides` trained `steps` steps on the bundled corpus -> its run dir."""
+def train(config_name: str, root: Path, name: str, steps: int, overrides=()) -> Path:
+  """`config_name` with `overrides` trained `steps` steps on the bundled corpus -> its run dir."""
   run_dir = root / name
-  config = load_config("bench-20m", [f"train.steps={steps}", "train.learning_rate=1e-3", "mesh.fsdp=1",
+  config = load_config(config_name, [f"train.steps={steps}", "train.learning_rate=1e-3", "mesh.fsdp=1",
                                      "train.log_every=0", f"train.run_dir={run_dir}", *overrides])
   result = Trainer(config, devices=ONE_DEVICE).fit(show_progress=False)
   print(f"  {name}: {steps} steps, loss {result.summary['first_loss']:.2f} -> {result.summary['final_loss']:.2f}",
@@ -53,25 +65,48 @@ def train(root: Path, name: str, steps: int, overrides=()) -> Path:
   return run_dir
 
 
+def measured_tree(heads_run: Path, nodes: int, ranks: int = 4):
+  """A tree of `nodes` grown from the heads' per-rank accuracies on the bundled held-out text."""
+  run = open_run(heads_run, mesh={"fsdp": 1}, devices=ONE_DEVICE)
+  text = gzip.decompress((resources.files("jaxpar.data") / "corpus/austen_heldout.txt.gz").read_bytes()).decode()
+  windows = token_windows(text, run.tokenizer, 128, 16)
+  shape = (windows.shape[0], windows.shape[1] - 1)
+  batch = {"inputs": jnp.asarray(windows[:, :-1]), "targets": jnp.asarray(windows[:, 1:]),
+           "segment_ids": jnp.ones(shape, jnp.int32), "loss_mask": jnp.ones(shape),
+           "positions": jnp.broadcast_to(jnp.arange(shape[1]), shape)}
+  accuracy = np.asarray(rank_accuracy(run.model, batch, ranks))
+  print("  held-out accuracy by head (rows) and rank (columns):")
+  for h, row in enumerate(accuracy):
+    print(f"    head {h}: " + " ".join(f"{a:.2f}" for a in row))
+  tree = choose_tree(accuracy, nodes)
+  print(f"  tree of {nodes}: {tree.paths}", flush=True)
+  return tree
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", default="bench-50m")
   parser.add_argument("--steps", type=int, default=400)
   parser.add_argument("--head-steps", type=int, default=400)
   parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
   parser.add_argument("--new", type=int, default=96)
   parser.add_argument("--k", type=int, default=4)
+  parser.add_argument("--tree", type=int, default=8)
   args = parser.parse_args()
   root = Path(tempfile.mkdtemp(prefix="jaxpar-bench-spec-"))
-  print("training (bench-20m target, 1 x 64 draft, 4 Medusa heads):", flush=True)
-  target = train(root, "target", args.steps)
-  draft = train(root, "draft", args.steps, ["model.num_layers=1", "model.embed_dim=64", "model.mlp_dim=192",
-                                            "model.head_dim=16", "model.scan_unroll=1"])
-  heads = train(root, "heads", args.head_steps, ["train.objective=medusa", f"model.medusa.heads={args.k}",
-                                                 "model.medusa.shared_projection=true", f"model.medusa.base={target}"])
+  print(f"training ({args.config} target, 1 x 64 draft, {args.k} Medusa heads):", flush=True)
+  target = train(args.config, root, "target", args.steps)
+  draft = train(args.config, root, "draft", args.steps, [
+      "model.num_layers=1", "model.embed_dim=64", "model.mlp_dim=192", "model.num_heads=4", "model.num_kv_heads=4",
+      "model.head_dim=16", "model.scan_unroll=1"])
+  heads = train(args.config, root, "heads", args.head_steps, [
+      "train.objective=medusa", f"model.medusa.heads={args.k}", "model.medusa.shared_projection=true",
+      f"model.medusa.base={target}"])
+  tree = measured_tree(heads, args.tree)
   settings = SamplingParams(max_tokens=args.new, temperature=0.0, stop_token_ids=())
   print(f"\ngreedy, {args.new} new tokens, k={args.k}, 1 CPU device\n")
   print(f"{'batch':>5} {'text':>10} {'decoding':>12} | {'seconds':>8} {'tok/s':>7} {'speed-up':>8} {'accepted':>8} "
-        f"{'tok/pass':>8} {'same':>5}")
+        f"{'tok/pass':>8} {'ms/round':>8} {'same':>5}")
   for batch in args.batches:
     options = dict(mesh={"fsdp": 1}, devices=ONE_DEVICE, slots=batch, max_seq_len=256, page_size=16,
                    prefill_chunks=(64,))
@@ -81,6 +116,7 @@ def main():
             Engine.from_checkpoint(draft, **options, prefix_caching=False), args.k)),  # noqa: B023
         "n-gram": lambda: Engine.from_checkpoint(target, **options, speculative=NgramDraft(args.k)),  # noqa: B023
         "medusa": lambda: Engine.from_checkpoint(heads, **options, speculative=MedusaDraft(args.k)),  # noqa: B023
+        "medusa tree": lambda: Engine.from_checkpoint(heads, **options, speculative=MedusaDraft(tree=tree)),
     }
     engines = {name: make() for name, make in sources.items()}
     for text, prompts in (("prose", PROSE[:batch]), ("repeating", REPEATING[:batch])):
@@ -94,10 +130,12 @@ def main():
         proposed = sum(r.draft_proposed for r in done)
         kept = sum(r.draft_accepted for r in done)
         passes = engine.stats["speculative_rounds"] or engine.stats["decode_steps"] * batch
+        rounds = engine.stats["speculative_calls"] or engine.stats["decode_steps"]  # the batch's target passes
         generated = sum(len(t) for t in tokens)
         print(f"{batch:>5} {text:>10} {name:>12} | {seconds:>8.2f} {generated / seconds:>7.0f} "
               f"{plain_s / seconds:>7.2f}x {(f'{kept / proposed:.0%}' if proposed else '-'):>8} "
-              f"{generated / max(passes, 1):>8.2f} {str(tokens == want):>5}", flush=True)
+              f"{generated / max(passes, 1):>8.2f} {1e3 * seconds / max(rounds, 1):>8.2f} "
+              f"{str(tokens == want):>5}", flush=True)
 
 
 if __name__ == "__main__":

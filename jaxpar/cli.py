@@ -120,6 +120,13 @@ def _cmd_convert_jaxpar_to_hf(ns):
                 f"transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
 
 
+def _cmd_convert_medusa_heads(ns):
+  from jaxpar.convert.medusa import export_medusa_heads
+  out = export_medusa_heads(ns.run, ns.out)
+  console.print(f"[bold]exported[/bold] the draft heads of {ns.run} -> {out}/medusa_lm_head.safetensors "
+                "(the Medusa project's layout)")
+
+
 def _cmd_quantize(ns):
   from jaxpar.convert.quantize import quantize_checkpoint
   config, path = quantize_checkpoint(ns.ckpt, ns.out, ns.mode, ns.group_size, zero_point=ns.zero_point,
@@ -210,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
   to_hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                      help="tensor dtype on disk (default: the model's param_dtype)")
   to_hf.set_defaults(func=_cmd_convert_jaxpar_to_hf)
+  heads = convert_commands.add_parser(
+      "medusa-heads", help="a run's Medusa draft heads -> the Medusa project's layout",
+      description="Write RUN's draft heads (trained with train.objective=medusa) as medusa_lm_head.safetensors "
+      "and config.json in OUT, as the Medusa project (FasterDecoding/Medusa) keeps them beside a base.")
+  heads.add_argument("run", metavar="RUN")
+  heads.add_argument("out", metavar="OUT")
+  heads.set_defaults(func=_cmd_convert_medusa_heads)
 
   quantize = commands.add_parser(
       "quantize", help="quantize a checkpoint's projection weights (int8, int4, W8A8)",

@@ -5,6 +5,7 @@ Python and from `jaxpar generate`. Heads over another base, or asked for more pr
 they have, are refused in one line."""
 
 import gzip
+import json
 from importlib import resources
 
 import jax
@@ -19,7 +20,7 @@ from jaxpar.errors import ConfigError
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.inference.medusa import MedusaDraft, with_heads
 from jaxpar.models.medusa import fingerprint, same_fingerprint
-from jaxpar.objectives.medusa import ahead, head_accuracy
+from jaxpar.objectives.medusa import ahead, head_accuracy, rank_accuracy
 from jaxpar.train.trainer import Trainer
 from jaxpar.weights import open_run, split_weights
 from tests.helpers import small_config
@@ -88,6 +89,9 @@ def test_trained_heads_guess_further_ahead_than_fresh_ones(runs):
   print("held-out top-1 per head: trained", [f"{a:.3f}" for a in trained], "fresh", [f"{a:.3f}" for a in fresh])
   assert all(t > f + 0.05 for t, f in zip(trained, fresh)), (trained, fresh)
   assert trained[0] > trained[-1]  # a guess further ahead is harder
+  by_rank = np.asarray(rank_accuracy(run.model, batch, 4))
+  np.testing.assert_allclose(by_rank[:, 0], trained, atol=1e-6)  # rank 0 is the head's best guess
+  assert (by_rank[:, 1:].sum(axis=1) > 0.05).all()  # lower ranks hold more of the right tokens
 
 
 def test_medusa_greedy_equals_plain_in_fewer_passes(runs, plain):
@@ -147,7 +151,7 @@ def test_heads_attach_to_their_base_and_refuse_another(runs, plain, tmp_path):
 def test_generate_attaches_heads_from_the_command_line(runs, plain, capsys):
   base, heads = runs
   main(["generate", str(base), "--prompt", PROMPTS[1], "--max-tokens", "40", "--temperature", "0",
-        "--speculative", f"medusa={heads},k=3", "--slots", "1", "--max-seq-len", "128"])
+        "--speculative", f"medusa={heads},tree=6", "--slots", "1", "--max-seq-len", "128"])
   printed = capsys.readouterr().out
   assert ByteTokenizer().decode(plain[1]) in printed
 
@@ -158,4 +162,20 @@ def test_medusa_settings_are_checked_before_anything_compiles(runs, capsys):
   with pytest.raises(ConfigError, match="add `medusa:"):
     Trainer(small_config(train={"objective": "medusa"}), devices=jax.devices()[:1])
   assert main(["generate", str(runs[0]), "--prompt", "x", "--speculative", "medusa,n=3"]) == 2
-  assert "medusa[=HEADS_RUN][,k=K]" in capsys.readouterr().err
+  assert "medusa[=HEADS_RUN][,k=K | ,tree=NODES]" in capsys.readouterr().err
+
+
+def test_heads_export_in_the_medusa_projects_layout(runs, tmp_path):
+  """`jaxpar convert medusa-heads`: the file's tensors, applied as the Medusa project applies
+  them (x + SiLU(linear(x)), then the head's linear to the vocabulary), give our heads' logits."""
+  from safetensors.numpy import load_file
+  assert main(["convert", "medusa-heads", str(runs[1]), str(tmp_path / "heads")]) == 0
+  tensors = load_file(tmp_path / "heads/medusa_lm_head.safetensors")
+  config = json.loads((tmp_path / "heads/config.json").read_text())
+  assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (HEADS, 1)
+  run = open_run(runs[1], mesh={"fsdp": 1}, devices=jax.devices()[:1])
+  hidden = np.random.default_rng(0).normal(size=(3, run.config.model.embed_dim)).astype(np.float32)
+  ours = np.asarray(run.model.medusa.logits(jnp.asarray(hidden), run.model.output_projection()))
+  for head in range(HEADS):
+    x = hidden + jax.nn.silu(hidden @ tensors[f"{head}.0.linear.weight"].T + tensors[f"{head}.0.linear.bias"])
+    np.testing.assert_allclose(np.asarray(x) @ tensors[f"{head}.1.weight"].T, ours[:, head], rtol=1e-4, atol=1e-4)

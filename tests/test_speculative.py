@@ -12,7 +12,8 @@ from jaxpar.data import ByteTokenizer
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.errors import ConfigError, UserError
 from jaxpar.inference.medusa import MedusaDraft
-from jaxpar.inference.speculative import DraftModel, NgramDraft, ngram_lookup, verify
+from jaxpar.inference.speculative import (DraftModel, NgramDraft, next_draft_length, ngram_lookup, pass_widths,
+                                         verify)
 from jaxpar.models.medusa import fingerprint
 from jaxpar.runtime import Runtime
 from jaxpar.weights import split_weights
@@ -72,6 +73,12 @@ def test_verify_with_a_deterministic_draft_and_fewer_proposals_follows_the_targe
   assert 0 < accepted[limit > 0].mean() < limit[limit > 0].mean()
 
 
+def test_draft_length_follows_what_was_kept():
+  assert [next_draft_length(3, a, k=4) for a in range(4)] == [1, 2, 3, 4]  # all 3 kept: one more
+  assert next_draft_length(4, 4, k=4) == 4  # never past k
+  assert pass_widths(4) == (1, 2, 4) and pass_widths(1) == (1,) and pass_widths(5) == (1, 3, 5)
+
+
 def test_ngram_lookup_takes_the_longest_tail_that_occurred_and_its_latest_place():
   assert ngram_lookup([5, 1, 2, 9, 1, 2, 7, 8, 3, 1, 2], k=3, max_n=3) == [7, 8, 3]  # "1 2": latest is 4..5
   assert ngram_lookup([1, 2, 3, 9, 2, 3, 4, 1, 2, 3], k=2, max_n=3) == [9, 2]  # "1 2 3" beats "2 3"
@@ -110,6 +117,8 @@ def test_greedy_speculative_equals_target_alone(plain):
     proposed, accepted = (target.stats[f"speculative_{x}"] for x in ("proposed", "accepted"))
     assert (accepted == proposed) == expect_all and accepted <= proposed, target.stats
     assert sum(r.draft_accepted for r in done) == accepted and sum(r.draft_proposed for r in done) == proposed
+    # Rejections shorten a row's drafts (next_draft_length): fewer than k a round on average.
+    assert (proposed < 3 * target.stats["speculative_rounds"]) == (not expect_all)
     # Every proposal kept: 4 tokens per target pass (ceil(15 / 4) passes a prompt), else 1.
     assert target.stats["speculative_rounds"] == (3 * 4 if expect_all else 3 * 15)
     assert target.pool.free == target.pool.num_pages and draft.pool.free == draft.pool.num_pages

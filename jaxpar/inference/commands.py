@@ -48,13 +48,14 @@ def add_engine_args(parser):
   parser.add_argument("--decode-burst", type=int, default=1, metavar="K",
                       help="decode steps per device call while no request needs the host between "
                       "tokens: fewer round trips, tokens streamed K at a time (default 1)")
-  parser.add_argument("--speculative", metavar="draft=PATH,k=K | ngram,k=K,n=N | medusa[=HEADS],k=K",
+  parser.add_argument("--speculative", metavar="draft=PATH,k=K | ngram,k=K,n=N | medusa[=HEADS],k=K|tree=N",
                       help="speculative decoding: the checkpoint at PATH (a smaller model on the same tokenizer), "
                       "prompt lookup (ngram: what followed the latest earlier occurrence of the last N tokens, "
                       "default 3), or Medusa draft heads (the run's own, or those of the run HEADS trained with "
                       "train.objective=medusa over this one) propose up to K tokens (default 4; medusa: one per "
-                      "head) that the model checks in one pass; the same greedy tokens, the same sampling "
-                      "distribution. serve: add default=off for requests to opt in with \"speculative\": true")
+                      "head, or a tree of N candidates from the heads' top guesses) that the model checks in one "
+                      "pass; the same greedy tokens, the same sampling distribution. serve: add default=off for "
+                      "requests to opt in with \"speculative\": true")
 
 
 def add_sampling_args(parser):
@@ -79,18 +80,19 @@ def speculative_options(text: str) -> dict:
   source, _, value = items[0].partition("=")
   ngram, medusa = items[0] == "ngram", source == "medusa"
   options = dict(item.partition("=")[::2] for item in items[ngram or medusa:])
-  allowed = {"k", "n", "default"} if ngram else {"k", "default"} if medusa else {"draft", "k", "default"}
-  numbers = all(options.get(key, "1").isdigit() for key in ("k", "n"))
+  allowed = {"k", "n", "default"} if ngram else {"k", "tree", "default"} if medusa else {"draft", "k", "default"}
+  numbers = all(options.get(key, "1").isdigit() for key in ("k", "n", "tree"))
   if (set(options) - allowed or not (ngram or medusa or options.get("draft")) or not numbers
       or options.get("default", "on") not in ("on", "off")):
     raise ConfigError(f"--speculative {text!r}: write draft=PATH[,k=K], ngram[,k=K][,n=N] or "
-                      "medusa[=HEADS_RUN][,k=K], each with [,default=on|off], e.g. --speculative draft=runs/small,k=4, "
-                      "--speculative ngram,k=4 or --speculative medusa")
+                      "medusa[=HEADS_RUN][,k=K | ,tree=NODES], each with [,default=on|off], e.g. --speculative "
+                      "draft=runs/small,k=4, --speculative ngram,k=4 or --speculative medusa,tree=16")
   common = {"k": int(options.get("k", 4)), "default": options.get("default", "on") == "on"}
   if ngram:
     return {"ngram": True, "n": int(options.get("n", 3)), **common}
-  if medusa:  # k: one proposal per head unless given
-    return {**common, "medusa": value or None, "k": int(options["k"]) if "k" in options else None}
+  if medusa:  # k: one proposal per head unless given; tree: a candidate tree of that many nodes instead
+    return {**common, "medusa": value or None, "k": int(options["k"]) if "k" in options else None,
+            "tree": int(options["tree"]) if "tree" in options else None}
   return {"draft": options["draft"], **common}
 
 
@@ -133,7 +135,7 @@ def _medusa_engine(ns, mesh, spec, echo, options):
   from jaxpar.inference import Engine
   from jaxpar.inference.medusa import MedusaDraft, with_heads
   from jaxpar.weights import open_run
-  options["speculative"] = MedusaDraft(spec["k"])
+  options["speculative"] = MedusaDraft(spec["k"], tree=spec["tree"])
   with open_run(ns.checkpoint, mesh or {"data": -1, "fsdp": 1}) as run:
     if spec["medusa"] is None:
       return Engine.from_run(run, **_engine_options(ns), echo=echo, **options)

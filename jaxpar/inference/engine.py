@@ -128,7 +128,8 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     self.draft = speculative
     if speculative is not None:
       speculative.bind(self)
-      self.programs.compile("speculate", slots, speculative.k + 1, self.pages_per_seq, speculative.target_program)
+      for width in speculative.widths:
+        self.programs.compile("speculate", slots, width + 1, self.pages_per_seq, speculative.target_program)
     self._compile_all(echo or (lambda text: None), compile_extras)
     self.stats = collections.Counter()
     if prefix_caching and self.cache_bytes["states"]:

@@ -112,6 +112,7 @@ class MedusaDraft(DraftSource):
     _check_round(self.k, target)
     check_base(target.runtime, target.params, target.model_state)
     self.batch, self.max_seq_len = len(target.slots), target.max_seq_len
+    self.adaptive = self.tree is None  # a tree's nodes are checked together: its pass is one shape
     self.target_program = _medusa_program(self.k, self.tree)
 
   def propose(self, rows, starts, settings):

@@ -136,6 +136,7 @@ class Request:
     self.row = 0  # its row when it runs outside an engine's slots (a speculative draft's copy)
     # Speculative decoding: draft tokens proposed for it, kept, and the target passes it took.
     self.proposed = self.accepted = self.rounds = 0
+    self.draft_length: int | None = None  # proposals it takes next round (None: the draft's k)
     self.adapter = 0  # its stacked LoRA adapter (0: the base; Engine.adapters)
 
   @property

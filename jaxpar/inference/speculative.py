@@ -173,6 +173,18 @@ def _check_round(k: int, *engines):
                         "(`jaxpar lora merge`) and use the merged model as the target")
 
 
+def next_draft_length(proposed: int, accepted: int, k: int) -> int:
+  """A row's draft length for its next round, from its last (PEARL's idea, that the length
+  should follow how far drafts are being kept, as a simple rule): one more after a round that
+  kept every proposal (up to k), else one past the proposals kept."""
+  return min(k, proposed + 1) if accepted == proposed else accepted + 1
+
+
+def pass_widths(k: int) -> tuple[int, ...]:
+  """The proposal counts a target pass is compiled for: 1, about half of k, and k."""
+  return tuple(sorted({1, (k + 1) // 2, k}))
+
+
 class DraftSource:
   """What every draft source shares: `k`, the most proposals a row gets a round; `bind(target)`
   checks the pair and compiles what the source needs; `propose(rows, starts, settings)` gives
@@ -181,8 +193,15 @@ class DraftSource:
   `kept` says which tokens the accepted counts count (the proposals, in order, unless the
   program says otherwise: a tree's kept path), `receive` gets the program's other outputs
   (a source whose proposals come out of the target's own pass), `advance` each row still
-  running, `forget` each row that ended or was preempted."""
+  running, `forget` each row that ended or was preempted.
+  `adaptive`: each row gets as many proposals as `next_draft_length` says, and a round's pass
+  is the narrowest of `widths` (each compiled at start) that holds the batch's longest."""
   target_program = DETERMINISTIC_TARGET_PROGRAM
+  adaptive = True
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    return pass_widths(self.k) if self.adaptive else (self.k,)
 
   def kept(self, proposed, outputs: list) -> tuple:
     """(the tokens each row's accepted count counts [B, >= count], the outputs left)."""
@@ -331,12 +350,18 @@ class SpeculativeCalls:
     # A request that turned speculation off keeps none of them: one token a round, as plain decoding.
     off = np.array([r is not None and not r.sampling.speculative for r in rows])
     proposed, limit = np.where(off[:, None], 0, proposed), np.where(off, 0, limit)
-    tokens = np.zeros((len(rows), k + 1), np.int32)
-    positions = np.full((len(rows), k + 1), -1, np.int32)
+    if self.draft.adaptive:  # each row's own draft length, and the narrowest pass that holds them
+      limit = np.minimum(limit, [k if r is None or r.draft_length is None else r.draft_length for r in rows])
+      width = min(w for w in self.draft.widths if w >= limit.max())
+      proposed = proposed[:, :width]
+      draft_probs = None if draft_probs is None else draft_probs[:, :width]
+    width = proposed.shape[1]
+    tokens = np.zeros((len(rows), width + 1), np.int32)
+    positions = np.full((len(rows), width + 1), -1, np.int32)
     for i, (request, n) in enumerate(zip(rows, starts)):
       if request is not None:
         tokens[i] = [request.last_token, *proposed[i]]
-        at = np.arange(n - 1, n + k)
+        at = np.arange(n - 1, n + width)
         positions[i] = np.where(at < self.max_seq_len, at, -1)  # past the context: written nowhere
     table = page_table_rows([r.pages if r else [] for r in rows], self.pages_per_seq, self.pool.num_pages)
     given = (proposed, limit) if draft_probs is None else (draft_probs, proposed, limit)
@@ -351,6 +376,8 @@ class SpeculativeCalls:
       request.proposed += int(limit[i])
       request.accepted += accepted[i]
       request.rounds += 1
+      if self.draft.adaptive and limit[i]:
+        request.draft_length = next_draft_length(int(limit[i]), accepted[i], k)
       self.stats["speculative_rounds"] += 1
       for token in [*kept[i, :accepted[i]].tolist(), bonus[i]]:
         request.cached = request.length
@@ -362,6 +389,7 @@ class SpeculativeCalls:
       else:
         self.draft.advance(request, n)
     self.draft.receive(rows, more)
+    self.stats["speculative_calls"] += 1  # target passes of the whole batch
     self.stats["speculative_proposed"] += int(limit.sum())
     self.stats["speculative_accepted"] += sum(a for a, r in zip(accepted, rows) if r is not None)
     return events

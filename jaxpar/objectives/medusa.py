@@ -80,6 +80,19 @@ def head_accuracy(model, batch) -> list[float]:
   return accuracy
 
 
+def rank_accuracy(model, batch, ranks: int):
+  """[heads, ranks]: the share of masked positions where head h's rank-r guess is the token it
+  is trained to guess (held-out text): what `draft_tree.choose_tree` grows a tree from."""
+  hidden, _ = model.hidden_states(batch["inputs"], batch["positions"], batch["segment_ids"])
+  top = jax.lax.top_k(model.medusa.logits(hidden, model.output_projection()), ranks)[1]  # [B, L, heads, ranks]
+  rows = []
+  for head in range(model.medusa.count):
+    targets, mask = ahead(batch, head + 1)
+    hits = (top[:, :, head] == targets[..., None]) & mask[..., None]
+    rows.append(jnp.sum(hits, axis=(0, 1)) / jnp.maximum(jnp.sum(mask), 1))
+  return jnp.stack(rows)
+
+
 class MedusaOptions(Options):
   decay: float = Field(0.8, gt=0, le=1)  # head i's loss weight is decay ** i
 
