@@ -6,6 +6,8 @@ they have, are refused in one line."""
 
 import gzip
 import json
+import threading
+import time
 from importlib import resources
 
 import jax
@@ -179,3 +181,32 @@ def test_heads_export_in_the_medusa_projects_layout(runs, tmp_path):
   for head in range(HEADS):
     x = hidden + jax.nn.silu(hidden @ tensors[f"{head}.0.linear.weight"].T + tensors[f"{head}.0.linear.bias"])
     np.testing.assert_allclose(np.asarray(x) @ tensors[f"{head}.1.weight"].T, ours[:, head], rtol=1e-4, atol=1e-4)
+
+
+def test_the_openai_client_gets_the_same_text_with_medusa_on_or_off(runs, plain):
+  """A server over the heads' run (a tree): the `openai` client's greedy text is plain
+  decoding's whether the request takes the drafts or not; usage reports what they did."""
+  openai = pytest.importorskip("openai")
+  uvicorn = pytest.importorskip("uvicorn")
+  from jaxpar.inference.server import build_app
+  engine = Engine.from_checkpoint(runs[1], **ENGINE, speculative=MedusaDraft(tree=6))
+  instance = uvicorn.Server(uvicorn.Config(build_app(engine, model_name="heads"), host="127.0.0.1", port=0,
+                                           log_level="warning"))
+  thread = threading.Thread(target=instance.run, daemon=True)
+  thread.start()
+  try:
+    deadline = time.monotonic() + 60
+    while not instance.started:
+      assert time.monotonic() < deadline, "the server did not start"
+      time.sleep(0.05)
+    port = instance.servers[0].sockets[0].getsockname()[1]
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    on, off = (client.completions.create(model="heads", prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                         extra_body={"speculative": flag}) for flag in (True, False))
+    assert on.choices[0].text == off.choices[0].text == ByteTokenizer().decode(plain[1])
+    used = on.usage.model_extra["speculative"]
+    assert used["accepted_tokens"] > 0 and used["target_passes"] < on.usage.completion_tokens
+    assert off.usage.model_extra["speculative"]["proposed_tokens"] == 0
+  finally:
+    instance.should_exit = True
+    thread.join(timeout=30)

@@ -185,6 +185,11 @@ def test_the_speculative_flag_reads_its_source_and_serve_default():
     speculative_options("ngram,default=maybe")
 
 
+class _ShiftedBytes(ByteTokenizer):
+  def encode(self, text, *args, **kwargs):
+    return [t + 1 for t in super().encode(text, *args, **kwargs)]
+
+
 def test_speculative_refuses_what_it_cannot_do():
   with pytest.raises(ConfigError, match="min_n <= max_n"):
     NgramDraft(k=3, max_n=2, min_n=3)
@@ -192,6 +197,10 @@ def test_speculative_refuses_what_it_cannot_do():
     NgramDraft(k=0)
   with pytest.raises(ConfigError, match="share a vocabulary"):
     _engine(512, 0, draft=DraftModel(_engine(256, 1), k=2))
+  other = _engine(512, 1, num_layers=1)
+  other.tokenizer = _ShiftedBytes()  # the same vocabulary size, other ids for the same text
+  with pytest.raises(ConfigError, match="tokenizer differs"):
+    _engine(512, 0, draft=DraftModel(other, k=2))
   target = _engine(512, 0, draft=DraftModel(_engine(512, 1, num_layers=1), k=2))
   with pytest.raises(UserError, match="reports no log-probabilities"):
     target.submit([1, 2], SamplingParams(max_tokens=3, logprobs=True))

@@ -217,6 +217,10 @@ class DraftSource:
     pass
 
 
+# Text a draft's tokenizer must split into the target's ids: words, digits, punctuation, accents.
+_PROBE = "Speculative drafts check 0123456789 tokens: the same ids? ¿Sí, déjà vu! \n\t(x)"
+
+
 class DraftModel(DraftSource):
   """Proposals from `engine`, a smaller model on the target's tokenizer, `k` per round. Its
   engine serves only this draft (its cache holds the target's requests by their slot)."""
@@ -232,6 +236,10 @@ class DraftModel(DraftSource):
     draft, k = self.engine, self.k
     if target.runtime.model_config.vocab_size != draft.runtime.model_config.vocab_size:
       raise ConfigError("the speculative draft and the target must share a vocabulary (and tokenizer)")
+    if (draft.tokenizer.encode(_PROBE), draft.tokenizer.eos_id) != (target.tokenizer.encode(_PROBE),
+                                                                     target.tokenizer.eos_id):
+      raise ConfigError("the speculative draft's tokenizer differs from the target's (it splits the same text "
+                        "into other ids): use a draft trained with the target's tokenizer")
     _check_round(k, target, draft)
     if len(draft.slots) < len(target.slots) or draft.max_seq_len < target.max_seq_len:
       raise ConfigError(f"the draft engine needs the target's {len(target.slots)} slots and context "
