@@ -210,3 +210,30 @@ def test_the_openai_client_gets_the_same_text_with_medusa_on_or_off(runs, plain)
   finally:
     instance.should_exit = True
     thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("source", ["medusa", "medusa tree", "ngram"])
+def test_drafts_under_a_grammar_give_the_constrained_tokens(runs, source):
+  """Rows under a regex or a JSON schema, beside a free row: each gets the tokens plain
+  constrained decoding gives it (drafts cut at the first token the grammar forbids, each
+  position's logits masked; a tree's rows under a grammar take no drafts)."""
+  pytest.importorskip("llguidance")
+  from jaxpar.inference import grammar
+  from jaxpar.inference.speculative import NgramDraft
+  plain = Engine.from_checkpoint(runs[0], **ENGINE)
+  vocab = plain.runtime.model_config.vocab_size
+  rules = [grammar.constraint("regex", r"[a-z ]{12,40}\.", "test", plain.tokenizer, vocab),
+           grammar.constraint("json", {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}},
+                                       "required": ["name"], "additionalProperties": False},
+                              "test", plain.tokenizer, vocab), None]
+  settings = [SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(), constraint=rule) for rule in rules]
+  prompts = [PROMPTS[0], "Mr. Darcy said: ", PROMPTS[2]]
+  want = [r.tokens for r in plain.generate(prompts, settings)]
+  draft = {"medusa": MedusaDraft(), "medusa tree": MedusaDraft(tree=6), "ngram": NgramDraft(k=3)}[source]
+  engine = Engine.from_checkpoint(runs[1 if source.startswith("medusa") else 0], **ENGINE, speculative=draft)
+  done = engine.generate(prompts, settings)
+  assert [r.tokens for r in done] == want
+  json.loads(ByteTokenizer().decode(want[1]))  # the schema's output parses
+  if source != "ngram":
+    assert done[0].draft_accepted > 0 or source == "medusa tree"  # drafts kept under the regex
+    assert done[2].draft_accepted > 0

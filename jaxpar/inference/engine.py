@@ -34,7 +34,7 @@ from jaxpar.inference.prefix_cache import PrefixSharing
 from jaxpar.inference.programs import Programs, burst_kind, program_key
 from jaxpar.inference.requests import Completion, Request, TokenEvent
 from jaxpar.inference.sampling import GREEDY, SamplingParams
-from jaxpar.inference.speculative import DraftSource, SpeculativeCalls
+from jaxpar.inference.speculative import DraftSource, SpeculativeCalls, with_masks
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import caches, kv_cache, kv_reach, local_window
 from jaxpar.models.kv_quant import KVQuantization
@@ -179,6 +179,8 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     if extras:
       shapes += [("step_processed", *step[1:]) for step in steps if step[0] == "step"]
       shapes += [("fill_logprobs", rows, c, self.pages_per_seq) for rows, c in fills]
+      if self.draft is not None:  # rounds with a grammar row
+        shapes += [("speculate_masked", len(self.slots), w + 1, self.pages_per_seq) for w in self.draft.widths]
     started = time.perf_counter()
     for i, (kind, batch, length, width) in enumerate(shapes, 1):
       echo(f"compiling {kind} [{batch} x {length}] ({i}/{len(shapes)})")
@@ -188,7 +190,8 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
   def _compile(self, kind, batch, length, width):
     extra = {"step_processed": processing.step_processed_kind(self.max_seq_len),
              "fill_logprobs": processing.FILL_LOGPROBS,
-             "burst": burst_kind(self.decode_burst)}.get(kind)
+             "burst": burst_kind(self.decode_burst),
+             "speculate_masked": self.draft and with_masks(self.draft.target_program)}.get(kind)
     self.programs.compile(kind, batch, length, width, program=extra)
 
   def _run(self, kind, *rows):

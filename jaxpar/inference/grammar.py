@@ -71,6 +71,23 @@ class Matcher:
     row[:len(self._mask)] = self._mask[:len(row)]
     row[len(self._mask):] = 0
 
+  def masks_along(self, tokens, rows: np.ndarray) -> int:
+    """Speculative decoding: the allowed tokens now and after each of `tokens` in turn, written
+    into rows[0], rows[1], ... up to the first token not allowed -> how many are allowed. The
+    matcher ends where it began."""
+    self.fill_mask(rows[0])
+    taken = 0
+    for token in tokens:
+      if not (rows[taken, token // 32] >> (token % 32)) & 1 or not self._matcher.consume_token(int(token)):
+        break
+      taken += 1
+      self.fill_mask(rows[taken])
+      if self._matcher.is_stopped():
+        break
+    if taken:
+      self._matcher.rollback(taken)
+    return taken
+
   def advance(self, token: int) -> bool:
     """Take a generated token; True once the constraint allows nothing more (or failed)."""
     self._matcher.consume_token(token)

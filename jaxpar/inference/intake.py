@@ -23,9 +23,10 @@ class RequestIntake:
     stops = sampling.stop_token_ids
     if stops is None:
       stops = () if self.tokenizer is None else (self.tokenizer.eos_id,)
-    if self.draft is not None and (sampling.logprobs or sampling.processed):
+    if self.draft is not None and (sampling.logprobs or sampling.logit_bias or sampling.penalized
+                                   or sampling.top_logprobs or sampling.min_tokens):
       raise RequestError("logprobs", "speculative decoding reports no log-probabilities and applies no penalties, "
-                         "biases or grammars: drop them, or serve without a draft")
+                         "biases or min_tokens: drop them, or serve without a draft")
     ids = self.encode(prompt)
     check_tokens(ids, sampling, stops, self.runtime.model_config.vocab_size, self.max_seq_len)
     request = Request(ids, sampling, tuple(stops), on_event)

@@ -24,7 +24,8 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.inference.draft_tree import DraftTree, choose_tree, default_accuracy, verify_tree
 from jaxpar.inference.programs import Kind
-from jaxpar.inference.speculative import DETERMINISTIC_TARGET_PROGRAM, DraftSource, _check_round, check_proposals
+from jaxpar.inference.speculative import (DETERMINISTIC_TARGET_PROGRAM, DraftSource, _check_round, apply_masks,
+                                         check_proposals)
 from jaxpar.models.caches import copy_positions
 from jaxpar.models.medusa import fingerprint, same_fingerprint
 from jaxpar.runtime import Runtime
@@ -32,20 +33,20 @@ from jaxpar.weights import SavedRun, join, same_network, split_weights
 
 
 def _medusa_round(k, graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings,
-                  proposed, limit):
+                  proposed, limit, bitmask=None):
   """The target's pass over [last token, *proposed] with the acceptance test, then the heads'
   next proposals -> (accepted [B], the token after them [B], next proposals [B, k], cache)."""
   model = nnx.merge(graphdef, params, model_state)
   hidden, cache = model.decode_hidden(tokens, positions, cache, page_table, kv, rows)
-  accepted, token = check_proposals(model.logits(hidden), None, proposed, settings, jnp.maximum(positions, 0) + 1,
-                                    limit)
+  accepted, token = check_proposals(apply_masks(model.logits(hidden), bitmask), None, proposed, settings,
+                                    jnp.maximum(positions, 0) + 1, limit)
   last_kept = jnp.take_along_axis(hidden, accepted[:, None, None], axis=1)[:, 0]
   heads = model.medusa.logits(last_kept, model.output_projection())[:, :k]  # [B, k, V]
   return accepted, token, jnp.argmax(heads, axis=-1).astype(jnp.int32), cache
 
 
 def _tree_round(tree, graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings,
-                proposed, limit):
+                proposed, limit, bitmask=None):
   """The target's pass over [last token, *tree nodes] (positions: their cache slots), the
   tree's acceptance test, the kept nodes' keys and values moved right after the root, then
   the heads' next tree -> (accepted [B], the token after them [B], the kept tokens [B,
@@ -56,7 +57,8 @@ def _tree_round(tree, graphdef, kv, params, model_state, cache, tokens, position
   along = jnp.where(root >= 0, root + jnp.asarray(tree.depths)[None], -1)  # each node's place in its sequence
   hidden, cache = model.decode_hidden(tokens, positions, cache, page_table, kv, rows, tree=tree.mask,
                                       rope_positions=along)
-  accepted, path, token = verify_tree(tree, model.logits(hidden), tokens, settings, root[:, 0], limit)
+  accepted, path, token = verify_tree(tree, apply_masks(model.logits(hidden), bitmask), tokens, settings, root[:, 0],
+                                      limit)
   kept = (jnp.arange(tree.depth)[None] < accepted[:, None]) & (root >= 0)
   cache = copy_positions(cache, page_table, jnp.where(kept, root + path, -1),
                          jnp.where(kept, root + 1 + jnp.arange(tree.depth)[None], -1))
@@ -112,7 +114,7 @@ class MedusaDraft(DraftSource):
     _check_round(self.k, target)
     check_base(target.runtime, target.params, target.model_state)
     self.batch, self.max_seq_len = len(target.slots), target.max_seq_len
-    self.adaptive = self.tree is None  # a tree's nodes are checked together: its pass is one shape
+    self.adaptive = self.chain = self.tree is None  # a tree's nodes are checked together: its pass is one shape
     self.target_program = _medusa_program(self.k, self.tree)
 
   def propose(self, rows, starts, settings):

@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError
 from jaxpar.inference.pages import page_table_rows
+from jaxpar.inference.processing import allowed, mask_words
 from jaxpar.inference.programs import Kind, settings_extra, settings_struct
 from jaxpar.inference.requests import Request
 from jaxpar.inference.sampling import argmax, filtered_probs, row_arrays, row_keys
@@ -72,13 +73,33 @@ def _draft_round(k, graphdef, kv, params, model_state, cache, tokens, positions,
 
 
 def _target_round(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings,
-                  draft_probs, proposed, limit):
+                  draft_probs, proposed, limit, bitmask=None):
   """The target's pass over [last token, *proposed] and the acceptance test -> (accepted
-  count [B], the token after them [B], cache). draft_probs None: a deterministic draft."""
+  count [B], the token after them [B], cache). draft_probs None: a deterministic draft;
+  bitmask: each position's allowed tokens (`with_masks`)."""
   logits, cache = nnx.merge(graphdef, params, model_state).decode(tokens, positions, cache, page_table,
                                                                   kv_quantization=kv, tail_index=rows)
-  accepted, token = check_proposals(logits, draft_probs, proposed, settings, jnp.maximum(positions, 0) + 1, limit)
+  accepted, token = check_proposals(apply_masks(logits, bitmask), draft_probs, proposed, settings,
+                                    jnp.maximum(positions, 0) + 1, limit)
   return accepted, token, cache
+
+
+def apply_masks(logits, bitmask):
+  """logits [B, T, V] with the tokens a grammar forbids at each position set to -inf
+  (bitmask [B, T, words], processing.allowed's format); None: every token allowed."""
+  if bitmask is None:
+    return logits
+  vocab = logits.shape[-1]
+  permitted = jax.vmap(lambda words: allowed(words, vocab), in_axes=1, out_axes=1)(bitmask)
+  return jnp.where(permitted, logits, -jnp.inf)
+
+
+def with_masks(kind: Kind) -> Kind:
+  """A target program taking, last, each position's allowed tokens [B, length, words]: the
+  rounds of batches with a grammar row (compiled on first use)."""
+  def extra(batch, length, vocab):
+    return (*kind.extra(batch, length, vocab), jax.ShapeDtypeStruct((batch, length, mask_words(vocab)), jnp.int32))
+  return Kind(lambda *args: kind.body(*args[:-1], bitmask=args[-1]), extra, kind.outputs)
 
 
 def _draft_program(k):
@@ -95,9 +116,9 @@ TARGET_PROGRAM = Kind(_target_round, lambda batch, length, vocab: (
     ("rows", "rows"))
 # A deterministic draft's (NgramDraft): no distributions to pass, q is one-hot at each proposal.
 DETERMINISTIC_TARGET_PROGRAM = Kind(
-    lambda graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings, proposed, limit:
-    _target_round(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings, None,
-                  proposed, limit),
+    lambda graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, settings, proposed, limit,
+    bitmask=None: _target_round(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows,
+                                settings, None, proposed, limit, bitmask),
     lambda batch, length, vocab: (settings_struct(batch), *_proposals(batch, length)), ("rows", "rows"))
 
 
@@ -193,11 +214,13 @@ class DraftSource:
   `kept` says which tokens the accepted counts count (the proposals, in order, unless the
   program says otherwise: a tree's kept path), `receive` gets the program's other outputs
   (a source whose proposals come out of the target's own pass), `advance` each row still
-  running, `forget` each row that ended or was preempted.
+  running, `forget` each row that ended or was preempted. Rows under a grammar keep their
+  proposals up to the first it forbids, and the pass masks each position's logits.
   `adaptive`: each row gets as many proposals as `next_draft_length` says, and a round's pass
   is the narrowest of `widths` (each compiled at start) that holds the batch's longest."""
   target_program = DETERMINISTIC_TARGET_PROGRAM
   adaptive = True
+  chain = True  # proposal j follows proposal j - 1 (a tree's nodes do not)
 
   @property
   def widths(self) -> tuple[int, ...]:
@@ -364,6 +387,7 @@ class SpeculativeCalls:
       proposed = proposed[:, :width]
       draft_probs = None if draft_probs is None else draft_probs[:, :width]
     width = proposed.shape[1]
+    limit, masks = self._grammar_masks(rows, proposed, np.array(limit, np.int32))
     tokens = np.zeros((len(rows), width + 1), np.int32)
     positions = np.full((len(rows), width + 1), -1, np.int32)
     for i, (request, n) in enumerate(zip(rows, starts)):
@@ -373,8 +397,10 @@ class SpeculativeCalls:
         positions[i] = np.where(at < self.max_seq_len, at, -1)  # past the context: written nowhere
     table = page_table_rows([r.pages if r else [] for r in rows], self.pages_per_seq, self.pool.num_pages)
     given = (proposed, limit) if draft_probs is None else (draft_probs, proposed, limit)
-    accepted, bonus, *more, self.cache = self._run("speculate", tokens, positions, table,
-                                                   np.arange(len(rows), dtype=np.int32), settings, *given)
+    given += () if masks is None else (masks,)
+    accepted, bonus, *more, self.cache = self._run("speculate" if masks is None else "speculate_masked", tokens,
+                                                   positions, table, np.arange(len(rows), dtype=np.int32),
+                                                   settings, *given)
     accepted, bonus = np.asarray(accepted).tolist(), np.asarray(bonus).tolist()
     kept, more = self.draft.kept(proposed, [np.asarray(x) for x in more])
     events = []
@@ -401,3 +427,17 @@ class SpeculativeCalls:
     self.stats["speculative_proposed"] += int(limit.sum())
     self.stats["speculative_accepted"] += sum(a for a, r in zip(accepted, rows) if r is not None)
     return events
+
+  def _grammar_masks(self, rows, proposed, limit) -> tuple:
+    """(limit, masks) for a round: a row under a grammar keeps its proposals up to the first
+    the grammar forbids (or none: a tree's nodes do not follow one another), with the tokens
+    allowed at each position [B, width + 1, words]; masks None when no row has a grammar."""
+    grammar = [i for i, r in enumerate(rows) if r is not None and r.matcher is not None]
+    if not grammar:
+      return limit, None
+    masks = np.full((*proposed.shape[:1], proposed.shape[1] + 1, mask_words(self.runtime.model_config.vocab_size)),
+                    -1, np.int32)
+    for i in grammar:
+      along = proposed[i, :limit[i]] if self.draft.chain else []
+      limit[i] = rows[i].matcher.masks_along(along, masks[i])
+    return limit, masks
