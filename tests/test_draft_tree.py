@@ -41,8 +41,8 @@ def test_tree_pass_logits_equal_a_forward_of_each_path(family):
   over multi-head latent attention's cache and routed experts (tiny-deepseek, its router bias
   held still: an eager forward would update it between the calls compared)."""
   cfg = (ModelConfig(**{**SMALL_MODEL, "max_seq_len": 64}) if family == "llama" else
-         load_config("tiny-deepseek", ["model.max_seq_len=64", "data.seq_len=32", "model.moe.bias_update_rate=0",
-                                          "model.num_layers=2"]).model)
+         load_config("tiny-deepseek", ["model.max_seq_len=64", "data.seq_len=32", "model.num_layers=2",
+                                       "model.moe.bias_update_rate=0"]).model)
   runtime = Runtime(cfg, MeshConfig(fsdp=1), jax.devices()[:1])
   model = runtime.merge(*runtime.init())
   rng = np.random.default_rng(0)
