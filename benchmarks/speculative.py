@@ -3,7 +3,7 @@ prompt lookup and Medusa heads (a chain, and a tree grown from their measured ac
 batch 1, 4 and 16, on prose and on text that repeats itself.
 
     python benchmarks/speculative.py [--config bench-50m] [--steps 400] [--head-steps 400]
-                                     [--batches 1 4 16] [--new 96] [--k 4] [--tree 8]
+                                     [--batches 1 4 16] [--new 96] [--k 4] [--tree 8] [--runs DIR]
 
 The target is `--config` (bench-50m: embed 512, 8 layers, tied vocab 32000; or bench-20m)
 trained `--steps` steps on the bundled corpus; the draft model a 1-layer x 64 model on the
@@ -55,8 +55,12 @@ ONE_DEVICE = jax.devices()[:1]
 
 
 def train(config_name: str, root: Path, name: str, steps: int, overrides=()) -> Path:
-  """`config_name` with `overrides` trained `steps` steps on the bundled corpus -> its run dir."""
+  """`config_name` with `overrides` trained `steps` steps on the bundled corpus -> its run dir
+  (one trained before in `root`, as it is)."""
   run_dir = root / name
+  if (run_dir / "checkpoints").is_dir():
+    print(f"  {name}: the run in {run_dir}", flush=True)
+    return run_dir
   config = load_config(config_name, [f"train.steps={steps}", "train.learning_rate=1e-3", "mesh.fsdp=1",
                                      "train.log_every=0", f"train.run_dir={run_dir}", *overrides])
   result = Trainer(config, devices=ONE_DEVICE).fit(show_progress=False)
@@ -92,8 +96,10 @@ def main():
   parser.add_argument("--new", type=int, default=96)
   parser.add_argument("--k", type=int, default=4)
   parser.add_argument("--tree", type=int, default=8)
+  parser.add_argument("--runs", type=Path, help="where the trained runs go (default: a new temporary folder); "
+                      "runs already there are used as they are")
   args = parser.parse_args()
-  root = Path(tempfile.mkdtemp(prefix="jaxpar-bench-spec-"))
+  root = args.runs or Path(tempfile.mkdtemp(prefix="jaxpar-bench-spec-"))
   print(f"training ({args.config} target, 1 x 64 draft, {args.k} Medusa heads):", flush=True)
   target = train(args.config, root, "target", args.steps)
   draft = train(args.config, root, "draft", args.steps, [

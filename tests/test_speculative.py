@@ -12,8 +12,8 @@ from jaxpar.data import ByteTokenizer
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.errors import ConfigError, UserError
 from jaxpar.inference.medusa import MedusaDraft
-from jaxpar.inference.speculative import (DraftModel, NgramDraft, next_draft_length, ngram_lookup, pass_widths,
-                                         verify)
+from jaxpar.inference.draft_length import REFRESH, RowRate, WidthChooser, pass_widths
+from jaxpar.inference.speculative import DraftModel, NgramDraft, ngram_lookup, verify
 from jaxpar.models.medusa import fingerprint
 from jaxpar.runtime import Runtime
 from jaxpar.weights import split_weights
@@ -73,10 +73,28 @@ def test_verify_with_a_deterministic_draft_and_fewer_proposals_follows_the_targe
   assert 0 < accepted[limit > 0].mean() < limit[limit > 0].mean()
 
 
-def test_draft_length_follows_what_was_kept():
-  assert [next_draft_length(3, a, k=4) for a in range(4)] == [1, 2, 3, 4]  # all 3 kept: one more
-  assert next_draft_length(4, 4, k=4) == 4  # never past k
+def test_the_pass_width_follows_acceptance_and_measured_cost():
   assert pass_widths(4) == (1, 2, 4) and pass_widths(1) == (1,) and pass_widths(5) == (1, 3, 5)
+  chooser = WidthChooser(pass_widths(4))
+  for width, seconds in ((4, 1.5), (2, 1.2), (1, 1.0)):  # each width run twice, widest first
+    for _ in range(2):
+      assert chooser.choose([0.5], 0) == width
+      chooser.record(width, 9.0 if width not in chooser.seconds and not chooser.runs[width] else seconds)
+  # Kept 9 times in 10: 4.10 tokens in 1.5 s beats 2.71 in 1.2 s and 1.9 in 1.0 s.
+  assert chooser.choose([0.9], 0) == 4
+  assert chooser.choose([0.1], 0) == 1 and chooser.choose([], 3) == 1  # rarely or never kept: the cheapest
+  assert chooser.choose([0.6, 0.6], 0) == 2  # 3.92 tokens in 1.2 s: more per second than 4.61 in 1.5 s or 3.2 in 1.0 s
+  chosen = []  # a width not run for REFRESH rounds runs once more: timed again, not judged on old timings
+  for _ in range(2 * REFRESH):
+    chosen.append(chooser.choose([0.1], 0))
+    chooser.record(chosen[-1], {4: 1.5, 2: 1.2, 1: 1.0}[chosen[-1]])
+  assert 1 <= chosen.count(4) <= 2 and 1 <= chosen.count(2) <= 2 and chosen.count(1) >= 2 * REFRESH - 4
+  rate = RowRate()
+  assert rate.rate() == 0.5
+  rate.update(4, 4)  # all four kept
+  assert rate.rate() == 5 / 6
+  rate.update(4, 1)  # one kept, the second tried and rejected
+  assert rate.rate() == pytest.approx((0.7 * 4 + 1 + 1) / (0.7 * 4 + 2 + 2))
 
 
 def test_ngram_lookup_takes_the_longest_tail_that_occurred_and_its_latest_place():
@@ -117,10 +135,10 @@ def test_greedy_speculative_equals_target_alone(plain):
     proposed, accepted = (target.stats[f"speculative_{x}"] for x in ("proposed", "accepted"))
     assert (accepted == proposed) == expect_all and accepted <= proposed, target.stats
     assert sum(r.draft_accepted for r in done) == accepted and sum(r.draft_proposed for r in done) == proposed
-    # Rejections shorten a row's drafts (next_draft_length): fewer than k a round on average.
-    assert (proposed < 3 * target.stats["speculative_rounds"]) == (not expect_all)
-    # Every proposal kept: 4 tokens per target pass (ceil(15 / 4) passes a prompt), else 1.
-    assert target.stats["speculative_rounds"] == (3 * 4 if expect_all else 3 * 15)
+    # Every proposal kept: up to 4 tokens per target pass (at least ceil(15 / 4) passes a
+    # prompt; fewer proposals in the rounds that measure the narrower passes), else 1.
+    rounds = target.stats["speculative_rounds"]
+    assert (3 * 4 <= rounds < 3 * 15) if expect_all else rounds == 3 * 15
     assert target.pool.free == target.pool.num_pages and draft.pool.free == draft.pool.num_pages
 
 
@@ -145,8 +163,8 @@ def test_rows_with_and_without_speculation_share_the_rounds(plain):
   done = target.generate(PROMPTS, mixed)
   assert [r.tokens for r in done] == plain
   assert done[1].draft_proposed == 0 and done[0].draft_accepted == done[0].draft_proposed > 0
-  # The off row took 15 passes; the draft's rows finished in 4 and then left the rounds.
-  assert target.stats["speculative_rounds"] == 4 + 15 + 4
+  # The off row took 15 passes; the draft's rows fewer (at least 4), then left the rounds.
+  assert 4 + 15 + 4 <= target.stats["speculative_rounds"] < 3 * 15
 
 
 @pytest.mark.parametrize("source", ["ngram", "draft"])

@@ -34,6 +34,7 @@ from jaxpar.inference.prefix_cache import PrefixSharing
 from jaxpar.inference.programs import Programs, burst_kind, program_key
 from jaxpar.inference.requests import Completion, Request, TokenEvent
 from jaxpar.inference.sampling import GREEDY, SamplingParams
+from jaxpar.inference.draft_length import WidthChooser
 from jaxpar.inference.speculative import DraftSource, SpeculativeCalls, with_masks
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import caches, kv_cache, kv_reach, local_window
@@ -130,6 +131,7 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
       speculative.bind(self)
       for width in speculative.widths:
         self.programs.compile("speculate", slots, width + 1, self.pages_per_seq, speculative.target_program)
+      self._widths = WidthChooser(speculative.widths)
     self._compile_all(echo or (lambda text: None), compile_extras)
     self.stats = collections.Counter()
     if prefix_caching and self.cache_bytes["states"]:

@@ -4,6 +4,7 @@ import dataclasses
 import itertools
 import time
 
+from jaxpar.inference.draft_length import RowRate
 from jaxpar.inference.sampling import RequestError, SamplingParams
 
 _ids = itertools.count()
@@ -136,7 +137,7 @@ class Request:
     self.row = 0  # its row when it runs outside an engine's slots (a speculative draft's copy)
     # Speculative decoding: draft tokens proposed for it, kept, and the target passes it took.
     self.proposed = self.accepted = self.rounds = 0
-    self.draft_length: int | None = None  # proposals it takes next round (None: the draft's k)
+    self.draft_rate = RowRate()  # how far its drafts are kept (draft_length.py)
     self.adapter = 0  # its stacked LoRA adapter (0: the base; Engine.adapters)
 
   @property

@@ -22,6 +22,7 @@ k proposals (a loop on the device), and the target's pass with the acceptance te
 """
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpar.errors import ConfigError
+from jaxpar.inference.draft_length import pass_widths
 from jaxpar.inference.pages import page_table_rows
 from jaxpar.inference.processing import allowed, mask_words
 from jaxpar.inference.programs import Kind, settings_extra, settings_struct
@@ -194,18 +196,6 @@ def _check_round(k: int, *engines):
                         "(`jaxpar lora merge`) and use the merged model as the target")
 
 
-def next_draft_length(proposed: int, accepted: int, k: int) -> int:
-  """A row's draft length for its next round, from its last (PEARL's idea, that the length
-  should follow how far drafts are being kept, as a simple rule): one more after a round that
-  kept every proposal (up to k), else one past the proposals kept."""
-  return min(k, proposed + 1) if accepted == proposed else accepted + 1
-
-
-def pass_widths(k: int) -> tuple[int, ...]:
-  """The proposal counts a target pass is compiled for: 1, about half of k, and k."""
-  return tuple(sorted({1, (k + 1) // 2, k}))
-
-
 class DraftSource:
   """What every draft source shares: `k`, the most proposals a row gets a round; `bind(target)`
   checks the pair and compiles what the source needs; `propose(rows, starts, settings)` gives
@@ -216,8 +206,8 @@ class DraftSource:
   (a source whose proposals come out of the target's own pass), `advance` each row still
   running, `forget` each row that ended or was preempted. Rows under a grammar keep their
   proposals up to the first it forbids, and the pass masks each position's logits.
-  `adaptive`: each row gets as many proposals as `next_draft_length` says, and a round's pass
-  is the narrowest of `widths` (each compiled at start) that holds the batch's longest."""
+  `adaptive`: a round checks as many proposals as draft_length.py chooses from the rows'
+  acceptance and the measured cost of each of `widths` (each compiled at start)."""
   target_program = DETERMINISTIC_TARGET_PROGRAM
   adaptive = True
   chain = True  # proposal j follows proposal j - 1 (a tree's nodes do not)
@@ -381,9 +371,10 @@ class SpeculativeCalls:
     # A request that turned speculation off keeps none of them: one token a round, as plain decoding.
     off = np.array([r is not None and not r.sampling.speculative for r in rows])
     proposed, limit = np.where(off[:, None], 0, proposed), np.where(off, 0, limit)
-    if self.draft.adaptive:  # each row's own draft length, and the narrowest pass that holds them
-      limit = np.minimum(limit, [k if r is None or r.draft_length is None else r.draft_length for r in rows])
-      width = min(w for w in self.draft.widths if w >= limit.max())
+    if self.draft.adaptive:  # the width with the most tokens per second, from the rows' rates
+      rates = [r.draft_rate.rate() for r, n in zip(rows, limit) if r is not None and n]
+      width = self._widths.choose(rates, sum(r is not None for r in rows) - len(rates))
+      limit = np.minimum(limit, width)
       proposed = proposed[:, :width]
       draft_probs = None if draft_probs is None else draft_probs[:, :width]
     width = proposed.shape[1]
@@ -398,10 +389,13 @@ class SpeculativeCalls:
     table = page_table_rows([r.pages if r else [] for r in rows], self.pages_per_seq, self.pool.num_pages)
     given = (proposed, limit) if draft_probs is None else (draft_probs, proposed, limit)
     given += () if masks is None else (masks,)
+    started = time.perf_counter()
     accepted, bonus, *more, self.cache = self._run("speculate" if masks is None else "speculate_masked", tokens,
                                                    positions, table, np.arange(len(rows), dtype=np.int32),
                                                    settings, *given)
     accepted, bonus = np.asarray(accepted).tolist(), np.asarray(bonus).tolist()
+    if self.draft.adaptive:
+      self._widths.record(width, time.perf_counter() - started)
     kept, more = self.draft.kept(proposed, [np.asarray(x) for x in more])
     events = []
     for i, (request, n) in enumerate(zip(rows, starts)):
@@ -410,8 +404,8 @@ class SpeculativeCalls:
       request.proposed += int(limit[i])
       request.accepted += accepted[i]
       request.rounds += 1
-      if self.draft.adaptive and limit[i]:
-        request.draft_length = next_draft_length(int(limit[i]), accepted[i], k)
+      if limit[i]:
+        request.draft_rate.update(int(limit[i]), accepted[i])
       self.stats["speculative_rounds"] += 1
       for token in [*kept[i, :accepted[i]].tolist(), bonus[i]]:
         request.cached = request.length
