@@ -54,8 +54,11 @@ def test_optimizer_sharded_equals_one_device_and_resumes_exactly(optimizer, tmp_
   for a, b in zip(_leaves(resumed.state.items()), _leaves(state.items())):
     np.testing.assert_array_equal(a, b)
 
+  # Lion steps by each gradient's sign: an element whose gradient sums to about zero can take
+  # the other sign under the other mesh's summation order, a whole learning-rate step apart
+  # (2.7e-5 by the 4th step on an AMD EPYC host; 2e-5 held on the hosts before).
   np.testing.assert_allclose([h["loss"] for h in single.fit(start_single, show_progress=False).history],
-                             losses, rtol=2e-5)
+                             losses, rtol=1e-4 if optimizer == "lion" else 2e-5)
   if optimizer.endswith("int8_blockwise"):  # 8-bit moments saved on fsdp4 x tensor2 go on on one device
     moved = single.fit(restore=tmp_path / "8" / "run" / "checkpoints" / "2", show_progress=False)
     np.testing.assert_allclose([h["loss"] for h in moved.history], losses[2:], rtol=2e-5)

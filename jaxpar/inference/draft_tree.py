@@ -17,7 +17,7 @@ the target's argmax, if any, and take the argmax after the path.
 Which nodes: `choose_tree` adds, up to a node budget, the path most likely to be kept
 (the product of each step's chance that a head's rank-r guess is right) under measured
 per-head, per-rank accuracies (`objectives.medusa.rank_accuracy` on held-out text), or
-under DEFAULT_ACCURACY's documented guess where none were measured.
+under `default_accuracy`'s documented guess where none were measured.
 """
 
 import dataclasses

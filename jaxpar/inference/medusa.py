@@ -24,8 +24,8 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.inference.draft_tree import DraftTree, choose_tree, default_accuracy, verify_tree
 from jaxpar.inference.programs import Kind
-from jaxpar.inference.speculative import (DETERMINISTIC_TARGET_PROGRAM, DraftSource, _check_round, apply_masks,
-                                         check_proposals)
+from jaxpar.inference.speculative import (DETERMINISTIC_TARGET_PROGRAM, DraftSource, apply_masks, check_proposals,
+                                         check_round)
 from jaxpar.models.caches import copy_positions
 from jaxpar.models.medusa import fingerprint, same_fingerprint
 from jaxpar.runtime import Runtime
@@ -78,11 +78,11 @@ def _medusa_program(k: int, tree: DraftTree | None) -> Kind:
 class MedusaDraft(DraftSource):
   """Proposals from the served model's Medusa heads: a chain of up to `k` a round (default:
   one per head), each head's best guess, or with `tree` (a DraftTree, or a node count for
-  `choose_tree` under DEFAULT accuracies) every node of a candidate tree."""
+  `choose_tree` under `default_accuracy`) every node of a candidate tree."""
 
   def __init__(self, k: int | None = None, tree: DraftTree | int | None = None):
     if k is not None:
-      _check_round(k)
+      check_round(k)
     if k is not None and tree is not None:
       raise ConfigError("speculative medusa: give k (a chain) or tree (its node count), not both")
     self.k, self.tree = k, tree
@@ -111,7 +111,7 @@ class MedusaDraft(DraftSource):
     if self.tree is None and self.k > heads:
       raise ConfigError(f"speculative medusa k={self.k}: the model has {heads} draft heads, one "
                         f"proposal each: use k <= {heads}")
-    _check_round(self.k, target)
+    check_round(self.k, target)
     check_base(target.runtime, target.params, target.model_state)
     self.batch, self.max_seq_len = len(target.slots), target.max_seq_len
     self.adaptive = self.chain = self.tree is None  # a tree's nodes are checked together: its pass is one shape

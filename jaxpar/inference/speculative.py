@@ -8,10 +8,12 @@ max(0, p - q) renormalised, and when all k are kept one more comes from the targ
 distribution. The output then follows the target's distribution exactly; greedy rows (one-
 hot p and q) give exactly the target's greedy tokens.
 
-A draft is a source of proposals behind one interface: `DraftModel`, a smaller model on the
-same tokenizer, and `NgramDraft`, prompt lookup with no weights (the tokens that followed the
-last earlier occurrence of a row's final n-gram). Each row gets up to k proposals a round (a
-row with none decodes one token, exactly as plain decoding does). A deterministic draft's q
+A draft is a source of proposals behind one interface (`DraftSource`): `DraftModel`, a
+smaller model on the same tokenizer; `NgramDraft`, prompt lookup with no weights (the tokens
+that followed the last earlier occurrence of a row's final n-gram); `medusa.MedusaDraft`, the
+model's own Medusa heads, as a chain or a tree (draft_tree.py). Each row gets up to the
+round's width of proposals, at most k (draft_length.py chooses it; a row with none decodes
+one token, exactly as plain decoding does). A deterministic draft's q
 is one-hot at its proposal, so it keeps a proposal with probability p(x) and resamples from p
 without x. The draft model keeps its own paged cache: a request's context is prefilled
 into it when the request first decodes, then each round feeds what it lacks (the last token,
@@ -174,7 +176,7 @@ def verify(target_probs, draft_probs, proposed, settings, positions, limit=None)
   return accepted, token.astype(jnp.int32)
 
 
-def _check_round(k: int, *engines):
+def check_round(k: int, *engines):
   """What every draft source needs of the engines a round runs on."""
   if k < 1:
     raise ConfigError(f"speculative k={k}: the draft must propose at least one token")
@@ -240,7 +242,7 @@ class DraftModel(DraftSource):
   target_program = TARGET_PROGRAM
 
   def __init__(self, engine, k: int = 4):
-    _check_round(k)
+    check_round(k)
     self.engine, self.k = engine, k
     self.shadows: dict[int, Request] = {}  # target request id -> the draft's copy of it
 
@@ -253,7 +255,7 @@ class DraftModel(DraftSource):
                                                                      target.tokenizer.eos_id):
       raise ConfigError("the speculative draft's tokenizer differs from the target's (it splits the same text "
                         "into other ids): use a draft trained with the target's tokenizer")
-    _check_round(k, target, draft)
+    check_round(k, target, draft)
     if len(draft.slots) < len(target.slots) or draft.max_seq_len < target.max_seq_len:
       raise ConfigError(f"the draft engine needs the target's {len(target.slots)} slots and context "
                         f"{target.max_seq_len} (it has {len(draft.slots)} and {draft.max_seq_len})")
@@ -331,13 +333,13 @@ class NgramDraft(DraftSource):
   target_program = DETERMINISTIC_TARGET_PROGRAM
 
   def __init__(self, k: int = 4, max_n: int = 3, min_n: int = 1):
-    _check_round(k)
+    check_round(k)
     if not 1 <= min_n <= max_n:
       raise ConfigError(f"speculative ngram n={min_n}..{max_n}: give 1 <= min_n <= max_n")
     self.k, self.max_n, self.min_n = k, max_n, min_n
 
   def bind(self, target):
-    _check_round(self.k, target)
+    check_round(self.k, target)
     self.batch = len(target.slots)
 
   def propose(self, rows, starts, settings):
