@@ -16,16 +16,19 @@ import numpy as np
 import pytest
 
 from jaxpar.cli import main
+from jaxpar.config import MeshConfig, ModelConfig
 from jaxpar.data import ByteTokenizer
 from jaxpar.data.heldout import token_windows
 from jaxpar.errors import ConfigError
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.inference.medusa import MedusaDraft, with_heads
 from jaxpar.models.medusa import fingerprint, same_fingerprint
-from jaxpar.objectives.medusa import ahead, head_accuracy, rank_accuracy
+from jaxpar.objectives import BASE
+from jaxpar.objectives.medusa import ahead, head_accuracy, medusa_loss, rank_accuracy
+from jaxpar.runtime import Runtime
 from jaxpar.train.trainer import Trainer
 from jaxpar.weights import open_run, split_weights
-from tests.helpers import small_config
+from tests.helpers import SMALL_MODEL, small_config, synthetic_batch
 
 HEADS = 3
 STEPS = 150
@@ -237,3 +240,23 @@ def test_drafts_under_a_grammar_give_the_constrained_tokens(runs, source):
   if source != "ngram":
     assert done[0].draft_accepted > 0 or source == "medusa tree"  # drafts kept under the regex
     assert done[2].draft_accepted > 0
+
+
+def test_the_fused_and_plain_head_losses_agree():
+  """train.logits_chunk_len > 0 (the fused loss, never all logits at once) and 0 (plain
+  logits): the same loss and per-head sums, and the same gradients for the heads."""
+  config = small_config(model={"medusa": {"heads": 2}}, train={"objective": "medusa"})
+  runtime = Runtime(ModelConfig(**{**SMALL_MODEL, "medusa": {"heads": 2}}), MeshConfig(fsdp=1), jax.devices()[:1])
+  params, model_state = runtime.init()
+  heads, base = split_weights(runtime, params)
+  heads = jax.tree.map(lambda x: x + 0.01 * jax.random.normal(jax.random.key(1), x.shape), heads)
+  batch = jax.tree.map(jnp.asarray, synthetic_batch(config))
+  results = [jax.jit(jax.value_and_grad(medusa_loss(runtime.graphdef, 2, 0.8, chunk), has_aux=True))(
+      heads, model_state, batch, {BASE: base}) for chunk in (0, 8)]
+  (plain_loss, (plain_sums, _)), plain_grads = results[0]
+  (fused_loss, (fused_sums, _)), fused_grads = results[1]
+  np.testing.assert_allclose(fused_loss, plain_loss, rtol=1e-5)
+  for key in ("metric/head0_loss", "metric/head1_loss", "tokens"):
+    np.testing.assert_allclose(fused_sums[key], plain_sums[key], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(fused_grads), jax.tree.leaves(plain_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
