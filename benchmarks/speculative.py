@@ -22,10 +22,8 @@ decoding's.
 """
 
 import argparse
-import gzip
 import os
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -37,7 +35,8 @@ import numpy as np  # noqa: E402
 from decode import best  # noqa: E402  (benchmarks/decode.py)
 
 from jaxpar.config import load_config  # noqa: E402
-from jaxpar.data.heldout import token_windows  # noqa: E402
+from jaxpar.data.heldout import token_windows, window_batch  # noqa: E402
+from jaxpar.data.sources import read_documents  # noqa: E402
 from jaxpar.inference import Engine, SamplingParams  # noqa: E402
 from jaxpar.inference.draft_tree import choose_tree  # noqa: E402
 from jaxpar.inference.medusa import MedusaDraft  # noqa: E402
@@ -72,12 +71,8 @@ def train(config_name: str, root: Path, name: str, steps: int, overrides=()) -> 
 def measured_tree(heads_run: Path, nodes: int, ranks: int = 4):
   """A tree of `nodes` grown from the heads' per-rank accuracies on the bundled held-out text."""
   run = open_run(heads_run, mesh={"fsdp": 1}, devices=ONE_DEVICE)
-  text = gzip.decompress((resources.files("jaxpar.data") / "corpus/austen_heldout.txt.gz").read_bytes()).decode()
-  windows = token_windows(text, run.tokenizer, 128, 16)
-  shape = (windows.shape[0], windows.shape[1] - 1)
-  batch = {"inputs": jnp.asarray(windows[:, :-1]), "targets": jnp.asarray(windows[:, 1:]),
-           "segment_ids": jnp.ones(shape, jnp.int32), "loss_mask": jnp.ones(shape),
-           "positions": jnp.broadcast_to(jnp.arange(shape[1]), shape)}
+  windows = token_windows("\n\n".join(read_documents("bundled-heldout")), run.tokenizer, 128, 16)
+  batch = jax.tree.map(jnp.asarray, window_batch(windows))
   accuracy = np.asarray(rank_accuracy(run.model, batch, ranks))
   print("  held-out accuracy by head (rows) and rank (columns):")
   for h, row in enumerate(accuracy):

@@ -4,11 +4,9 @@ draft source they give exactly plain greedy decoding's tokens in fewer target pa
 Python and from `jaxpar generate`. Heads over another base, or asked for more proposals than
 they have, are refused in one line."""
 
-import gzip
 import json
 import threading
 import time
-from importlib import resources
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,8 @@ import pytest
 from jaxpar.cli import main
 from jaxpar.config import MeshConfig, ModelConfig
 from jaxpar.data import ByteTokenizer
-from jaxpar.data.heldout import token_windows
+from jaxpar.data.heldout import token_windows, window_batch
+from jaxpar.data.sources import read_documents
 from jaxpar.errors import ConfigError
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.inference.medusa import MedusaDraft, with_heads
@@ -56,11 +55,8 @@ def plain(runs):
 
 
 def _heldout(windows=16, seq_len=64):
-  text = gzip.decompress((resources.files("jaxpar.data") / "corpus/austen_heldout.txt.gz").read_bytes()).decode()
-  tokens = token_windows(text, ByteTokenizer(), seq_len, windows)
-  shape = (windows, seq_len)
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones(shape, np.int32),
-          "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), shape), "loss_mask": np.ones(shape)}
+  text = "\n\n".join(read_documents("bundled-heldout"))
+  return window_batch(token_windows(text, ByteTokenizer(), seq_len, windows))
 
 
 def test_ahead_shifts_targets_within_each_document():

@@ -25,3 +25,11 @@ def token_windows(text: str, tokenizer, seq_len: int, count: int | None = None) 
     raise DataError(f"the text has {len(tokens)} tokens: room for {available} windows of "
                      f"seq_len={seq_len}, not {count}")
   return np.stack([tokens[i * seq_len:(i + 1) * seq_len + 1] for i in range(count)])
+
+
+def window_batch(windows: np.ndarray) -> dict:
+  """Token windows [n, seq_len + 1] as a batch the losses take: inputs, targets, positions,
+  one document per row, every target counted."""
+  shape = (windows.shape[0], windows.shape[1] - 1)
+  return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "segment_ids": np.ones(shape, np.int32),
+          "positions": np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape), "loss_mask": np.ones(shape)}
