@@ -14,8 +14,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import constrain
 from jaxpar.models.norm import RMSNorm
-from jaxpar.pallas_kernels import TreeMask
 from jaxpar.models.registry import get_block, register_block
+from jaxpar.pallas_kernels import TreeMask
 
 # The residual stream [B, L, embed] between blocks. Its length has its own name so the
 # rules can split it further than attention's (Megatron sequence parallelism): then the

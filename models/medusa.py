@@ -11,7 +11,7 @@ Medusa-1 gives each head its own output projection initialised from the model's,
 is, with the copy's starting value kept in P rather than stored per head. W, b and D start
 at zero, so a fresh head repeats the model's next-token guess. With `shared_projection` there
 is no D: the heads train only their blocks. Exported in the Medusa project's layout, head
-i's projection is P + D_i (jaxpar/convert/medusa_export.py).
+i's projection is P + D_i (jaxpar/convert/medusa.py).
 
 The heads' weights are `MedusaParam`s, so Runtime.adapter_mask tells them from the frozen
 model as it tells LoRA adapters. Beside them the heads keep `BaseFingerprint`, a model-state

@@ -171,6 +171,7 @@ def test_heads_export_in_the_medusa_projects_layout(runs, tmp_path):
   them (x + SiLU(linear(x)), then the head's linear to the vocabulary), give our heads' logits."""
   from safetensors.numpy import load_file
   assert main(["convert", "medusa-heads", str(runs[1]), str(tmp_path / "heads")]) == 0
+  assert main(["convert", "jaxpar-to-hf", str(runs[1]), str(tmp_path / "hf")]) == 2  # the heads are no HF model
   tensors = load_file(tmp_path / "heads/medusa_lm_head.safetensors")
   config = json.loads((tmp_path / "heads/config.json").read_text())
   assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (HEADS, 1)

@@ -345,6 +345,9 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
     if cfg.lora is not None:
       raise CheckpointError(f"checkpoint {run.directory} holds LoRA adapters: `jaxpar lora merge` it first, "
                             "or write the adapters alone with `jaxpar lora export-peft`")
+    if cfg.medusa is not None:
+      raise CheckpointError(f"checkpoint {run.directory} holds Medusa draft heads over {cfg.medusa.base}: export "
+                            "that base, and the heads with `jaxpar convert medusa-heads`")
     dtype = dtype or cfg.param_dtype
     if dtype not in DTYPES:
       raise ConfigError(f"dtype={dtype!r} is not one of {list(DTYPES)}")
