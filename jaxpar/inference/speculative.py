@@ -373,6 +373,10 @@ class SpeculativeCalls:
     # A request that turned speculation off keeps none of them: one token a round, as plain decoding.
     off = np.array([r is not None and not r.sampling.speculative for r in rows])
     proposed, limit = np.where(off[:, None], 0, proposed), np.where(off, 0, limit)
+    # No more proposals than a row has room for beside the target's own token: none is counted
+    # accepted that max_tokens would then drop.
+    room = [0 if r is None else max(r.sampling.max_tokens - len(r.generated) - 1, 0) for r in rows]
+    limit = np.minimum(limit, room)
     if self.draft.adaptive:  # the width with the most tokens per second, from the rows' rates
       rates = [r.draft_rate.rate() for r, n in zip(rows, limit) if r is not None and n]
       width = self._widths.choose(rates, sum(r is not None for r in rows) - len(rates))
