@@ -2,7 +2,7 @@
 
     python -m venv /tmp/aiperf && /tmp/aiperf/bin/pip install aiperf     # its own venv: many deps
     python benchmarks/serve.py --aiperf /tmp/aiperf/bin/aiperf [--models tiny bench-20m]
-        [--concurrency 1 4 8] [--requests 48] [--isl 128] [--osl 64] [--prefix 256]
+        [--concurrency 1 4 8] [--requests 48] [--isl 128] [--osl 64] [--prefix 256] [--replicas 1 2]
 
 For each model (random weights, saved as a checkpoint with a byte-level Hugging Face
 tokenizer that names every id, so the load generator counts and sees every token), the script starts `jaxpar serve` on
@@ -10,7 +10,10 @@ tokenizer that names every id, so the load generator counts and sees every token
 requests of `--isl` random prompt tokens (plus a `--prefix`-token prefix all requests
 share) and `--osl` output tokens (ignore_eos, as load generators send it). It does so with
 the prefix cache on and off, and prints request throughput, output tokens/s, and TTFT and
-inter-token latency percentiles as aiperf measured them.
+inter-token latency percentiles as aiperf measured them. With `--replicas 1 2`, each setting
+also runs as `jaxpar serve --replicas R` over the same simulated devices (as many as the
+largest R) and the same `--slots` in all (split among the replicas): one engine against
+several behind one server, side by side.
 """
 
 import argparse
@@ -79,11 +82,15 @@ def prefix_cache_modes() -> list:
   return [True, False] if "--prefix-caching" in help_text else [None]
 
 
-def start_server(path: Path, port: int, slots: int, prefix_caching, log: Path) -> subprocess.Popen:
+def start_server(path: Path, port: int, slots: int, prefix_caching, log: Path, replicas: int = 1,
+                 devices: int = 1) -> subprocess.Popen:
+  """`jaxpar serve` on `devices` simulated devices: `slots` in all, split among `replicas`."""
   flags = [] if prefix_caching is None else ["--prefix-caching" if prefix_caching else "--no-prefix-caching"]
+  flags += ["--replicas", str(replicas)] if replicas > 1 else []
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   child = subprocess.Popen([sys.executable, "-m", "jaxpar", "serve", "--checkpoint", str(path), "--port", str(port),
-                            "--slots", str(slots), "--model-name", "bench", *flags, "mesh.fsdp=1"],
-                           stdout=log.open("w"), stderr=subprocess.STDOUT)
+                            "--slots", str(slots // replicas), "--model-name", "bench", *flags, "mesh.fsdp=1"],
+                           stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
   deadline = time.monotonic() + 900
   while time.monotonic() < deadline:
     if child.poll() is not None:
@@ -121,25 +128,29 @@ def main():
   parser.add_argument("--isl", type=int, default=128, help="random prompt tokens per request")
   parser.add_argument("--osl", type=int, default=64, help="output tokens per request")
   parser.add_argument("--prefix", type=int, default=256, help="prompt tokens every request shares (0: none)")
-  parser.add_argument("--slots", type=int, default=8)
+  parser.add_argument("--slots", type=int, default=8, help="slots in all (split among replicas)")
+  parser.add_argument("--replicas", type=int, nargs="+", default=[1],
+                      help="serve each setting with these replica counts, on as many devices as the largest")
   parser.add_argument("--port", type=int, default=8437)
   args = parser.parse_args()
   root = Path(tempfile.mkdtemp(prefix="jaxpar-serve-bench-"))
   print(f"aiperf streaming completions: {args.requests} requests of {args.prefix} shared + {args.isl} random "
         f"prompt tokens, {args.osl} output tokens (ignore_eos); {args.slots} slots; {os.cpu_count()} cores\n")
-  print(f"{'model':>10} {'prefix cache':>12} {'conc':>4} | {'req/s':>6} {'out tok/s':>9} | {'TTFT p50':>8} "
-        f"{'p99':>7} | {'ITL p50':>7} {'p99':>6} (ms)")
-  modes = prefix_cache_modes()
+  print(f"{'model':>10} {'replicas':>8} {'prefix cache':>12} {'conc':>4} | {'req/s':>6} {'out tok/s':>9} | "
+        f"{'TTFT p50':>8} {'p99':>7} | {'ITL p50':>7} {'p99':>6} (ms)")
+  modes = [(caching, replicas) for caching in prefix_cache_modes() for replicas in args.replicas]
+  devices = max(args.replicas)
   for name in args.models:
     path = checkpoint(name, root, args.prefix + args.isl + args.osl + 16)
-    for caching in modes:
-      child = start_server(path, args.port, args.slots, caching, root / f"{name}-{caching}.log")
+    for caching, replicas in modes:
+      child = start_server(path, args.port, args.slots, caching, root / f"{name}-{caching}-{replicas}.log", replicas,
+                           devices)
       try:
         for concurrency in args.concurrency:
           got = profile(args.aiperf, args.port, root / f"{name}-tokenizer", concurrency, args,
-                        root / f"{name}-{caching}-{concurrency}")
+                        root / f"{name}-{caching}-{replicas}-{concurrency}")
           ttft, itl = got["time_to_first_token"], got["inter_token_latency"]
-          print(f"{name:>10} {({True: 'on', False: 'off'}.get(caching, 'n/a')):>12} {concurrency:>4} | "
+          print(f"{name:>10} {replicas:>8} {({True: 'on', False: 'off'}.get(caching, 'n/a')):>12} {concurrency:>4} | "
                 f"{got['request_throughput']['avg']:>6.1f} {got['output_token_throughput']['avg']:>9,.0f} | "
                 f"{ttft['p50']:>8.1f} {ttft['p99']:>7.1f} | {itl['p50']:>7.2f} {itl['p99']:>6.2f}", flush=True)
       finally:

@@ -267,18 +267,20 @@ def test_metrics_parse_as_prometheus_text_and_move_with_the_traffic(server):
   done = client.completions.create(model=MODEL_NAME, prompt="the quick", max_tokens=6, temperature=0,
                                    extra_body={"ignore_eos": True})
   after = scrape()
-  moved = lambda name, labels="{}": after[name + labels] - before.get(name + labels, 0)  # noqa: E731
-  assert moved("jaxpar_generation_tokens_total") == done.usage.completion_tokens == 6
-  assert moved("jaxpar_prompt_tokens_total") == done.usage.prompt_tokens
+  one = '{"replica": "0"}'  # the engine's state, labelled by replica (one here)
+  moved = lambda name, labels=one: after[name + labels] - before.get(name + labels, 0)  # noqa: E731
+  assert moved("jaxpar_generation_tokens_total", "{}") == done.usage.completion_tokens == 6
+  assert moved("jaxpar_prompt_tokens_total", "{}") == done.usage.prompt_tokens
   assert moved("jaxpar_requests_finished_total", '{"finish_reason": "length"}') == 1
-  assert moved("jaxpar_time_to_first_token_seconds_count") == 1
-  assert moved("jaxpar_inter_token_latency_seconds_count") == 5
+  assert moved("jaxpar_time_to_first_token_seconds_count", "{}") == 1
+  assert moved("jaxpar_inter_token_latency_seconds_count", "{}") == 5
   assert moved("jaxpar_prefill_tokens_total") == done.usage.prompt_tokens - 1  # the last one is decoded
-  assert after["jaxpar_kv_pages_used{}"] + after["jaxpar_kv_pages_free{}"] == engine.pool.num_pages
-  assert after["jaxpar_requests_running{}"] == 0 and after["jaxpar_requests_waiting{}"] == 0
+  assert after["jaxpar_kv_pages_used" + one] + after["jaxpar_kv_pages_free" + one] == engine.pool.num_pages
+  assert after["jaxpar_requests_running" + one] == 0 and after["jaxpar_requests_waiting" + one] == 0
   assert after["jaxpar_generation_tokens_per_second{}"] > 0
-  for name in ("jaxpar_preemptions_total", "jaxpar_prefix_cache_hit_rate", "jaxpar_slots"):
-    assert name + "{}" in after
+  for name in ("jaxpar_preemptions_total", "jaxpar_prefix_cache_hit_rate", "jaxpar_slots",
+               "jaxpar_engine_failures_total"):
+    assert name + one in after
   # The same prompt twice: the second takes the first's complete pages from the prefix cache.
   prompt = "the lazy dog sleeps while the quick brown fox jumps over the dog and runs"
   first, second = (client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1) for _ in range(2))

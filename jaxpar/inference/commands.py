@@ -5,6 +5,7 @@
     jaxpar generate RUN --chat --prompt "What is 2 plus 3?"   # prints the answer only
     jaxpar serve RUN [mesh.tensor=8] [--host 127.0.0.1 --port 8000]
     jaxpar serve BASE --adapter sql=runs/sql-lora --adapter chat=runs/chat-lora
+    jaxpar serve RUN mesh.tensor=4 --replicas 2     # two engines of 4 devices each, one server
 (RUN: a run dir, its checkpoints dir or one step dir; `--checkpoint RUN` says the same.)
 """
 
@@ -107,7 +108,8 @@ def take_run_argument(ns):
   ns.checkpoint = ns.checkpoint or runs[0]
 
 
-def build_engine(ns, echo=None, **options):
+def build_engine(ns, echo=None, devices=None, **options):
+  """The engine `generate` and `serve` run, on `devices` (default: all)."""
   from jaxpar.inference import Engine
   from jaxpar.inference.speculative import DraftModel, NgramDraft
   mesh = parse_mesh_sizes(ns.mesh) or None
@@ -115,14 +117,15 @@ def build_engine(ns, echo=None, **options):
   if spec.get("ngram"):
     options["speculative"] = NgramDraft(spec["k"], max_n=spec["n"])
   elif "medusa" in spec:
-    return _medusa_engine(ns, mesh, spec, echo, options)
+    return _medusa_engine(ns, mesh, spec, echo, devices, options)
   elif spec:
     if echo:
       echo(f"loading the speculative draft {spec['draft']}")
-    draft = Engine.from_checkpoint(spec["draft"], mesh=mesh, slots=ns.slots, max_seq_len=ns.max_seq_len,
+    draft = Engine.from_checkpoint(spec["draft"], mesh=mesh, devices=devices, slots=ns.slots, max_seq_len=ns.max_seq_len,
                                    page_size=ns.page_size, prefix_caching=False)
     options["speculative"] = DraftModel(draft, spec["k"])
-  return Engine.from_checkpoint(ns.checkpoint, mesh=mesh, **_engine_options(ns), echo=echo, **options)
+  return Engine.from_checkpoint(ns.checkpoint, mesh=mesh, devices=devices, **_engine_options(ns), echo=echo,
+                                **options)
 
 
 def _engine_options(ns) -> dict:
@@ -130,13 +133,13 @@ def _engine_options(ns) -> dict:
               kv_cache=ns.kv_cache, prefix_caching=ns.prefix_caching, decode_burst=ns.decode_burst)
 
 
-def _medusa_engine(ns, mesh, spec, echo, options):
+def _medusa_engine(ns, mesh, spec, echo, devices, options):
   """The engine over the run's own draft heads, or over heads attached from spec["medusa"]."""
   from jaxpar.inference import Engine
   from jaxpar.inference.medusa import MedusaDraft, with_heads
   from jaxpar.weights import open_run
   options["speculative"] = MedusaDraft(spec["k"], tree=spec["tree"])
-  with open_run(ns.checkpoint, mesh or {"data": -1, "fsdp": 1}) as run:
+  with open_run(ns.checkpoint, mesh or {"data": -1, "fsdp": 1}, devices=devices) as run:
     if spec["medusa"] is None:
       return Engine.from_run(run, **_engine_options(ns), echo=echo, **options)
     if echo:
@@ -300,6 +303,7 @@ def adapter_paths(items, base_name: str) -> dict:
 
 def cmd_serve(ns):
   take_run_argument(ns)
+  from jaxpar.inference.replicas import Replicas, device_groups
   from jaxpar.inference.server import serve
   from jaxpar.weights import run_name
   name = ns.model_name or run_name(ns.checkpoint)
@@ -308,12 +312,20 @@ def cmd_serve(ns):
   sampling = run_defaults(ns)[2]
   if ns.speculative:  # for requests that leave `speculative` out
     sampling["speculative"] = speculative_options(ns.speculative)["default"]
-  # Every program compiled before the first request: serving never pauses to compile.
-  engine = build_engine(ns, echo=lambda text: notes.print(text, style="dim", highlight=False), compile_extras=True,
-                        adapters=adapters)
+  groups = device_groups(ns.replicas) if ns.replicas != 1 else [None]  # checked before compiling
+  echo = lambda text: notes.print(text, style="dim", highlight=False)  # noqa: E731
+  engines = []
+  for number, devices in enumerate(groups, 1):
+    if devices is not None:
+      echo(f"replica {number} of {len(groups)}: devices {', '.join(str(d.id) for d in devices)}")
+    # Every program compiled before the first request: serving never pauses to compile.
+    engines.append(build_engine(ns, echo=echo, devices=devices, compile_extras=True, adapters=adapters))
+  engine = Replicas(engines) if len(engines) > 1 else engines[0]
   served = ", ".join(repr(n) for n in (name, *adapters))
-  announce = lambda url: notes.print(f"serving {served} on {url} ({ns.slots} slots, context "  # noqa: E731
-                                     f"{engine.max_seq_len}, compiled in {engine.compile_s:.0f} s)", highlight=False)
+  slots = f"{len(engines)} replicas x {ns.slots} slots" if len(engines) > 1 else f"{ns.slots} slots"
+  compile_s = sum(e.compile_s for e in engines)
+  announce = lambda url: notes.print(f"serving {served} on {url} ({slots}, context "  # noqa: E731
+                                     f"{engines[0].max_seq_len}, compiled in {compile_s:.0f} s)", highlight=False)
   serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s,
         announce=announce, chat=chat, sampling=sampling)
 
@@ -349,6 +361,10 @@ def add_parsers(commands):
   serve.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                      help="also serve this LoRA adapter checkpoint (trained over the base) as model NAME; "
                      "repeatable: requests for the base and every adapter share each batch")
+  serve.add_argument("--replicas", type=int, default=1, metavar="N",
+                     help="N engines, each on its own 1/N of the devices (the mesh sizes apply to each) with its "
+                     "own cache, behind this one server; a request goes to the replica caching its prompt's "
+                     "prefix unless that one is busier than the least loaded by more than its slots (default 1)")
   serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
   serve.add_argument("--grace-s", type=float, default=30.0,
                      help="on SIGTERM, seconds running requests get to finish (default 30)")

@@ -30,6 +30,7 @@ class Call:
     self.top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
     self.events: asyncio.Queue = asyncio.Queue()
     self.requests = []
+    self.workers = []  # the worker of each request's replica
     self.id = api.new_id("chatcmpl" if chat else "cmpl")
 
   def submit(self):
@@ -43,12 +44,15 @@ class Call:
                                                         self.server.adapter(self.body)))
     except RequestError as e:
       raise api.APIError(400, str(e), param=e.field) from None
-    if self.engine.pending + len(self.requests) > self.server.max_queue:
-      raise api.APIError(429, f"too many requests waiting ({self.engine.pending}): retry later",
+    if (waiting := self.server.pending) + len(self.requests) > self.server.max_queue:
+      raise api.APIError(429, f"too many requests waiting ({waiting}): retry later",
                          kind="rate_limit_exceeded", code="queue_full")
-    for ids in self.prompts:
-      self.server.metrics.admitted(len(ids) * self.body.n)
-    self.server.worker.enqueue(self.requests)
+    n, replicas = self.body.n, self.server.replicas
+    for i, ids in enumerate(self.prompts):  # a prompt's n choices share its pages: one replica
+      self.server.metrics.admitted(len(ids) * n)
+      worker = self.server.workers[replicas.pick(ids, self.requests[i * n].adapter)]
+      self.workers += [worker] * n
+      worker.enqueue(self.requests[i * n:(i + 1) * n])
 
   def _listener(self, index: int):
     loop, metrics = asyncio.get_running_loop(), self.server.metrics
@@ -103,11 +107,12 @@ class Call:
     return self.server.adapter(self.body) or self.server.model_name
 
   def cancel(self):
-    for request in self.requests:
-      self.server.worker.cancel(request)  # a no-op once finished
+    for request, worker in zip(self.requests, self.workers):
+      worker.cancel(request)  # a no-op once finished
 
-  def failure(self):
-    return api.APIError(500, self.server.worker.failure, kind="server_error")
+  @staticmethod
+  def failure(error: Exception):
+    return api.APIError(500, f"the engine failed: {type(error).__name__}: {error}", kind="server_error")
 
   # -- what the client sees -----------------------------------------------------------
 
@@ -146,7 +151,7 @@ class Call:
       while pending:
         index, event = await self.events.get()
         if isinstance(event, Exception):
-          raise self.failure()
+          raise self.failure(event)
         if event.finish_reason is not None:
           pending.discard(index)
     finally:
@@ -179,7 +184,7 @@ class Call:
       while pending:
         index, event = await self.events.get()
         if isinstance(event, Exception):
-          yield f"data: {json.dumps(self.failure().body())}\n\n"
+          yield f"data: {json.dumps(self.failure(event).body())}\n\n"
           break
         request = self.requests[index]
         if index not in started:

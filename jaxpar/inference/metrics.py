@@ -1,9 +1,9 @@
 """What `jaxpar serve` reports at /metrics, in Prometheus' text format.
 
 Latencies are observed on the engine's thread as each token is produced (so they measure
-the engine, not the HTTP loop): time to first token from arrival, and the gaps between a
-request's tokens. Engine state (queue, slots, KV pages, prefix cache, preemptions) is read
-when scraped. Each server has its own registry, so several can live in one process (tests).
+the engines, not the HTTP loop): time to first token from arrival, and the gaps between a
+request's tokens, over every replica. Each replica's engine state (queue, slots, KV pages,
+prefix cache, preemptions), labelled by replica, is read when scraped. Each server has its own registry, so several can live in one process (tests).
 """
 
 import collections
@@ -19,8 +19,8 @@ _RATE_WINDOW_S = 10.0
 
 
 class ServingMetrics:
-  def __init__(self, engine):
-    self.engine = engine
+  def __init__(self, engines):
+    self.engines = engines
     self.registry = CollectorRegistry()
     self.ttft = Histogram("jaxpar_time_to_first_token_seconds", "Time from arrival to the first generated token",
                           buckets=_LATENCY_BUCKETS, registry=self.registry)
@@ -67,44 +67,52 @@ class ServingMetrics:
 
 
 class _EngineState:
-  """Gauges and counters read from the engine at scrape time."""
+  """Gauges and counters read from each replica's engine at scrape time, labelled `replica`
+  ("0" where one engine serves)."""
 
   def __init__(self, metrics: ServingMetrics):
     self.metrics = metrics
 
   def collect(self):
-    engine = self.metrics.engine
-    stats, pool = engine.stats, engine.pool
+    engines = self.metrics.engines
+    families = {}
 
-    def gauge(name, doc, value):
-      family = GaugeMetricFamily(name, doc)
-      family.add_metric([], value)
-      return family
-
-    def counter(name, doc, value):
-      family = CounterMetricFamily(name, doc)
-      family.add_metric([], value)
-      return family
-    queries, hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
-    yield gauge("jaxpar_requests_waiting", "Requests queued for a slot", engine.pending)
-    yield gauge("jaxpar_requests_running", "Slots holding a request", sum(r is not None for r in engine.slots))
-    yield gauge("jaxpar_slots", "Slots decoded together", len(engine.slots))
-    yield gauge("jaxpar_kv_pages_used", "KV cache pages in use", pool.num_pages - pool.free)
-    yield gauge("jaxpar_kv_pages_free", "KV cache pages free (never used, or cached and held by nobody)", pool.free)
-    yield gauge("jaxpar_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
-                hits / queries if queries else 0.0)
-    yield counter("jaxpar_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
-    yield counter("jaxpar_prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
-    yield gauge("jaxpar_kv_pages_cached", "KV pages indexed by the prefix cache (held or not)", pool.cached)
-    yield counter("jaxpar_prefix_cache_evictions", "Cached pages reused for other blocks", pool.evictions)
-    yield counter("jaxpar_prefill_tokens", "Prompt tokens computed by prefill", stats["prefill_tokens"])
-    yield counter("jaxpar_preemptions", "Requests preempted for want of KV pages", stats["preemptions"])
-    if engine.draft is not None:
-      rounds = stats["speculative_rounds"]
-      yield counter("jaxpar_speculative_draft_tokens", "Draft tokens proposed", stats["speculative_proposed"])
-      yield counter("jaxpar_speculative_accepted_tokens", "Draft tokens kept", stats["speculative_accepted"])
-      yield counter("jaxpar_speculative_target_passes", "Rows checked by a target pass", rounds)
-      yield gauge("jaxpar_speculative_tokens_per_pass", "Tokens generated per row per target pass",
-                  (stats["speculative_accepted"] + rounds) / rounds if rounds else 0.0)
-    yield gauge("jaxpar_generation_tokens_per_second", f"Tokens generated per second over the last "
-                f"{_RATE_WINDOW_S:.0f} s", self.metrics.tokens_per_second())
+    def add(kind, name, doc, values):
+      family = families.setdefault(name, kind(name, doc, labels=["replica"]))
+      for replica, value in enumerate(values):
+        family.add_metric([str(replica)], value)
+    gauge = lambda *args: add(GaugeMetricFamily, *args)  # noqa: E731
+    counter = lambda *args: add(CounterMetricFamily, *args)  # noqa: E731
+    stats = [e.stats for e in engines]
+    pools = [e.pool for e in engines]
+    queries = [s["prefix_cache_queries"] for s in stats]
+    hits = [s["prefix_cache_hits"] for s in stats]
+    gauge("jaxpar_requests_waiting", "Requests queued for a slot", [e.pending for e in engines])
+    gauge("jaxpar_requests_running", "Slots holding a request", [sum(r is not None for r in e.slots) for e in engines])
+    gauge("jaxpar_slots", "Slots decoded together", [len(e.slots) for e in engines])
+    gauge("jaxpar_kv_pages_used", "KV cache pages in use", [p.num_pages - p.free for p in pools])
+    gauge("jaxpar_kv_pages_free", "KV cache pages free (never used, or cached and held by nobody)",
+          [p.free for p in pools])
+    gauge("jaxpar_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens looked up",
+          [h / q if q else 0.0 for h, q in zip(hits, queries)])
+    counter("jaxpar_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
+    counter("jaxpar_prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
+    gauge("jaxpar_kv_pages_cached", "KV pages indexed by the prefix cache (held or not)", [p.cached for p in pools])
+    counter("jaxpar_prefix_cache_evictions", "Cached pages reused for other blocks", [p.evictions for p in pools])
+    counter("jaxpar_prefill_tokens", "Prompt tokens computed by prefill", [s["prefill_tokens"] for s in stats])
+    counter("jaxpar_preemptions", "Requests preempted for want of KV pages", [s["preemptions"] for s in stats])
+    counter("jaxpar_engine_failures", "Engine steps that failed (their requests ended with the error)",
+            [s["step_failures"] for s in stats])
+    if engines[0].draft is not None:
+      rounds = [s["speculative_rounds"] for s in stats]
+      accepted = [s["speculative_accepted"] for s in stats]
+      counter("jaxpar_speculative_draft_tokens", "Draft tokens proposed", [s["speculative_proposed"] for s in stats])
+      counter("jaxpar_speculative_accepted_tokens", "Draft tokens kept", accepted)
+      counter("jaxpar_speculative_target_passes", "Rows checked by a target pass", rounds)
+      gauge("jaxpar_speculative_tokens_per_pass", "Tokens generated per row per target pass",
+            [(a + r) / r if r else 0.0 for a, r in zip(accepted, rounds)])
+    yield from families.values()
+    rate = GaugeMetricFamily("jaxpar_generation_tokens_per_second",
+                             f"Tokens generated per second over the last {_RATE_WINDOW_S:.0f} s")
+    rate.add_metric([], self.metrics.tokens_per_second())
+    yield rate

@@ -99,6 +99,13 @@ class PagePool:
       taken += 1
     return taken
 
+  def cached_run(self, hashes: list[bytes]) -> int:
+    """How many of `hashes`, from the first, are cached blocks (nothing taken)."""
+    found = 0
+    while found < len(hashes) and hashes[found] in self._page_of:
+      found += 1
+    return found
+
   def index(self, page: int, block: bytes):
     """Record that `page` holds the block with hash `block` (now complete), unless another
     page already does."""

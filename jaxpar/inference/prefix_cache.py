@@ -13,6 +13,12 @@ a quantized cache they are the quantized pool pages, never a sequence's float ta
 from jaxpar.inference.pages import RELEASED, block_hashes
 
 
+def chain_start(adapter: int) -> bytes:
+  """What a prompt's chain of block hashes starts from: another adapter writes other keys and
+  values for the same tokens, so it has its own chain."""
+  return b"adapter %d" % adapter if adapter else b""
+
+
 class PrefixSharing:
   def __init__(self, pool, stats, enabled: bool):
     self.pool, self.stats, self.enabled = pool, stats, enabled
@@ -22,9 +28,8 @@ class PrefixSharing:
     known = request.block_hashes
     if len(known) < blocks:
       context = request.context[:blocks * self.pool.page_size]
-      # Another adapter writes other keys and values for the same tokens: its own hash chain.
-      first = b"adapter %d" % request.adapter if request.adapter else b""
-      known += block_hashes(context, self.pool.page_size, len(known), known[-1] if known else first)
+      known += block_hashes(context, self.pool.page_size, len(known),
+                            known[-1] if known else chain_start(request.adapter))
     return known[:blocks]
 
   def reuse(self, request):

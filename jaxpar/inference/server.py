@@ -1,7 +1,8 @@
 """`jaxpar serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
 
-One background thread drives the continuous-batching engine; each HTTP request submits its
-prompts and receives their tokens through an asyncio queue (`handlers.py`). Streams are
+One background thread drives the continuous-batching engine (one per replica, with
+`--replicas N`: replicas.py routes each prompt); each HTTP request submits its prompts and
+receives their tokens through an asyncio queue (`handlers.py`). Streams are
 server-sent events in OpenAI's format, ending with `data: [DONE]`. Besides
 /v1/completions and /v1/chat/completions: /v1/models, /health, /metrics (Prometheus), and
 vLLM's /tokenize, /detokenize and /tokenizer_info. The queue of waiting requests is bounded
@@ -29,6 +30,7 @@ from jaxpar.errors import DataError
 from jaxpar.inference import handlers
 from jaxpar.inference import openai_api as api
 from jaxpar.inference.metrics import CONTENT_TYPE, ServingMetrics
+from jaxpar.inference.replicas import Replicas
 
 log = logging.getLogger("jaxpar.serve")
 _warned: set[str] = set()  # unknown field names already logged
@@ -41,7 +43,6 @@ class EngineWorker:
     self.engine = engine
     self._wake = threading.Event()
     self._stop = False
-    self.failure: str | None = None
     self._thread = threading.Thread(target=self._run, name="jaxpar-engine", daemon=True)
     self._thread.start()
 
@@ -63,7 +64,7 @@ class EngineWorker:
       try:
         self.engine.step()
       except Exception as e:  # noqa: BLE001  the requests in flight fail; the server goes on
-        self.failure = f"the engine failed: {type(e).__name__}: {e}"
+        self.engine.stats["step_failures"] += 1
         for request in self.engine.reset():
           if request.on_event is not None:
             request.on_event(e)
@@ -82,14 +83,17 @@ class EngineWorker:
 
 
 class Server:
-  """What the routes share: the engine, its worker thread, the metrics, the model's name."""
+  """What the routes share: the replicas (one engine, or several), their worker threads, the
+  metrics, the model's name. `engine` is the first replica: the tokenizer, model and adapters
+  every replica shares."""
 
   def __init__(self, engine, model_name: str, max_queue: int, chat=None, sampling: dict | None = None):
-    self.engine, self.model_name, self.max_queue = engine, model_name, max_queue
+    self.replicas = engine if isinstance(engine, Replicas) else Replicas([engine])
+    self.engine, self.model_name, self.max_queue = self.replicas.engines[0], model_name, max_queue
     # For requests that leave them out: OpenAI's defaults, or the run's (`jaxpar serve`).
     self.sampling = {"temperature": 1.0, "top_p": 1.0, **(sampling or {})}
     # Chat prompts: the renderer given (the run's template, or --chat-template), else the tokenizer's own.
-    tokenizer = engine.tokenizer
+    tokenizer = self.engine.tokenizer
     own = getattr(tokenizer, "chat_template", None)
     self.chat = chat if chat is not None or not own else ChatRenderer(
         own, bos_token=tokenizer.bos_token or "", eos_token=tokenizer.eos_token or "")
@@ -99,9 +103,14 @@ class Server:
     end_ids = tokenizer.encode(end) if end else []
     self.chat_stop_ids = tuple(end_ids) if len(end_ids) == 1 else ()
     self.chat_stop = (end,) if len(end_ids) > 1 else ()
-    self.metrics = ServingMetrics(engine)
-    self.worker: EngineWorker | None = None
+    self.metrics = ServingMetrics(self.replicas.engines)
+    self.workers: list[EngineWorker] = []  # one per replica, while serving
     self.draining = False
+
+  @property
+  def pending(self) -> int:
+    """Requests waiting for a slot, on every replica."""
+    return sum(engine.pending for engine in self.replicas.engines)
 
   @property
   def model_names(self) -> list[str]:
@@ -131,17 +140,18 @@ def _end_of_turn(chat) -> str:
 
 def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 30.0, chat=None,
               sampling: dict | None = None) -> FastAPI:
-  """The ASGI app serving `engine` as model `model_name`; `chat`: the ChatRenderer of chat
+  """The ASGI app serving `engine` (an Engine, or `replicas.Replicas`) as model `model_name`; `chat`: the ChatRenderer of chat
   prompts (default: the tokenizer's template); `sampling`: {"temperature", "top_p"} for requests
   that leave them out (default: OpenAI's, 1 and 1; `jaxpar serve`: the run's sample settings)."""
   server = Server(engine, model_name, max_queue, chat, sampling)
+  engine, engines = server.engine, server.replicas.engines
 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
-    server.worker = EngineWorker(engine)
+    server.workers = [EngineWorker(e) for e in engines]
     yield
     server.draining = True
-    await asyncio.to_thread(server.worker.close, grace_s)
+    await asyncio.gather(*(asyncio.to_thread(worker.close, grace_s) for worker in server.workers))
 
   app = FastAPI(title="jaxpar", lifespan=lifespan)
   app.state.server = server
@@ -162,10 +172,12 @@ def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 
 
   @app.get("/health")
   async def health():
-    if server.draining or server.worker is None:
+    if server.draining or not server.workers:
       return JSONResponse({"status": "unavailable"}, status_code=503)
-    return {"status": "ok", "waiting": engine.pending, "slots": len(engine.slots),
-            "busy_slots": sum(r is not None for r in engine.slots)}
+    each = [{"waiting": e.pending, "slots": len(e.slots), "busy_slots": sum(r is not None for r in e.slots)}
+            for e in engines]
+    totals = {key: sum(replica[key] for replica in each) for key in each[0]}
+    return {"status": "ok", **totals, **({"replicas": each} if len(each) > 1 else {})}
 
   @app.get("/metrics")
   async def metrics():
