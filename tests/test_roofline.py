@@ -66,3 +66,18 @@ def test_a_head_axis_written_as_a_padded_window_counts_only_real_taps():
   module = hlo.Module(CONVOLUTIONS)
   q = next(i for i in module.computations[module.entry] if i.op == "convolution")
   assert roofline.matmul_flops(module, q) == 2 * 3 * 8192 * 4096 * 32 * 128
+
+
+@pytest.mark.tpu
+def test_a_cache_written_in_place_by_scatter_counts_only_the_rows_written():
+  """A KV cache updated at a few rows (scatter into a donated buffer, as each decode step
+  writes its new tokens) costs those rows, not the whole cache."""
+  _, devices = topology_devices("v5e-4")
+  on_chip = jax.sharding.SingleDeviceSharding(devices[0])
+  cache = jax.ShapeDtypeStruct((4096, 8, 128), jnp.bfloat16, sharding=on_chip)
+  rows = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=on_chip)
+  new = jax.ShapeDtypeStruct((8, 8, 128), jnp.bfloat16, sharding=on_chip)
+  write = jax.jit(lambda cache, rows, new: cache.at[rows].set(new, mode="drop"), donate_argnums=0)
+  cost = roofline.program_cost(hlo.Module(write.lower(cache, rows, new).compile().as_text()), 1e12, 1e9)
+  whole = 4096 * 8 * 128 * 2
+  assert 8 * 8 * 128 * 2 <= cost.bytes < whole / 16

@@ -177,7 +177,7 @@ def _hbm(shape: str) -> float:
 def _hbm_bytes(module, inst) -> float:
   """HBM bytes an op reads and writes: its operands and result that live in HBM (not in
   VMEM or scalar memory); of an operand it only slices, the slice; of a result it writes
-  in place with dynamic-update-slice, the update."""
+  in place with dynamic-update-slice or scatter (a KV cache's new tokens), the update."""
   if inst.op == "fusion":
     body = module.fused(inst)
     params = {int(i.args): i for i in body if i.op == "parameter"}
@@ -188,9 +188,9 @@ def _hbm_bytes(module, inst) -> float:
       [next(i for i in body if i.name == o) for o in root.operands]
   written, in_place = 0.0, set()
   for out in (o for o in outputs if o is not None):
-    if out.op == "dynamic-update-slice":
+    if out.op in ("dynamic-update-slice", "scatter"):  # written in place: the update's bytes
       in_place.add(out.operands[0])
-      update = sum(hlo.array_bytes(module.shapes[out.operands[1]]))
+      update = sum(hlo.array_bytes(module.shapes[out.operands[1 if out.op == "dynamic-update-slice" else -1]]))
       written += update * _hbm(out.shape) / max(out.result_bytes, 1)
     else:
       written += _hbm(out.shape)
