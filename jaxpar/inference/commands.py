@@ -303,6 +303,8 @@ def adapter_paths(items, base_name: str) -> dict:
 
 def cmd_serve(ns):
   take_run_argument(ns)
+  from jaxpar.cluster.preemption import stop_on_signals
+  from jaxpar.inference.lockstep import Lockstep, check_servable
   from jaxpar.inference.replicas import Replicas, device_groups
   from jaxpar.inference.server import serve
   from jaxpar.weights import run_name
@@ -312,8 +314,13 @@ def cmd_serve(ns):
   sampling = run_defaults(ns)[2]
   if ns.speculative:  # for requests that leave `speculative` out
     sampling["speculative"] = speculative_options(ns.speculative)["default"]
+  if distributed.is_multiprocess():
+    check_servable(ns.replicas)
   groups = device_groups(ns.replicas) if ns.replicas != 1 else [None]  # checked before compiling
-  echo = lambda text: notes.print(text, style="dim", highlight=False)  # noqa: E731
+
+  def echo(text):
+    if distributed.is_primary():  # one voice: process 0's
+      notes.print(text, style="dim", highlight=False)
   engines = []
   for number, devices in enumerate(groups, 1):
     if devices is not None:
@@ -321,13 +328,22 @@ def cmd_serve(ns):
     # Every program compiled before the first request: serving never pauses to compile.
     engines.append(build_engine(ns, echo=echo, devices=devices, compile_extras=True, adapters=adapters))
   engine = Replicas(engines) if len(engines) > 1 else engines[0]
+  lockstep = Lockstep(engine) if distributed.is_multiprocess() else None
+  if lockstep is not None and not distributed.is_primary():
+    with stop_on_signals():  # SIGTERM drains process 0's server, which then tells this one to stop
+      lockstep.follow()
+    return
   served = ", ".join(repr(n) for n in (name, *adapters))
   slots = f"{len(engines)} replicas x {ns.slots} slots" if len(engines) > 1 else f"{ns.slots} slots"
   compile_s = sum(e.compile_s for e in engines)
   announce = lambda url: notes.print(f"serving {served} on {url} ({slots}, context "  # noqa: E731
                                      f"{engines[0].max_seq_len}, compiled in {compile_s:.0f} s)", highlight=False)
-  serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s,
-        announce=announce, chat=chat, sampling=sampling)
+  try:
+    serve(engine, model_name=name, host=ns.host, port=ns.port, max_queue=ns.max_queue, grace_s=ns.grace_s,
+          announce=announce, chat=chat, sampling=sampling)
+  finally:
+    if lockstep is not None:
+      lockstep.finish()
 
 
 def add_parsers(commands):
@@ -368,4 +384,7 @@ def add_parsers(commands):
   serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
   serve.add_argument("--grace-s", type=float, default=30.0,
                      help="on SIGTERM, seconds running requests get to finish (default 30)")
-  serve.set_defaults(func=cmd_serve)  # one host: HTTP requests reach one process
+  # Several processes (launch-local, a pod): one engine over all their devices; process 0
+  # serves HTTP and the others run its device calls in lock step (lockstep.py).
+  distributed.add_distributed_args(serve)
+  serve.set_defaults(func=cmd_serve)

@@ -97,6 +97,7 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     self._ahead: DecodeBatch | None = None  # a decode step dispatched and not yet read
     runtime.plan.check_generation()
     self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
+    self.lockstep = None  # serving from several processes: process 0 publishes each program call (lockstep.py)
     self.model_state = model_state if model_state is not None else {}
     self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
     self.pages_per_seq = -(-self.max_seq_len // page_size)
@@ -196,14 +197,27 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
              "speculate_masked": self.draft and with_masks(self.draft.target_program)}.get(kind)
     self.programs.compile(kind, batch, length, width, program=extra)
 
-  def _run(self, kind, *rows):
-    """Run a program, compiling `processing`'s on first use."""
+  def _compiled(self, kind, rows):
+    """Compile the program for these rows if it is not yet (`processing`'s, on first use)."""
     if (key := program_key(kind, rows)) not in self.programs.compiled:
       self._compile(*key)
+
+  def _run(self, kind, *rows):
+    """Run a program, compiling `processing`'s on first use."""
+    self._compiled(kind, rows)
     if self.adapters:  # each row's adapter, after its slot (rows[3]): the request's in that slot
       picked = [0 if self.slots[s] is None else self.slots[s].adapter for s in rows[3]]
       rows = (*rows[:4], np.asarray(picked, np.int32), *rows[4:])
+    if self.lockstep is not None:  # the other processes run it too
+      self.lockstep.publish(self, kind, rows)
     return self.programs.run(kind, self.params, self.model_state, self.cache, *rows)
+
+  def replay(self, kind, rows):
+    """Run a program call published by process 0 (lockstep.py), rows as it ran them (adapters
+    included), and keep the cache it returns."""
+    self._compiled(kind, rows)
+    outputs = self.programs.run(kind, self.params, self.model_state, self.cache, *rows)
+    self.cache = outputs[-1] if isinstance(outputs, tuple) else outputs
 
   def load_weights(self, params, model_state=None) -> int:
     """Generate from `params` (and `model_state`) from now on: the same trees as the engine's,

@@ -159,7 +159,9 @@ class Programs:
     program = program or KINDS[kind]
     args += jax.tree.map(lambda x: row_major(x.shape, x.dtype),
                          program.extra(batch, length, self.runtime.model_config.vocab_size))
-    per_row = tuple(rows if o == "rows" else None for o in program.outputs)
+    # Several processes: per-row outputs replicated, so process 0 reads every row (lockstep.py).
+    row_out = rows if jax.process_count() == 1 else NamedSharding(mesh, PartitionSpec())
+    per_row = tuple(row_out if o == "rows" else None for o in program.outputs)
     out = (*per_row, self._cache_shardings) if per_row else self._cache_shardings
     fn = functools.partial(program.body, self.graphdef, self.kv_quantization)
     fn = _rows_pick_adapters(fn) if self.stacked else fn

@@ -64,6 +64,8 @@ class EngineWorker:
       try:
         self.engine.step()
       except Exception as e:  # noqa: BLE001  the requests in flight fail; the server goes on
+        if self.engine.lockstep is not None:
+          self.engine.lockstep.failed(e)  # the other processes may be inside the failed program: the job ends
         self.engine.stats["step_failures"] += 1
         for request in self.engine.reset():
           if request.on_event is not None:

@@ -282,9 +282,8 @@ class DraftModel(DraftSource):
       tokens[i, 2 - len(feed):] = feed
       positions[i, 2 - len(feed):] = np.arange(n - len(feed), n)
     table = page_table_rows([s.pages if s else [] for s in shadows], draft.pages_per_seq, draft.pool.num_pages)
-    proposed, probs, draft.cache = draft.programs.run(
-        "propose", draft.params, draft.model_state, draft.cache, tokens, positions, table,
-        np.arange(self.batch, dtype=np.int32), settings)
+    proposed, probs, draft.cache = draft._run("propose", tokens, positions, table,
+                                              np.arange(self.batch, dtype=np.int32), settings)
     limit = np.asarray([0 if shadow is None else k for shadow in shadows], np.int32)
     return np.asarray(proposed), limit, probs
 
