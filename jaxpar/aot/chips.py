@@ -69,8 +69,10 @@ def topology_devices(name: str, num_slices: int = 1) -> tuple[Chip, list]:
   prepare_topology_compile()
   chip, libtpu_name = parse_slice(name)
   try:
+    # One chip is smaller than libtpu's default host (2x2): it needs a one-chip host.
+    single = {"chips_per_host_bounds": (1, 1, 1)} if libtpu_name.endswith(":1x1") else {}
     topology = topologies.get_topology_desc(platform="tpu", topology_name=libtpu_name,
-                                            num_slices=num_slices)
+                                            num_slices=num_slices, **single)
   except Exception as e:  # missing libtpu raises various types; say what to install
     raise ConfigError(f"cannot describe TPU topology {libtpu_name} ({e}); install libtpu: "
                      "pip install 'jaxpar[tpu]'") from None

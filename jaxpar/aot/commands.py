@@ -47,13 +47,21 @@ def _cmd_compile(ns):
 
 
 def _cmd_plan(ns):
+  if ns.serve and not ns.topology:
+    raise UserError("plan --serve sizes serving for a TPU slice: add --topology (e.g. v6e-8)")
   if ns.topology:
     _compile_on_this_host()
   from jaxpar.aot.phases import Phases
   from jaxpar.aot.plan import run_plan
   from jaxpar.config import load_config_args
+  if ns.serve:
+    from jaxpar.aot.serve_plan import run_serve_plan
+    run_serve_plan(load_config_args(ns.args), ns.topology, context=ns.context, max_slots=ns.max_slots,
+                   page_size=ns.page_size, top=ns.top, output=ns.output or "serve-plan.yaml",
+                   echo=lambda text: console.print(text, markup=False, highlight=False), phase=Phases(console))
+    return
   run_plan(load_config_args(ns.args), topology=ns.topology, top=ns.top, measure=ns.measure,
-           output=ns.output, echo=lambda text: console.print(text, markup=False, highlight=False),
+           output=ns.output or "plan.yaml", echo=lambda text: console.print(text, markup=False, highlight=False),
            phase=Phases(console), num_slices=ns.num_slices)
 
 
@@ -95,5 +103,13 @@ def add_parsers(commands):
   plan.add_argument("--measure", action="store_true",
                     help="also run the compiled candidates here (local devices only) and report "
                     "the rank correlation of predicted and measured step times")
-  plan.add_argument("--output", default="plan.yaml", help="where to write the winning config")
+  plan.add_argument("--output", help="where to write the winner (default plan.yaml; --serve: serve-plan.yaml)")
+  serving = plan.add_argument_group("serving (--serve)")
+  serving.add_argument("--serve", action="store_true",
+                       help="plan serving instead of training: replicas x tensor x expert x data meshes and "
+                       "KV cache dtypes, sized by their bytes, ranked by a roofline estimate of decode tokens/s, "
+                       "the best --top compiled for --topology; writes the winner's `jaxpar serve` command")
+  serving.add_argument("--context", type=int, default=8192, help="tokens per sequence to size for (default 8192)")
+  serving.add_argument("--max-slots", type=int, default=256, help="most sequences one replica decodes (default 256)")
+  serving.add_argument("--page-size", type=int, default=128, help="KV cache page size (default 128)")
   plan.set_defaults(func=_cmd_plan)

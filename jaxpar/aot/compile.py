@@ -18,7 +18,7 @@ from jaxpar.config import replace
 from jaxpar.train.flops import train_flops_per_token
 from jaxpar.train.trainer import Trainer
 
-_OOM_MARKERS = ("RESOURCE_EXHAUSTED", "HbmOom", "Ran out of memory")
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "HbmOom", "Ran out of memory")
 
 
 def abstract_batch(trainer) -> dict:
@@ -46,7 +46,7 @@ def compile_step(trainer, phase=silent, target: str = "the target", program=None
       with phase(f"compiling for {target} (XLA)"):
         return lowered.compile(), None
     except Exception as e:  # XLA raises a bare XlaRuntimeError for OOM
-      if not any(m in str(e) for m in _OOM_MARKERS):
+      if not any(m in str(e) for m in OOM_MARKERS):
         raise
       lines = [line for line in str(e).splitlines() if line.strip()]
       return None, " ".join(lines[:2])[:400]

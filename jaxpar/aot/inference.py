@@ -23,12 +23,14 @@ from jaxpar.models.transformer import layer_groups
 from jaxpar.runtime import Runtime
 
 
-def abstract_cache(runtime, num_pages: int, page_size: int, dtype, slots: int = 1) -> dict:
+def abstract_cache(runtime, num_pages: int, page_size: int, dtype, slots: int = 1, kv_quantization=None) -> dict:
   """The paged KV cache as sharded ShapeDtypeStructs (nothing allocated), laid out as the
-  engine lays it out (local layers' rings where local and global layers mix)."""
+  engine lays it out (local layers' rings where local and global layers mix; quantized pages
+  and a float tail page per slot with `kv_quantization`)."""
   cfg = runtime.model_config
   shapes = jax.eval_shape(lambda: {g.name: caches.init(cfg, g.count, num_pages, page_size, jnp.dtype(dtype), slots=slots,
-                                                       windows=sliding_windows(cfg, g.indices), mixer=g.mixer)
+                                                       windows=sliding_windows(cfg, g.indices), mixer=g.mixer,
+                                                       kv_quantization=kv_quantization)
                                    for g in layer_groups(cfg)})
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=logical_to_sharding(
       kv_cache.STACKED_NAMES, s.shape, runtime.mesh, runtime.rules)), shapes)
