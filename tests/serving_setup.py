@@ -81,6 +81,22 @@ def checkpoint_with_hf_copy(root: Path, style: str = "llama3", max_seq_len: int 
   return root / "ckpt", hf_dir, model
 
 
+def random_checkpoint(root: Path, model: dict) -> Path:
+  """A random-weight checkpoint of `model` (weights doubled: well-separated greedy choices)
+  with a BPE tokenizer trained here, at root/ckpt."""
+  from tests.test_data import _train_hf_tokenizer
+  (root / "tok").mkdir(parents=True)
+  _train_hf_tokenizer(root / "tok" / "tokenizer.json")
+  (root / "tok" / "tokenizer_config.json").write_text(json.dumps({}))
+  config = from_dict({"model": model, "mesh": {"fsdp": 1}, "data": {"seq_len": 32}})
+  params, _ = Runtime(config.model, MeshConfig(fsdp=1), jax.devices()[:1]).init()
+  params = jax.tree.map(lambda x: x * 2 if x.ndim >= 3 else x, params)
+  with Checkpointer(root / "ckpt") as checkpoints:
+    checkpoints.save(0, {"params": params}, config=config, force=True)
+  copy_tokenizer_files(root / "tok", root / "ckpt" / "tokenizer")
+  return root / "ckpt"
+
+
 def hf_logprobs(model, ids: list[int]) -> np.ndarray:
   """log_softmax of transformers' logits at every position of `ids` [len, vocab]."""
   import torch

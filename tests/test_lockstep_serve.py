@@ -5,7 +5,6 @@ tensor-parallel over all 8 devices, and a mixture of experts expert-parallel ove
 an int8 KV cache. kill -9 of process 1 mid-stream ends the client's stream with an error and
 the job non-zero within the peer timeout; SIGTERM to the launcher drains and exits 0."""
 
-import json
 import os
 import re
 import signal
@@ -17,14 +16,10 @@ import jax
 import openai
 import pytest
 
-from jaxpar.checkpoint import Checkpointer
-from jaxpar.config import MeshConfig, from_dict
-from jaxpar.data import copy_tokenizer_files
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.inference.lockstep import FLOW_WINDOW, Lockstep
-from jaxpar.runtime import Runtime
 from tests.helpers import SMALL_MODEL, Job
-from tests.test_data import _train_hf_tokenizer
+from tests.serving_setup import random_checkpoint
 
 PEER_TIMEOUT = 5
 PROMPTS = ["the dog", "a fox runs over", "the quick brown fox", "a"]
@@ -33,19 +28,6 @@ MODELS = {
     "moe": {**SMALL_MODEL, "family": "mixtral", "max_seq_len": 96,
             "moe": {"num_experts": 8, "experts_per_token": 2, "expert_mlp_dim": 32}},
 }
-
-
-def _checkpoint(root, model: dict):
-  (root / "tok").mkdir(parents=True)
-  _train_hf_tokenizer(root / "tok" / "tokenizer.json")
-  (root / "tok" / "tokenizer_config.json").write_text(json.dumps({}))
-  config = from_dict({"model": model, "mesh": {"fsdp": 1}, "data": {"seq_len": 32}})
-  params, _ = Runtime(config.model, MeshConfig(fsdp=1), jax.devices()[:1]).init()
-  params = jax.tree.map(lambda x: x * 2 if x.ndim >= 3 else x, params)  # well-separated greedy choices
-  with Checkpointer(root / "ckpt") as checkpoints:
-    checkpoints.save(0, {"params": params}, config=config, force=True)
-  copy_tokenizer_files(root / "tok", root / "ckpt" / "tokenizer")
-  return root / "ckpt"
 
 
 class LockstepServer:
@@ -81,7 +63,7 @@ def _same_as_one_process(server, checkpoint, kv_cache="float"):
 
 @pytest.mark.long  # a multi-process server: ~40 s
 def test_tensor_parallel_over_two_processes_then_kill_9_ends_the_job(tmp_path):
-  checkpoint = _checkpoint(tmp_path, MODELS["dense"])
+  checkpoint = random_checkpoint(tmp_path, MODELS["dense"])
   server = LockstepServer(checkpoint, "mesh.tensor=8")
   try:
     _same_as_one_process(server, checkpoint)
@@ -104,7 +86,7 @@ def test_tensor_parallel_over_two_processes_then_kill_9_ends_the_job(tmp_path):
 
 @pytest.mark.long  # a multi-process server: ~40 s
 def test_expert_parallel_over_two_processes_with_an_int8_cache_then_sigterm_drains(tmp_path):
-  checkpoint = _checkpoint(tmp_path, MODELS["moe"])
+  checkpoint = random_checkpoint(tmp_path, MODELS["moe"])
   server = LockstepServer(checkpoint, "mesh.expert=8", "--kv-cache", "int8")
   try:
     _same_as_one_process(server, checkpoint, kv_cache="int8")

@@ -10,17 +10,12 @@ import json
 import jax
 import pytest
 
-from jaxpar.checkpoint import Checkpointer
 from jaxpar.cli import main
-from jaxpar.config import MeshConfig, from_dict
-from jaxpar.data import copy_tokenizer_files
 from jaxpar.errors import ConfigError
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.inference.replicas import Replicas, device_groups
-from jaxpar.runtime import Runtime
 from tests.helpers import SMALL_MODEL, counting_compiles
-from tests.serving_setup import RunningServer
-from tests.test_data import _train_hf_tokenizer
+from tests.serving_setup import RunningServer, random_checkpoint
 
 openai = pytest.importorskip("openai")
 
@@ -29,17 +24,7 @@ SHARED = "the quick brown fox jumps over the lazy dog and the dog sleeps while "
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-  root = tmp_path_factory.mktemp("replicas")
-  (root / "tok").mkdir()
-  _train_hf_tokenizer(root / "tok" / "tokenizer.json")
-  (root / "tok" / "tokenizer_config.json").write_text(json.dumps({}))
-  config = from_dict({"model": {**SMALL_MODEL, "max_seq_len": 96}, "mesh": {"fsdp": 1}, "data": {"seq_len": 32}})
-  params, _ = Runtime(config.model, MeshConfig(fsdp=1), jax.devices()[:1]).init()
-  params = jax.tree.map(lambda x: x * 2 if x.ndim >= 3 else x, params)  # well-separated greedy choices
-  with Checkpointer(root / "ckpt") as checkpoints:
-    checkpoints.save(0, {"params": params}, config=config, force=True)
-  copy_tokenizer_files(root / "tok", root / "ckpt" / "tokenizer")
-  return root / "ckpt"
+  return random_checkpoint(tmp_path_factory.mktemp("replicas"), {**SMALL_MODEL, "max_seq_len": 96})
 
 
 def _engine(checkpoint, devices):
