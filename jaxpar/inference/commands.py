@@ -305,6 +305,7 @@ def cmd_serve(ns):
   take_run_argument(ns)
   from jaxpar.cluster.preemption import stop_on_signals
   from jaxpar.inference.lockstep import Lockstep, check_servable
+  from jaxpar.inference.disaggregated import Disaggregated, split_devices
   from jaxpar.inference.replicas import Replicas, device_groups
   from jaxpar.inference.server import serve
   from jaxpar.weights import run_name
@@ -315,8 +316,10 @@ def cmd_serve(ns):
   if ns.speculative:  # for requests that leave `speculative` out
     sampling["speculative"] = speculative_options(ns.speculative)["default"]
   if distributed.is_multiprocess():
-    check_servable(ns.replicas)
-  groups = device_groups(ns.replicas) if ns.replicas != 1 else [None]  # checked before compiling
+    check_servable(ns.replicas, ns.prefill_devices)
+  # Checked before compiling: N replicas, or prefill then decode devices, or every device.
+  groups = split_devices(ns.prefill_devices, ns.replicas) if ns.prefill_devices else \
+      device_groups(ns.replicas) if ns.replicas != 1 else [None]
 
   def echo(text):
     if distributed.is_primary():  # one voice: process 0's
@@ -324,10 +327,11 @@ def cmd_serve(ns):
   engines = []
   for number, devices in enumerate(groups, 1):
     if devices is not None:
-      echo(f"replica {number} of {len(groups)}: devices {', '.join(str(d.id) for d in devices)}")
+      role = ("prefill" if number == 1 else "decode") if ns.prefill_devices else f"replica {number} of {len(groups)}"
+      echo(f"{role}: devices {', '.join(str(d.id) for d in devices)}")
     # Every program compiled before the first request: serving never pauses to compile.
     engines.append(build_engine(ns, echo=echo, devices=devices, compile_extras=True, adapters=adapters))
-  engine = Replicas(engines) if len(engines) > 1 else engines[0]
+  engine = Disaggregated(*engines) if ns.prefill_devices else Replicas(engines) if len(engines) > 1 else engines[0]
   lockstep = Lockstep(engine) if distributed.is_multiprocess() else None
   if lockstep is not None and not distributed.is_primary():
     with stop_on_signals():  # SIGTERM drains process 0's server, which then tells this one to stop
@@ -335,6 +339,7 @@ def cmd_serve(ns):
     return
   served = ", ".join(repr(n) for n in (name, *adapters))
   slots = f"{len(engines)} replicas x {ns.slots} slots" if len(engines) > 1 else f"{ns.slots} slots"
+  slots = f"prefill on {ns.prefill_devices} devices, {ns.slots} decode slots" if ns.prefill_devices else slots
   compile_s = sum(e.compile_s for e in engines)
   announce = lambda url: notes.print(f"serving {served} on {url} ({slots}, context "  # noqa: E731
                                      f"{engines[0].max_seq_len}, compiled in {compile_s:.0f} s)", highlight=False)
@@ -381,6 +386,10 @@ def add_parsers(commands):
                      help="N engines, each on its own 1/N of the devices (the mesh sizes apply to each) with its "
                      "own cache, behind this one server; a request goes to the replica caching its prompt's "
                      "prefix unless that one is busier than the least loaded by more than its slots (default 1)")
+  serve.add_argument("--prefill-devices", type=int, metavar="N",
+                     help="disaggregated prefill: write prompts on the first N devices and decode on the rest (the "
+                     "mesh sizes apply to each), each prompt's KV pages moved across when written: long prompts "
+                     "never stall the running decodes")
   serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429 (default 64)")
   serve.add_argument("--grace-s", type=float, default=30.0,
                      help="on SIGTERM, seconds running requests get to finish (default 30)")

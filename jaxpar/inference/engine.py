@@ -98,6 +98,9 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     runtime.plan.check_generation()
     self.runtime, self.params, self.tokenizer = runtime, params, tokenizer
     self.lockstep = None  # serving from several processes: process 0 publishes each program call (lockstep.py)
+    # Disaggregated prefill (disaggregated.py): a prefill engine hands each written prompt on
+    # (handoff(request, slot)); a decode engine takes a moved prompt into a slot (adopt(request, slot)).
+    self.handoff = self.adopt = None
     self.model_state = model_state if model_state is not None else {}
     self.max_seq_len = min(max_seq_len or cfg.max_seq_len, cfg.max_seq_len)
     self.pages_per_seq = -(-self.max_seq_len // page_size)
@@ -253,12 +256,20 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
       events.append(self._end(request, "cancelled"))
     for i, slot in enumerate(self.slots):
       if slot is None and self.waiting:
+        if self.waiting[0].moved is not None and not self.adopt(self.waiting[0], i):
+          break  # no pages free for its prompt yet: it waits for them
         self.slots[i] = self.waiting.popleft()
     budget = self.prefill_budget
     while budget > 0 and (prefilling := [r for r in self.slots if r is not None and r.prefilling]):
       budget -= self.prefill(sorted(prefilling, key=lambda r: r.arrival))
     for request in [r for r in self.slots if r is not None and not r.prefilling and not r.sampling.max_tokens]:
       events.append(self._end(request, "length"))  # max_tokens 0: the prompt was all it wanted
+    if self.handoff is not None:  # a prefill engine: written prompts go on to be decoded elsewhere
+      for i, request in enumerate(self.slots):
+        if request is not None and not request.prefilling:
+          self.slots[i] = None
+          self.handoff(request, i)
+      return events
     if any(r is not None and not r.prefilling for r in self.slots):
       events += self._speculate() if self.draft is not None else self._decode()
     return events

@@ -46,11 +46,11 @@ def engines_of(engine) -> list:
   return [engine] + ([draft] if draft is not None else [])
 
 
-def check_servable(replicas: int):
+def check_servable(replicas: int, prefill_devices: int | None):
   """One-line errors for what lock-step serving does not do, before any request."""
-  if replicas != 1:
-    raise ConfigError("--replicas with several processes: replicas are engines of one process; serve one engine "
-                      "over all the processes' devices, or run one server per host")
+  if replicas != 1 or prefill_devices:
+    raise ConfigError("--replicas or --prefill-devices with several processes: those are engines of one process; "
+                      "serve one engine over all the processes' devices, or run one server per host")
 
 
 class Lockstep:

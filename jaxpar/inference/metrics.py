@@ -103,6 +103,12 @@ class _EngineState:
     counter("jaxpar_preemptions", "Requests preempted for want of KV pages", [s["preemptions"] for s in stats])
     counter("jaxpar_engine_failures", "Engine steps that failed (their requests ended with the error)",
             [s["step_failures"] for s in stats])
+    counter("jaxpar_kv_transfers", "Prompts whose KV pages moved here from a prefill engine",
+            [s["kv_transfers"] for s in stats])
+    counter("jaxpar_kv_transfer_bytes", "Bytes of KV pages moved here from a prefill engine",
+            [s["kv_transfer_bytes"] for s in stats])
+    counter("jaxpar_kv_transfer_seconds", "Seconds from gathering moved KV pages to their arrival",
+            [s["kv_transfer_seconds"] for s in stats])
     if engines[0].draft is not None:
       rounds = [s["speculative_rounds"] for s in stats]
       accepted = [s["speculative_accepted"] for s in stats]

@@ -139,6 +139,7 @@ class Request:
     self.proposed = self.accepted = self.rounds = 0
     self.draft_rate = RowRate()  # how far its drafts are kept (draft_length.py)
     self.adapter = 0  # its stacked LoRA adapter (0: the base; Engine.adapters)
+    self.moved = None  # its prompt's KV pages on their way from a prefill engine (disaggregated.py)
 
   @property
   def context(self) -> list[int]:

@@ -29,6 +29,7 @@ from jaxpar.data.chat import ChatRenderer
 from jaxpar.errors import DataError
 from jaxpar.inference import handlers
 from jaxpar.inference import openai_api as api
+from jaxpar.inference.disaggregated import Disaggregated
 from jaxpar.inference.metrics import CONTENT_TYPE, ServingMetrics
 from jaxpar.inference.replicas import Replicas
 
@@ -90,7 +91,7 @@ class Server:
   every replica shares."""
 
   def __init__(self, engine, model_name: str, max_queue: int, chat=None, sampling: dict | None = None):
-    self.replicas = engine if isinstance(engine, Replicas) else Replicas([engine])
+    self.replicas = engine if isinstance(engine, (Replicas, Disaggregated)) else Replicas([engine])
     self.engine, self.model_name, self.max_queue = self.replicas.engines[0], model_name, max_queue
     # For requests that leave them out: OpenAI's defaults, or the run's (`jaxpar serve`).
     self.sampling = {"temperature": 1.0, "top_p": 1.0, **(sampling or {})}
@@ -142,7 +143,8 @@ def _end_of_turn(chat) -> str:
 
 def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 30.0, chat=None,
               sampling: dict | None = None) -> FastAPI:
-  """The ASGI app serving `engine` (an Engine, or `replicas.Replicas`) as model `model_name`; `chat`: the ChatRenderer of chat
+  """The ASGI app serving `engine` (an Engine, `replicas.Replicas` or `disaggregated.Disaggregated`) as
+  model `model_name`; `chat`: the ChatRenderer of chat
   prompts (default: the tokenizer's template); `sampling`: {"temperature", "top_p"} for requests
   that leave them out (default: OpenAI's, 1 and 1; `jaxpar serve`: the run's sample settings)."""
   server = Server(engine, model_name, max_queue, chat, sampling)
@@ -151,6 +153,8 @@ def build_app(engine, *, model_name: str, max_queue: int = 64, grace_s: float = 
   @contextlib.asynccontextmanager
   async def lifespan(_app):
     server.workers = [EngineWorker(e) for e in engines]
+    if isinstance(server.replicas, Disaggregated):  # written prompts wake the decode thread
+      server.replicas.deliver = server.workers[1].enqueue
     yield
     server.draining = True
     await asyncio.gather(*(asyncio.to_thread(worker.close, grace_s) for worker in server.workers))
