@@ -3,7 +3,7 @@
     python -m venv /tmp/aiperf && /tmp/aiperf/bin/pip install aiperf     # its own venv: many deps
     python benchmarks/serve.py --aiperf /tmp/aiperf/bin/aiperf [--models tiny bench-20m]
         [--concurrency 1 4 8] [--requests 48] [--isl 128] [--osl 64] [--prefix 256]
-        [--layouts 1x1 2x1 1x2]
+        [--layouts 1x1 2x1 1x2 pd]
 
 For each model (random weights, saved as a checkpoint with a byte-level Hugging Face
 tokenizer that names every id, so the load generator counts and sees every token), the script starts `jaxpar serve` on
@@ -14,8 +14,10 @@ the prefix cache on and off, and prints request throughput, output tokens/s, and
 inter-token latency percentiles as aiperf measured them. `--layouts RxP` serve each setting
 as R replicas (`jaxpar serve --replicas R`) in P processes (`jaxpar launch-local P -- serve`,
 one engine in lock step), all on the same `--devices` simulated devices (default: the
-largest R or P) and with the same `--slots` in all (split among the replicas): one engine
-against several behind one server, one process against several, side by side.
+largest R or P, at least 2 with `pd`) and with the same `--slots` in all (split among the
+replicas); `pd` is disaggregated prefill (`--prefill-devices`: half the devices write
+prompts, the other half decode with the slots): one engine against several behind one
+server, one process against several, co-located against disaggregated, side by side.
 """
 
 import argparse
@@ -84,12 +86,19 @@ def prefix_cache_modes() -> list:
   return [True, False] if "--prefix-caching" in help_text else [None]
 
 
+def parse_layout(text: str) -> tuple[int, int, bool]:
+  """`RxP` -> (R replicas, P processes, False); `pd` -> (1, 1, True): disaggregated prefill."""
+  return (1, 1, True) if text == "pd" else (*map(int, text.split("x")), False)
+
+
 def start_server(path: Path, port: int, slots: int, prefix_caching, log: Path, replicas: int = 1,
-                 processes: int = 1, devices: int = 1) -> subprocess.Popen:
+                 processes: int = 1, devices: int = 1, disaggregated: bool = False) -> subprocess.Popen:
   """`jaxpar serve` on `devices` simulated devices (over `processes` processes in lock step):
-  `slots` in all, split among `replicas`; the rows of each engine spread over its devices."""
+  `slots` in all, split among `replicas`; the rows of each engine spread over its devices;
+  `disaggregated`: prompts written on half the devices, decoded on the other half."""
   flags = [] if prefix_caching is None else ["--prefix-caching" if prefix_caching else "--no-prefix-caching"]
   flags += ["--replicas", str(replicas)] if replicas > 1 else []
+  flags += ["--prefill-devices", str(devices // 2)] if disaggregated else []
   env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   launch = ["launch-local", str(processes), "--devices-per-process", str(devices // processes), "--"]
   serve = ["serve", "--checkpoint", str(path), "--port", str(port), "--slots", str(slots // replicas), "--model-name",
@@ -134,32 +143,33 @@ def main():
   parser.add_argument("--osl", type=int, default=64, help="output tokens per request")
   parser.add_argument("--prefix", type=int, default=256, help="prompt tokens every request shares (0: none)")
   parser.add_argument("--slots", type=int, default=8, help="slots in all (split among replicas)")
-  parser.add_argument("--layouts", nargs="+", default=["1x1"], metavar="RxP",
-                      help="serve each setting as R replicas in P processes (default 1x1)")
+  parser.add_argument("--layouts", nargs="+", default=["1x1"], metavar="RxP|pd",
+                      help="serve each setting as R replicas in P processes, or disaggregated (pd) (default 1x1)")
   parser.add_argument("--devices", type=int, help="simulated devices of every layout (default: the largest R or P)")
   parser.add_argument("--port", type=int, default=8437)
   args = parser.parse_args()
   root = Path(tempfile.mkdtemp(prefix="jaxpar-serve-bench-"))
   print(f"aiperf streaming completions: {args.requests} requests of {args.prefix} shared + {args.isl} random "
         f"prompt tokens, {args.osl} output tokens (ignore_eos); {args.slots} slots; {os.cpu_count()} cores\n")
-  layouts = [tuple(map(int, layout.split("x"))) for layout in args.layouts]
-  devices = args.devices or max(max(layout) for layout in layouts)
+  layouts = {text: parse_layout(text) for text in args.layouts}
+  devices = args.devices or max(max(r, p, 2 * d) for r, p, d in layouts.values())
   print(f"{devices} simulated devices, the rows of each engine over its devices\n")
   print(f"{'model':>10} {'layout':>6} {'prefix cache':>12} {'conc':>4} | {'req/s':>6} {'out tok/s':>9} | "
         f"{'TTFT p50':>8} {'p99':>7} | {'ITL p50':>7} {'p99':>6} (ms)")
-  modes = [(caching, layout) for caching in prefix_cache_modes() for layout in layouts]
+  modes = [(caching, layout) for caching in prefix_cache_modes() for layout in layouts.items()]
   for name in args.models:
     path = checkpoint(name, root, args.prefix + args.isl + args.osl + 16)
-    for caching, (replicas, processes) in modes:
-      where = f"{name}-{caching}-{replicas}x{processes}"
-      child = start_server(path, args.port, args.slots, caching, root / f"{where}.log", replicas, processes, devices)
+    for caching, (layout, (replicas, processes, disaggregated)) in modes:
+      where = f"{name}-{caching}-{layout}"
+      child = start_server(path, args.port, args.slots, caching, root / f"{where}.log", replicas, processes, devices,
+                           disaggregated)
       try:
         for concurrency in args.concurrency:
           got = profile(args.aiperf, args.port, root / f"{name}-tokenizer", concurrency, args,
                         root / f"{where}-{concurrency}")
           ttft, itl = got["time_to_first_token"], got["inter_token_latency"]
           cache = {True: "on", False: "off"}.get(caching, "n/a")
-          print(f"{name:>10} {f'{replicas}x{processes}':>6} {cache:>12} {concurrency:>4} | "
+          print(f"{name:>10} {layout:>6} {cache:>12} {concurrency:>4} | "
                 f"{got['request_throughput']['avg']:>6.1f} {got['output_token_throughput']['avg']:>9,.0f} | "
                 f"{ttft['p50']:>8.1f} {ttft['p99']:>7.1f} | {itl['p50']:>7.2f} {itl['p99']:>6.2f}", flush=True)
       finally:

@@ -1,9 +1,10 @@
 """`jaxpar launch-local 2 -- serve`: one engine over 2 processes x 4 simulated devices, process 0
 serving HTTP and process 1 running its device calls in lock step. The `openai` client's greedy
 completions, with log-probs and streamed, equal one process on one device: a dense model
-tensor-parallel over all 8 devices, and a mixture of experts expert-parallel over them with
-an int8 KV cache. kill -9 of process 1 mid-stream ends the client's stream with an error and
-the job non-zero within the peer timeout; SIGTERM to the launcher drains and exits 0."""
+tensor-parallel over all 8 devices or over 4 with rows split over the processes, and a
+mixture of experts expert-parallel over all 8 with an int8 KV cache. kill -9 of process 1
+mid-stream ends the client's stream with an error and the job non-zero within the peer
+timeout; SIGTERM to the launcher drains and exits 0."""
 
 import os
 import re
@@ -80,6 +81,19 @@ def test_tensor_parallel_over_two_processes_then_kill_9_ends_the_job(tmp_path):
     # Named in one line: the collective process 1 left (gloo's reset connection), or its silence.
     assert re.search(r"\[process 0\] error: (the engine failed while serving in lock step|process 1 stopped "
                      r"responding)", server.job.text), server.job.text[-2000:]
+  finally:
+    server.job.kill_all()
+
+
+@pytest.mark.long  # a multi-process server: ~40 s
+def test_tensor_within_and_rows_across_the_processes(tmp_path):
+  """tensor=4 x data=2: each process holds whole heads' shards for its half of the rows."""
+  checkpoint = random_checkpoint(tmp_path, MODELS["dense"])
+  server = LockstepServer(checkpoint, "mesh.tensor=4", "mesh.data=2")
+  try:
+    _same_as_one_process(server, checkpoint)
+    server.job.process.send_signal(signal.SIGTERM)
+    assert server.job.finish(timeout=120) == 0, server.job.text[-2000:]
   finally:
     server.job.kill_all()
 

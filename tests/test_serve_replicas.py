@@ -137,3 +137,19 @@ def test_cli_serve_with_two_replicas(checkpoint, served):
     cli.stop()
   output = cli.rest_of_output()
   assert "replica 2 of 2: devices 1" in output and "(2 replicas x 2 slots" in output, output
+
+
+def test_a_request_whose_replica_fails_before_its_first_token_is_served_by_the_other(served, monkeypatch):
+  replicas, server, reference = served
+  prompt = next(p for p in (f"retry {i} the dog" for i in range(64))
+                if replicas.choices(replicas.engines[0].encode(p), 0)[0] == 0
+                and not replicas.cached_tokens(1, replicas.engines[0].encode(p), 0))
+  failing = replicas.engines[0]
+
+  def fail():
+    raise RuntimeError("injected failure")
+  monkeypatch.setattr(failing, "step", fail)
+  answer = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+  monkeypatch.undo()
+  assert answer.choices[0].text == reference.generate([prompt], SamplingParams(max_tokens=6))[0].text
+  assert failing.stats["step_failures"] >= 1

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from jaxpar.errors import DataError
 from jaxpar.inference import grammar
 from jaxpar.inference import openai_api as api
+from jaxpar.inference.replicas import Replicas, load
 from jaxpar.inference.requests import completion_room
 from jaxpar.inference.sampling import RequestError, SamplingParams
 
@@ -31,6 +32,7 @@ class Call:
     self.events: asyncio.Queue = asyncio.Queue()
     self.requests = []
     self.workers = []  # the worker of each request's replica
+    self.retried = set()  # requests already moved to another replica after their engine failed
     self.id = api.new_id("chatcmpl" if chat else "cmpl")
 
   def submit(self):
@@ -110,9 +112,24 @@ class Call:
     for request, worker in zip(self.requests, self.workers):
       worker.cancel(request)  # a no-op once finished
 
+  def _retry(self, index: int) -> bool:
+    """After request `index`'s engine failed: if nothing of it reached the client yet and
+    another replica serves, queue it again there (once). False: the client gets the error."""
+    request, replicas = self.requests[index], self.server.replicas
+    if request.generated or index in self.retried or not isinstance(replicas, Replicas) or len(replicas) < 2:
+      return False
+    worker = min((w for w in self.server.workers if w is not self.workers[index]), key=lambda w: load(w.engine))
+    again = worker.engine.make_request(request.prompt, request.sampling, self._listener(index),
+                                       self.server.adapter(self.body))
+    self.requests[index], self.workers[index] = again, worker
+    self.retried.add(index)
+    worker.enqueue([again])
+    return True
+
   @staticmethod
   def failure(error: Exception):
-    return api.APIError(500, f"the engine failed: {type(error).__name__}: {error}", kind="server_error")
+    # 503: the engine failed and went on; a client may send the request again.
+    return api.APIError(503, f"the engine failed: {type(error).__name__}: {error}", kind="server_error")
 
   # -- what the client sees -----------------------------------------------------------
 
@@ -151,6 +168,8 @@ class Call:
       while pending:
         index, event = await self.events.get()
         if isinstance(event, Exception):
+          if self._retry(index):
+            continue
           raise self.failure(event)
         if event.finish_reason is not None:
           pending.discard(index)
@@ -184,6 +203,8 @@ class Call:
       while pending:
         index, event = await self.events.get()
         if isinstance(event, Exception):
+          if self._retry(index):
+            continue
           yield f"data: {json.dumps(self.failure(event).body())}\n\n"
           break
         request = self.requests[index]
