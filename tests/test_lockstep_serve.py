@@ -1,10 +1,10 @@
 """`jaxpar launch-local 2 -- serve`: one engine over 2 processes x 4 simulated devices, process 0
 serving HTTP and process 1 running its device calls in lock step. The `openai` client's greedy
 completions, with log-probs and streamed, equal one process on one device: a dense model
-tensor-parallel over all 8 devices or over 4 with rows split over the processes, and a
-mixture of experts expert-parallel over all 8 with an int8 KV cache. kill -9 of process 1
-mid-stream ends the client's stream with an error and the job non-zero within the peer
-timeout; SIGTERM to the launcher drains and exits 0."""
+tensor-parallel over all 8 devices or over 4 with rows split over the processes (decoding
+speculatively), and a mixture of experts expert-parallel over all 8 with an int8 KV cache.
+kill -9 of process 1 mid-stream ends the client's stream with an error and the job non-zero
+within the peer timeout; SIGTERM to the launcher drains and exits 0."""
 
 import os
 import re
@@ -51,13 +51,15 @@ class LockstepServer:
                                 timeout=120)
 
 
-def _same_as_one_process(server, checkpoint, kv_cache="float"):
+def _same_as_one_process(server, checkpoint, kv_cache="float", logprobs=True):
   reference = Engine.from_checkpoint(checkpoint, devices=jax.devices()[:1], slots=2, page_size=8, kv_cache=kv_cache)
   expected = reference.generate(PROMPTS, SamplingParams(max_tokens=12, logprobs=True))
   for prompt, want in zip(PROMPTS, expected):
-    got = server.client.completions.create(model="ckpt", prompt=prompt, max_tokens=12, temperature=0, logprobs=0)
+    got = server.client.completions.create(model="ckpt", prompt=prompt, max_tokens=12, temperature=0,
+                                           logprobs=0 if logprobs else None)
     assert got.choices[0].text == want.text, prompt
-    assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    if logprobs:
+      assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.logprobs, abs=1e-4)
     stream = server.client.completions.create(model="ckpt", prompt=prompt, max_tokens=12, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in stream if c.choices) == want.text
 
@@ -86,12 +88,13 @@ def test_tensor_parallel_over_two_processes_then_kill_9_ends_the_job(tmp_path):
 
 
 @pytest.mark.long  # a multi-process server: ~40 s
-def test_tensor_within_and_rows_across_the_processes(tmp_path):
-  """tensor=4 x data=2: each process holds whole heads' shards for its half of the rows."""
+def test_speculative_rounds_with_rows_across_the_processes(tmp_path):
+  """tensor=4 x data=2, prompt-lookup speculation: its rounds (proposals, the target's check,
+  the accepted counts read back) run in lock step too."""
   checkpoint = random_checkpoint(tmp_path, MODELS["dense"])
-  server = LockstepServer(checkpoint, "mesh.tensor=4", "mesh.data=2")
+  server = LockstepServer(checkpoint, "mesh.tensor=4", "mesh.data=2", "--speculative", "ngram,k=3")
   try:
-    _same_as_one_process(server, checkpoint)
+    _same_as_one_process(server, checkpoint, logprobs=False)
     server.job.process.send_signal(signal.SIGTERM)
     assert server.job.finish(timeout=120) == 0, server.job.text[-2000:]
   finally:
@@ -148,25 +151,34 @@ class _Replayed:
   draft = None
 
   def __init__(self):
-    self.calls = []
+    self.calls, self.fed_back = [], []
 
   def replay(self, kind, rows):
     self.calls.append((kind, rows[0].tolist(), rows[1]["seed"].tolist()))
+    self.fed_back.append(rows[0] is getattr(self, "output", None))  # its own output, not a copy
+    self.output = jax.numpy.asarray(rows[0]) + 1
+    return (self.output, {"cache": None})
 
 
-def test_followers_replay_every_call_in_order_and_the_store_stays_bounded():
+def test_followers_replay_every_call_in_order_with_their_own_fed_back_outputs_and_a_bounded_store():
   store, sent = _Store(), []
   leader = Lockstep(_Replayed(), (store, 0, 3, 30.0))
   followers = [Lockstep(_Replayed(), (store, i, 3, 30.0)) for i in (1, 2)]
   threads = [threading.Thread(target=f.follow) for f in followers]
   for thread in threads:
     thread.start()
+  engine, output = leader.engines[0], None
   for n in range(3 * FLOW_WINDOW + 5):
-    rows = (jax.numpy.full((2, 1), n), {"seed": jax.numpy.arange(2) + n})  # device arrays go as numpy
-    leader.publish(leader.engines[0], "step" if n % 3 else "fill", rows)
-    sent.append(("step" if n % 3 else "fill", [[n], [n]], [n, n + 1]))
+    # Device arrays go as numpy; every fifth call feeds back the last call's output (run-ahead).
+    tokens = output if n % 5 == 4 else jax.numpy.full((2, 1), n)
+    rows = (tokens, {"seed": jax.numpy.arange(2) + n})
+    leader.publish(engine, "step" if n % 3 else "fill", rows)
+    output = jax.numpy.asarray(tokens) + 1
+    leader.returned(engine, (output, {"cache": None}))
+    sent.append(("step" if n % 3 else "fill", tokens.tolist(), [n, n + 1]))
   leader.finish()
   for thread in threads:
     thread.join(timeout=60)
   assert all(f.engines[0].calls == sent for f in followers)
+  assert all(f.engines[0].fed_back == [n % 5 == 4 for n in range(len(sent))] for f in followers)
   assert store.most <= 2 * FLOW_WINDOW + 1, store.most  # old messages deleted as every process passes them

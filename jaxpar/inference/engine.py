@@ -213,14 +213,18 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
       rows = (*rows[:4], np.asarray(picked, np.int32), *rows[4:])
     if self.lockstep is not None:  # the other processes run it too
       self.lockstep.publish(self, kind, rows)
-    return self.programs.run(kind, self.params, self.model_state, self.cache, *rows)
+    outputs = self.programs.run(kind, self.params, self.model_state, self.cache, *rows)
+    if self.lockstep is not None:  # a later call may take them as they are (run-ahead)
+      self.lockstep.returned(self, outputs)
+    return outputs
 
   def replay(self, kind, rows):
     """Run a program call published by process 0 (lockstep.py), rows as it ran them (adapters
-    included), and keep the cache it returns."""
+    included); keep the cache it returns, and return its outputs."""
     self._compiled(kind, rows)
     outputs = self.programs.run(kind, self.params, self.model_state, self.cache, *rows)
     self.cache = outputs[-1] if isinstance(outputs, tuple) else outputs
+    return outputs
 
   def load_weights(self, params, model_state=None) -> int:
     """Generate from `params` (and `model_state`) from now on: the same trees as the engine's,

@@ -10,7 +10,9 @@ settings as host arrays) is first published as message n; every other process re
 n, runs the same compiled program on its own shards and keeps the cache it returns. The
 sampled tokens come back to process 0 as the program's outputs, which are replicated over
 the processes (`Programs` compiles them so when there are several), so process 0 reads them
-as one process does.
+as one process does. An argument that is an output of an engine's latest call (a decode
+step's tokens fed to the next step before the host reads them: the engine's run-ahead) goes
+as a reference to that output, which every process holds, so process 0 never waits for it.
 
 The transport is JAX's own coordination service (its key-value store, which `jax.distributed`
 runs anyway and the peer heartbeat already uses): the messages are small (a few arrays of
@@ -28,7 +30,9 @@ drains process 0's server; then it publishes STOP and every process exits 0.
 
 import pickle
 import sys
+from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from jaxpar.cluster import distributed
@@ -53,6 +57,12 @@ def check_servable(replicas: int, prefill_devices: int | None):
                       "serve one engine over all the processes' devices, or run one server per host")
 
 
+class Output(NamedTuple):
+  """An argument that is output `index` of engine `engine`'s latest program call."""
+  engine: int
+  index: int
+
+
 class Lockstep:
   """Process 0's publisher, or another process's follower, of the engines' program calls."""
 
@@ -66,6 +76,7 @@ class Lockstep:
     self.client, self.process_id, self.num_processes, self.timeout_s = found
     self.engines = engines_of(engine)
     self.sent = 0
+    self._last = {}  # engine index -> the outputs of its latest call
     if self.process_id == 0:
       for e in self.engines:
         e.lockstep = self
@@ -74,9 +85,22 @@ class Lockstep:
 
   def publish(self, engine, kind: str, rows):
     """Message `sent`: run program `kind` of `engine` with these per-row arguments."""
-    host = [_to_host(x) for x in rows]
+    host = [self._encode(x) for x in rows]
     # pickle: the payload never leaves the job (the same service carries the job's own state).
     self._send(pickle.dumps((self.engines.index(engine), kind, host), protocol=pickle.HIGHEST_PROTOCOL))
+
+  def returned(self, engine, outputs):
+    """The outputs of `engine`'s call just run (every process keeps its own)."""
+    self._last[self.engines.index(engine)] = outputs if isinstance(outputs, tuple) else (outputs,)
+
+  def _encode(self, x):
+    """A reference to an output of a latest call, else the argument as numpy."""
+    if isinstance(x, jax.Array):
+      for engine, outputs in self._last.items():
+        for index, output in enumerate(outputs):
+          if output is x:
+            return Output(engine, index)
+    return _to_host(x)
 
   def finish(self):
     """Every process stops following (after process 0's server has drained)."""
@@ -112,7 +136,8 @@ class Lockstep:
       if payload == _STOP.encode():
         return
       index, kind, rows = pickle.loads(payload)
-      self.engines[index].replay(kind, rows)
+      rows = [self._last[x.engine][x.index] if isinstance(x, Output) else x for x in rows]
+      self.returned(self.engines[index], self.engines[index].replay(kind, rows))
       if n % FLOW_WINDOW == 0:
         self.client.key_value_set(f"{_PREFIX}ran/{self.process_id}/{n}", "")
       n += 1

@@ -1,8 +1,9 @@
 """`jaxpar serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
 
-One background thread drives the continuous-batching engine (one per replica, with
-`--replicas N`: replicas.py routes each prompt); each HTTP request submits its prompts and
-receives their tokens through an asyncio queue (`handlers.py`). Streams are
+One background thread drives the continuous-batching engine (one per replica with
+`--replicas N`, replicas.py routing each prompt; one for prefill and one for decode with
+`--prefill-devices N`, disaggregated.py); each HTTP request submits its prompts and receives
+their tokens through an asyncio queue (`handlers.py`). Streams are
 server-sent events in OpenAI's format, ending with `data: [DONE]`. Besides
 /v1/completions and /v1/chat/completions: /v1/models, /health, /metrics (Prometheus), and
 vLLM's /tokenize, /detokenize and /tokenizer_info. The queue of waiting requests is bounded
