@@ -35,7 +35,7 @@ class LockstepServer:
   """`jaxpar launch-local 2 -- serve CHECKPOINT ARGS --port 0`, and the official client on it."""
 
   def __init__(self, checkpoint, *args):
-    self.job = Job("launch-local", "2", "--grace", "30", "--", "serve", str(checkpoint), *args, "--slots", "2",
+    self.job = Job("launch-local", "2", "--grace", "10", "--", "serve", str(checkpoint), *args, "--slots", "2",
                    "--page-size", "8", "--port", "0", "--peer-timeout", str(PEER_TIMEOUT))
     self.pids = self.job.pids()
     port = int(self.job.wait_for(r" on http://127\.0\.0\.1:(\d+)/v1").group(1))
@@ -95,8 +95,15 @@ def test_speculative_rounds_with_rows_across_the_processes(tmp_path):
   server = LockstepServer(checkpoint, "mesh.tensor=4", "mesh.data=2", "--speculative", "ngram,k=3")
   try:
     _same_as_one_process(server, checkpoint, logprobs=False)
-    server.job.process.send_signal(signal.SIGTERM)
-    assert server.job.finish(timeout=120) == 0, server.job.text[-2000:]
+    # Then process 1 hangs (SIGSTOP): the next request waits in a collective until the
+    # heartbeat misses it; process 0 names it and the job ends non-zero, nothing hangs.
+    os.kill(server.pids[1], signal.SIGSTOP)
+    hung = time.monotonic()
+    with pytest.raises(openai.APIError):  # process 0 stopped: the connection ends
+      server.client.completions.create(model="ckpt", prompt="the dog", max_tokens=8, temperature=0)
+    assert time.monotonic() - hung < PEER_TIMEOUT + 30
+    server.job.wait_for(r"\[process 0\] error: process 1 stopped responding", timeout=30)
+    assert server.job.finish(timeout=90) != 0  # the launcher kills the stopped process after its --grace
   finally:
     server.job.kill_all()
 
