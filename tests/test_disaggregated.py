@@ -9,7 +9,7 @@ import pytest
 from jaxpar.errors import ConfigError
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.inference.disaggregated import Disaggregated
-from tests.helpers import SMALL_MODEL
+from tests.helpers import SMALL_MODEL, counting_compiles
 from tests.serving_setup import RunningServer, random_checkpoint
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog and the dog sleeps", "a fox", "the dog sleeps while a fox runs",
@@ -78,3 +78,7 @@ def test_engines_that_cannot_hand_over_are_refused(checkpoint, capsys):
     split_devices(8)
   assert main(["serve", str(checkpoint), "--prefill-devices", "4", "--replicas", "2"]) == 2
   assert "--prefill-devices with --replicas: choose one" in capsys.readouterr().err
+  with counting_compiles() as compiled:
+    assert main(["serve", str(checkpoint), "--prefill-devices", "4", "--speculative", "ngram"]) == 2
+  assert "speculative decoding with disaggregated prefill is not supported" in capsys.readouterr().err
+  assert compiled == []

@@ -318,8 +318,10 @@ def cmd_serve(ns):
   if distributed.is_multiprocess():
     check_servable(ns.replicas, ns.prefill_devices)
   # Checked before compiling: N replicas, or prefill then decode devices, or every device.
-  groups = split_devices(ns.prefill_devices, ns.replicas) if ns.prefill_devices else \
-      device_groups(ns.replicas) if ns.replicas != 1 else [None]
+  if ns.prefill_devices:
+    groups = split_devices(ns.prefill_devices, ns.replicas, speculative=bool(ns.speculative))
+  else:
+    groups = device_groups(ns.replicas) if ns.replicas != 1 else [None]
 
   def echo(text):
     if distributed.is_primary():  # one voice: process 0's

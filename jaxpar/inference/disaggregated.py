@@ -140,11 +140,16 @@ class Disaggregated:
     return [r.completion() for r in requests]
 
 
-def split_devices(prefill: int, replicas: int = 1, devices=None) -> list[list]:
-  """[the first `prefill` devices, the rest], or a one-line error."""
+_NO_SPECULATION = "speculative decoding with disaggregated prefill is not supported: serve one or the other"
+
+
+def split_devices(prefill: int, replicas: int = 1, devices=None, speculative: bool = False) -> list[list]:
+  """[the first `prefill` devices, the rest], or a one-line error (before anything compiles)."""
   devices = list(jax.devices() if devices is None else devices)
   if replicas != 1:
     raise ConfigError("--prefill-devices with --replicas: choose one (replicas of disaggregated pairs are not built)")
+  if speculative:
+    raise ConfigError(_NO_SPECULATION)
   if not 0 < prefill < len(devices):
     raise ConfigError(f"--prefill-devices {prefill} leaves no devices to decode on, or none to prefill on: give "
                       f"1 to {len(devices) - 1} of the {len(devices)} devices")
@@ -164,7 +169,7 @@ def _check_pair(prefill, decode):
     raise ConfigError("the prefill and decode engines must serve the same model, adapters, page size, KV cache "
                       "kind and context: build both from the same run and options")
   if prefill.draft is not None or decode.draft is not None:
-    raise ConfigError("speculative decoding with disaggregated prefill is not supported: serve one or the other")
+    raise ConfigError(_NO_SPECULATION)
   if prefill.local_window is not None or prefill.cache_bytes["states"]:
     raise ConfigError("disaggregated prefill moves pool pages only: this model's local-window rings or "
                       "linear-attention states stay where they were written; serve it co-located")
