@@ -189,3 +189,19 @@ def test_followers_replay_every_call_in_order_with_their_own_fed_back_outputs_an
   assert all(f.engines[0].calls == sent for f in followers)
   assert all(f.engines[0].fed_back == [n % 5 == 4 for n in range(len(sent))] for f in followers)
   assert store.most <= 2 * FLOW_WINDOW + 1, store.most  # old messages deleted as every process passes them
+
+
+@pytest.mark.long  # a multi-process run: ~30 s
+def test_generate_over_two_processes_with_rows_split_across_them(tmp_path):
+  """`launch-local 2 -- generate`: every process runs the same prompts (rows over data=8, so
+  each process holds half of them); process 0 prints what one process on one device prints."""
+  checkpoint = random_checkpoint(tmp_path, MODELS["dense"])
+  reference = Engine.from_checkpoint(checkpoint, devices=jax.devices()[:1], slots=8, page_size=8)
+  want = reference.generate(["the dog"], SamplingParams(max_tokens=10))[0].text
+  job = Job("launch-local", "2", "--grace", "10", "--", "generate", str(checkpoint), "mesh.data=8", "mesh.fsdp=1",
+            "--prompt", "the dog", "--max-tokens", "10", "--temperature", "0", "--page-size", "8")
+  try:
+    assert job.finish() == 0, job.text[-2000:]
+    assert f"the dog{want}" in job.text, job.text[-2000:]
+  finally:
+    job.kill_all()
