@@ -85,10 +85,11 @@ def test_a_hot_prefix_spills_over_to_the_less_loaded_replica(served):
   first, second = replicas.choices(ids, 0)
   assert first != second and not any(replicas.cached_tokens(i, ids, 0) for i in range(2))
   hot = replicas.engines[first]
-  held = [hot.make_request(ids, SamplingParams(max_tokens=1)) for _ in range(replicas.slack + 1)]
+  # Long enough that a worker that wakes meanwhile still has them running when routing reads the loads.
+  held = [hot.make_request(ids, SamplingParams(max_tokens=60)) for _ in range(replicas.slack + 1)]
   loads = lambda: [e.pending + sum(r is not None for r in e.slots) for e in replicas.engines]  # noqa: E731
   try:
-    for request in held[:-1]:  # queued, not stepped: the server's workers are idle
+    for request in held[:-1]:  # queued straight into the engine, past its worker
       hot.enqueue(request)
     assert replicas.pick(ids) == first, loads()  # busier by `slack`: still where its prefix goes
     hot.enqueue(held[-1])
