@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.errors import ConfigError
+from jaxpar.inference.engine import Engine
+from jaxpar.inference.sampling import GREEDY, SamplingParams
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import kv_cache
 
@@ -121,8 +123,9 @@ class Disaggregated:
 
   # -- one thread ----------------------------------------------------------------------
 
-  def submit(self, prompt, sampling=None, on_event=None):
-    return self.prefill.submit(prompt, *(() if sampling is None else (sampling,)), on_event=on_event)
+  def submit(self, prompt, sampling: SamplingParams = GREEDY, on_event=None):
+    """Queue a prompt on the prefill engine (as Engine.submit)."""
+    return self.prefill.submit(prompt, sampling, on_event)
 
   @property
   def has_work(self) -> bool:
@@ -131,14 +134,9 @@ class Disaggregated:
   def step(self) -> list:
     return self.prefill.step() + self.decode.step()
 
-  def generate(self, prompts, sampling):
-    """Complete every prompt (as Engine.generate), prefill and decode in turn on this thread."""
-    settings = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-    requests = [self.submit(p, s) for p, s in zip(prompts, settings)]
-    while any(r.finish_reason is None for r in requests):
-      self.step()
-    return [r.completion() for r in requests]
-
+  # Complete every prompt, prefill and decode in turn on this thread: the engine's own loop
+  # over submit and step.
+  generate = Engine.generate
 
 _NO_SPECULATION = "speculative decoding with disaggregated prefill is not supported: serve one or the other"
 
