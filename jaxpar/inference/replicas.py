@@ -48,8 +48,9 @@ class Replicas:
     self.engines = list(engines)
     first = self.engines[0]
     if any(e.runtime.model_config != first.runtime.model_config or e.adapters != first.adapters
-           for e in self.engines):
-      raise ConfigError("replicas must serve the same model and adapters: build every engine from the same run")
+           or e.pool.page_size != first.pool.page_size for e in self.engines):
+      raise ConfigError("replicas must serve the same model, adapters and page size: build every engine from the "
+                        "same run and options")
     self.slack = len(first.slots) if slack is None else slack
     if self.slack < 0:
       raise ConfigError(f"slack={slack} must be >= 0 (requests beyond the least loaded replica's)")
@@ -66,11 +67,14 @@ class Replicas:
     first = number % count
     return first, (first + 1 + (number // count) % (count - 1)) % count if count > 1 else first
 
-  def cached_tokens(self, index: int, ids: list[int], adapter: int) -> int:
+  def _hashes(self, ids: list[int], adapter: int) -> list[bytes]:
+    """The prompt's block hashes, as every replica's prefix cache indexes them (one page size)."""
+    return block_hashes(ids[:len(ids) - 1], self.engines[0].pool.page_size, 0, chain_start(adapter))
+
+  def cached_tokens(self, index: int, ids: list[int], adapter: int, hashes=None) -> int:
     """Leading prompt tokens replica `index`'s prefix cache holds now."""
     pool = self.engines[index].pool
-    hashes = block_hashes(ids[:len(ids) - 1], pool.page_size, 0, chain_start(adapter))
-    return pool.cached_run(hashes) * pool.page_size
+    return pool.cached_run(hashes if hashes is not None else self._hashes(ids, adapter)) * pool.page_size
 
   def pick(self, ids: list[int], adapter: int = 0) -> int:
     """The replica that serves a prompt of token `ids` (adapter: its stacked adapter's number)."""
@@ -78,8 +82,9 @@ class Replicas:
       return 0
     first, second = self.choices(ids, adapter)
     loads = [load(e) for e in self.engines]
+    hashes = self._hashes(ids, adapter)  # once, for both choices
     preferred, other = first, second
-    if self.cached_tokens(second, ids, adapter) > self.cached_tokens(first, ids, adapter):
+    if self.cached_tokens(second, ids, adapter, hashes) > self.cached_tokens(first, ids, adapter, hashes):
       preferred, other = second, first
     least = min(range(len(loads)), key=loads.__getitem__)
     chosen = next((c for c in (preferred, other) if loads[c] - loads[least] <= self.slack), least)
