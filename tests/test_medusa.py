@@ -121,16 +121,19 @@ def test_a_tree_keeps_more_per_pass_with_the_same_tokens(runs, plain):
   assert passes["tree"] < passes["chain"], passes
 
 
-def test_medusa_with_shared_prefixes_and_not_over_a_quantized_cache(runs):
-  """Requests that share a prompt (prefix caching) get plain decoding's tokens; a quantized
-  cache is refused (a round's proposals could complete a page, quantized before it is kept)."""
+@pytest.mark.parametrize("kv_cache", [None, "int8"])
+def test_medusa_with_shared_prefixes(runs, kv_cache):
+  """Requests that share a prompt (prefix caching) get plain decoding's tokens, over a float
+  and a quantized cache; a tree over a quantized cache is refused (its candidates fill slots
+  past the row's page, quantized before the check keeps them)."""
   prompts = [PROMPTS[0] + " she said", PROMPTS[0] + " he said", PROMPTS[0] + " they said"]
-  want = [r.tokens for r in Engine.from_checkpoint(runs[0], **ENGINE).generate(prompts, GREEDY)]
-  engine = Engine.from_checkpoint(runs[1], **ENGINE, speculative=MedusaDraft())
+  want = [r.tokens for r in Engine.from_checkpoint(runs[0], **ENGINE, kv_cache=kv_cache).generate(prompts, GREEDY)]
+  engine = Engine.from_checkpoint(runs[1], **ENGINE, kv_cache=kv_cache, speculative=MedusaDraft())
   assert [r.tokens for r in engine.generate(prompts, GREEDY)] == want
   assert engine.stats["prefix_cache_hits"] > 0 and engine.stats["speculative_accepted"] > 0
-  with pytest.raises(ConfigError, match="--kv-cache float"):
-    Engine.from_checkpoint(runs[1], **ENGINE, kv_cache="int8", speculative=MedusaDraft())
+  if kv_cache:
+    with pytest.raises(ConfigError, match="give k \\(a chain\\), or serve with --kv-cache float"):
+      Engine.from_checkpoint(runs[1], **ENGINE, kv_cache=kv_cache, speculative=MedusaDraft(tree=8))
 
 
 def test_heads_attach_to_their_base_and_refuse_another(runs, plain, tmp_path):

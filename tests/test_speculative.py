@@ -13,7 +13,7 @@ from jaxpar.inference import Engine, SamplingParams
 from jaxpar.errors import ConfigError, UserError
 from jaxpar.inference.medusa import MedusaDraft
 from jaxpar.inference.draft_length import REFRESH, RowRate, WidthChooser, pass_widths
-from jaxpar.inference.speculative import DraftModel, NgramDraft, ngram_lookup, verify
+from jaxpar.inference.speculative import DraftModel, NgramDraft, ngram_lookup, page_room, verify
 from jaxpar.models.medusa import fingerprint
 from jaxpar.runtime import Runtime
 from jaxpar.weights import split_weights
@@ -105,7 +105,7 @@ def test_ngram_lookup_takes_the_longest_tail_that_occurred_and_its_latest_place(
   assert ngram_lookup([1, 2, 8, 2], k=2, max_n=2, min_n=2) == []  # "8 2" never occurred; n=1 not allowed
 
 
-def _engine(vocab, seed, slots=8, num_pages=None, draft=None, **model):
+def _engine(vocab, seed, slots=8, num_pages=None, draft=None, kv_cache=None, **model):
   config = ModelConfig(**{**SMALL_MODEL, "max_seq_len": 64, "vocab_size": vocab, **model})
   runtime = Runtime(config, MeshConfig(fsdp=1), jax.devices()[:1], seed=seed)
   params, model_state = runtime.init()
@@ -113,7 +113,7 @@ def _engine(vocab, seed, slots=8, num_pages=None, draft=None, **model):
     params["medusa"]["w"] = jax.random.normal(jax.random.key(seed), params["medusa"]["w"].shape)
     model_state["medusa"]["base_fingerprint"] = fingerprint(split_weights(runtime, params)[1])
   return Engine(runtime, params, ByteTokenizer(), model_state=model_state, slots=slots, page_size=8,
-                prefill_chunks=(8,), num_pages=num_pages, speculative=draft)
+                prefill_chunks=(8,), num_pages=num_pages, speculative=draft, kv_cache=kv_cache)
 
 
 PROMPTS = [[1, 2, 3], list(range(40, 60)), [7] * 9]
@@ -156,6 +156,28 @@ def test_greedy_ngram_speculation_equals_target_alone(plain):
   # Each kept proposal saves a pass (no round proposes more than its row has room for).
   assert target.stats["speculative_rounds"] == 3 * 15 - accepted
   assert sum(r.draft_proposed for r in done) == proposed
+
+
+def test_a_pass_over_a_quantized_cache_stays_in_its_page_short_of_the_last_slot():
+  # starts: where each row's next token goes; its last token is at starts - 1 (page_size 8).
+  assert page_room([1, 4, 7, 8, 9, 16, 0], 8).tolist() == [6, 3, 0, 0, 6, 0, 6]
+
+
+@pytest.mark.parametrize("kv_cache", ["int8", "int4"])
+def test_greedy_speculation_over_a_quantized_cache_is_its_plain_decoding(kv_cache):
+  """Drafts that would run over page ends (the target as its own draft keeps every one) and
+  n-gram lookup, over a quantized cache: exactly the tokens plain decoding over it gives,
+  which the quantization changes (so reading a page float or quantized would show)."""
+  settings = SamplingParams(max_tokens=30, stop_token_ids=())
+  want = [r.tokens for r in _engine(512, 0, kv_cache=kv_cache).generate(PROMPTS, settings)]
+  if kv_cache == "int4":
+    assert want != [r.tokens for r in _engine(512, 0).generate(PROMPTS, settings)]
+  for draft in (DraftModel(_engine(512, 0), k=3), NgramDraft(k=3)):
+    target = _engine(512, 0, draft=draft, kv_cache=kv_cache)
+    assert [r.tokens for r in target.generate(PROMPTS, settings)] == want, type(draft).__name__
+    assert target.stats["speculative_accepted"] > 0 and target.pool.free == target.pool.num_pages
+  with pytest.raises(ConfigError, match="give the draft engine a float cache"):
+    _engine(512, 0, draft=DraftModel(_engine(512, 0, kv_cache=kv_cache), k=3))
 
 
 def test_rows_with_and_without_speculation_share_the_rounds(plain):

@@ -101,6 +101,10 @@ class MedusaDraft(DraftSource):
         raise ConfigError(f"speculative medusa tree: {self.tree.depth} deep, but the model has {heads} draft heads "
                           f"(one per depth): use a tree at most {heads} deep")
       self.k = self.tree.nodes
+      if target.kv_quantization is not None:
+        raise ConfigError(f"speculative medusa tree over a {target.kv_quantization.mode} KV cache: its candidates "
+                          "fill slots past a row's page, which a quantized cache would quantize before the check "
+                          "keeps them: give k (a chain), or serve with --kv-cache float")
       if target.local_window is not None:
         raise ConfigError("speculative medusa tree: candidates are written past a row's end and moved after the "
                           "check, which sliding-window rings do not do: give k (a chain) instead of a tree")

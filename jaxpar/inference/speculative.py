@@ -176,17 +176,24 @@ def verify(target_probs, draft_probs, proposed, settings, positions, limit=None)
   return accepted, token.astype(jnp.int32)
 
 
+def page_room(starts, page_size: int) -> np.ndarray:
+  """How many proposals each row's pass can check over a quantized KV cache, whose newest
+  page stays float until it fills (models/kv_cache_quantized.py). Plain decoding reads a
+  page float for every query inside it but its last slot, and quantized from then on. A
+  pass that crossed into the next page, or wrote the last slot, would quantize the page for
+  all its queries, and one whose drafts were rejected would leave a later page as the row's
+  tail; so a row's pass (its last token, at starts - 1, and its proposals) stays in that
+  token's page short of the last slot, and a row whose token is in the last slot decodes it
+  alone. Rows with no request (start 0) get what an empty row would."""
+  slot = np.maximum(np.asarray(starts) - 1, 0) % page_size
+  return np.maximum(page_size - 2 - slot, 0)
+
+
 def check_round(k: int, *engines):
   """What every draft source needs of the engines a round runs on."""
   if k < 1:
     raise ConfigError(f"speculative k={k}: the draft must propose at least one token")
   for engine in engines:
-    if engine.kv_quantization is not None:
-      # A round's proposals can fill a page, which is then quantized before the target kept
-      # them: the kept tokens would be read back quantized where plain decoding reads them float.
-      raise ConfigError(f"speculative decoding over a quantized KV cache (--kv-cache "
-                        f"{engine.kv_quantization.mode}) would not give plain decoding's tokens: serve with "
-                        "--kv-cache float, or without speculative decoding")
     if engine.local_window is not None and k + 1 > engine.local_window:
       raise ConfigError(f"speculative k={k}: a round writes k + 1 positions, more than the local layers' window "
                         f"({engine.local_window}) keeps; use k < {engine.local_window}")
@@ -256,6 +263,10 @@ class DraftModel(DraftSource):
       raise ConfigError("the speculative draft's tokenizer differs from the target's (it splits the same text "
                         "into other ids): use a draft trained with the target's tokenizer")
     check_round(k, target, draft)
+    if draft.kv_quantization is not None:
+      raise ConfigError(f"the speculative draft's KV cache is {draft.kv_quantization.mode}: its proposals run "
+                        "past pages it rewrites next round, which a quantized cache does not undo; give the "
+                        "draft engine a float cache (only the target's may be quantized)")
     if len(draft.slots) < len(target.slots) or draft.max_seq_len < target.max_seq_len:
       raise ConfigError(f"the draft engine needs the target's {len(target.slots)} slots and context "
                         f"{target.max_seq_len} (it has {len(draft.slots)} and {draft.max_seq_len})")
@@ -376,6 +387,8 @@ class SpeculativeCalls:
     # accepted that max_tokens would then drop.
     room = [0 if r is None else max(r.sampling.max_tokens - len(r.generated) - 1, 0) for r in rows]
     limit = np.minimum(limit, room)
+    if self.kv_quantization is not None:
+      limit = np.minimum(limit, page_room(starts, self.pool.page_size))
     if self.draft.adaptive:  # the width with the most tokens per second, from the rows' rates
       rates = [r.draft_rate.rate() for r, n in zip(rows, limit) if r is not None and n]
       width = self._widths.choose(rates, sum(r is not None for r in rows) - len(rates))
@@ -390,7 +403,8 @@ class SpeculativeCalls:
       if request is not None:
         tokens[i] = [request.last_token, *proposed[i]]
         at = np.arange(n - 1, n + width)
-        positions[i] = np.where(at < self.max_seq_len, at, -1)  # past the context: written nowhere
+        # Past the context, or past the row's own proposals: written nowhere.
+        positions[i] = np.where((at < self.max_seq_len) & (at < n + limit[i]), at, -1)
     table = page_table_rows([r.pages if r else [] for r in rows], self.pages_per_seq, self.pool.num_pages)
     given = (proposed, limit) if draft_probs is None else (draft_probs, proposed, limit)
     given += () if masks is None else (masks,)
