@@ -172,6 +172,15 @@ class Transformer(nnx.Module):
     the updated cache (a draft source's heads read them). A speculative tree pass gives
     `tree` (a TreeMask over the T tokens), `positions` their cache slots (consecutive per
     row) and `rope_positions` their places in the sequence (LayerContext)."""
+    x, cache = self.decode_stack(tokens, positions, cache, page_table, kv_quantization, tail_index, tree=tree,
+                                 rope_positions=rope_positions)
+    return self.final_norm(x), cache
+
+  def decode_stack(self, tokens, positions, cache, page_table, kv_quantization=None, tail_index=None, *,
+                   tree=None, rope_positions=None):
+    """`decode_hidden` before the final norm: the last layer's output [B, T, embed] (what
+    multi-token prediction starts from), and the updated cache (groups that are not the
+    stack's, a draft's own, pass through)."""
     if tree is not None and kv_quantization is not None:
       raise ConfigError("a speculative tree pass writes candidates past a row's end, which a quantized cache's "
                         "tail page cannot hold: serve with a float KV cache, or with a chain (no tree)")
@@ -179,10 +188,10 @@ class Transformer(nnx.Module):
     windows = {g.name: sliding_windows(self.cfg, g.indices) for g in layer_groups(self.cfg)}
     views = {name: caches.for_generation(pages, page_table, first, kv_quantization=kv_quantization,
                                          tail_index=tail_index, windows=windows[name])
-             for name, pages in cache.items()}
+             for name, pages in cache.items() if name in windows}
     context = LayerContext(positions, rope_positions=rope_positions, tree=tree)
     x, _, views = self._run_stack(self._embed(tokens), context, views)
-    return self.final_norm(x), {name: view.pages for name, view in views.items()}
+    return x, {**cache, **{name: view.pages for name, view in views.items()}}
 
   def init_cache(self, num_pages: int, page_size: int, dtype=None, *, kv_quantization=None,
                  slots: int = 1) -> dict:

@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.config import MeshConfig, ModelConfig
+from jaxpar.config import MeshConfig, ModelConfig, load_config
 from jaxpar.data import ByteTokenizer
 from jaxpar.inference import Engine, SamplingParams
 from jaxpar.errors import ConfigError, UserError
 from jaxpar.inference.medusa import MedusaDraft
+from jaxpar.inference.mtp import MtpDraft
 from jaxpar.inference.draft_length import REFRESH, RowRate, WidthChooser, pass_widths
 from jaxpar.inference.speculative import DraftModel, NgramDraft, ngram_lookup, page_room, verify
 from jaxpar.models.medusa import fingerprint
@@ -114,6 +115,16 @@ def _engine(vocab, seed, slots=8, num_pages=None, draft=None, kv_cache=None, **m
     model_state["medusa"]["base_fingerprint"] = fingerprint(split_weights(runtime, params)[1])
   return Engine(runtime, params, ByteTokenizer(), model_state=model_state, slots=slots, page_size=8,
                 prefill_chunks=(8,), num_pages=num_pages, speculative=draft, kv_cache=kv_cache)
+
+
+def _mtp_engine(vocab, draft):
+  """A DeepSeek-style target with its multi-token-prediction module (random weights)."""
+  config = load_config("tiny-deepseek", ["model.attention_block=gqa", "model.num_layers=2", "model.max_seq_len=64",
+                                         "data.seq_len=32", f"model.vocab_size={vocab}"]).model
+  runtime = Runtime(config, MeshConfig(fsdp=1), jax.devices()[:1], seed=0)
+  params, model_state = runtime.init()
+  return Engine(runtime, params, ByteTokenizer(), model_state=model_state, slots=8, page_size=8,
+                prefill_chunks=(8,), speculative=draft)
 
 
 PROMPTS = [[1, 2, 3], list(range(40, 60)), [7] * 9]
@@ -250,20 +261,20 @@ def test_speculative_refuses_what_it_cannot_do():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["draft", "ngram", "medusa", "medusa tree"])
+@pytest.mark.parametrize("source", ["draft", "ngram", "medusa", "medusa tree", "mtp"])
 def test_sampled_speculative_matches_the_target_distribution(source):
   """Medusa: random heads over the target (their proposals come out of its own pass), on its
   output projection (`shared_projection`), as a chain or a tree."""
   vocab = 16
   draft = {"draft": lambda: DraftModel(_engine(vocab, 5, num_layers=1), k=2),
            "ngram": lambda: NgramDraft(k=2, max_n=2), "medusa": lambda: MedusaDraft(k=2),
-           "medusa tree": lambda: MedusaDraft(tree=5)}[source]()
+           "medusa tree": lambda: MedusaDraft(tree=5), "mtp": lambda: MtpDraft(k=2)}[source]()
   heads = {"medusa": {"heads": 2, "shared_projection": True}} if source.startswith("medusa") else {}
-  target = _engine(vocab, 0, draft=draft, **heads)
+  target = _mtp_engine(vocab, draft) if source == "mtp" else _engine(vocab, 0, draft=draft, **heads)
   prompt = [3, 1, 4] if source == "draft" else [3, 1, 4, 3, 1]  # "3 1" occurred: lookup proposes "4 3"
-  # Heads propose from the second round on, and a round proposes only what max_tokens leaves
-  # room for: a third token gives the second its proposal.
-  tokens = 3 if source.startswith("medusa") else 2
+  # Heads (and the MTP module) propose from the second round on, and a round proposes only
+  # what max_tokens leaves room for: a third token gives the second its proposal.
+  tokens = 3 if source.startswith("medusa") or source == "mtp" else 2
   draws = []
   for start in range(0, 640, 8):
     results = target.generate([prompt] * 8, [SamplingParams(max_tokens=tokens, temperature=1.0, seed=start + i,

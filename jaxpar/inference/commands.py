@@ -49,12 +49,14 @@ def add_engine_args(parser):
   parser.add_argument("--decode-burst", type=int, default=1, metavar="K",
                       help="decode steps per device call while no request needs the host between "
                       "tokens: fewer round trips, tokens streamed K at a time (default 1)")
-  parser.add_argument("--speculative", metavar="draft=PATH,k=K | ngram,k=K,n=N | medusa[=HEADS],k=K|tree=N",
+  parser.add_argument("--speculative",
+                      metavar="draft=PATH,k=K | ngram,k=K,n=N | medusa[=HEADS],k=K|tree=N | mtp,k=K",
                       help="speculative decoding: the checkpoint at PATH (a smaller model on the same tokenizer), "
                       "prompt lookup (ngram: what followed the latest earlier occurrence of the last N tokens, "
-                      "default 3), or Medusa draft heads (the run's own, or those of the run HEADS trained with "
-                      "train.objective=medusa over this one) propose up to K tokens (default 4; medusa: one per "
-                      "head, or a tree of N candidates from the heads' top guesses) that the model checks in one "
+                      "default 3), Medusa draft heads (the run's own, or those of the run HEADS trained with "
+                      "train.objective=medusa over this one) or the model's own multi-token-prediction module "
+                      "(mtp: DeepSeek-V3's) propose up to K tokens (default 4; medusa: one per head, or a tree "
+                      "of N candidates from the heads' top guesses; mtp: 1) that the model checks in one "
                       "pass; the same greedy tokens, the same sampling distribution. serve: add default=off for "
                       "requests to opt in with \"speculative\": true")
 
@@ -75,20 +77,23 @@ def add_sampling_args(parser):
 def speculative_options(text: str) -> dict:
   """`draft=PATH,k=4` -> {"draft": PATH, "k": 4, "default": True}; `ngram,k=4,n=3,default=off`
   -> {"ngram": True, "k": 4, "n": 3, "default": False}; `medusa` or `medusa=HEADS,k=3` ->
-  {"medusa": None or HEADS, "k": None or 3, ...} (default: whether requests that leave the
-  `speculative` field out take the draft tokens)."""
+  {"medusa": None or HEADS, "k": None or 3, ...}; `mtp,k=2` -> {"mtp": True, "k": 2, ...}
+  (default: whether requests that leave the `speculative` field out take the draft tokens)."""
   items = text.split(",")
   source, _, value = items[0].partition("=")
-  ngram, medusa = items[0] == "ngram", source == "medusa"
-  options = dict(item.partition("=")[::2] for item in items[ngram or medusa:])
-  allowed = {"k", "n", "default"} if ngram else {"k", "tree", "default"} if medusa else {"draft", "k", "default"}
+  ngram, medusa, mtp = items[0] == "ngram", source == "medusa", items[0] == "mtp"
+  options = dict(item.partition("=")[::2] for item in items[ngram or medusa or mtp:])
+  allowed = ({"k", "n", "default"} if ngram else {"k", "tree", "default"} if medusa else {"k", "default"} if mtp
+             else {"draft", "k", "default"})
   numbers = all(options.get(key, "1").isdigit() for key in ("k", "n", "tree"))
-  if (set(options) - allowed or not (ngram or medusa or options.get("draft")) or not numbers
+  if (set(options) - allowed or not (ngram or medusa or mtp or options.get("draft")) or not numbers
       or options.get("default", "on") not in ("on", "off")):
-    raise ConfigError(f"--speculative {text!r}: write draft=PATH[,k=K], ngram[,k=K][,n=N] or "
-                      "medusa[=HEADS_RUN][,k=K | ,tree=NODES], each with [,default=on|off], e.g. --speculative "
-                      "draft=runs/small,k=4, --speculative ngram,k=4 or --speculative medusa,tree=16")
-  common = {"k": int(options.get("k", 4)), "default": options.get("default", "on") == "on"}
+    raise ConfigError(f"--speculative {text!r}: write draft=PATH[,k=K], ngram[,k=K][,n=N], "
+                      "medusa[=HEADS_RUN][,k=K | ,tree=NODES] or mtp[,k=K], each with [,default=on|off], e.g. "
+                      "--speculative draft=runs/small,k=4, --speculative ngram,k=4 or --speculative medusa,tree=16")
+  common = {"k": int(options.get("k", 1 if mtp else 4)), "default": options.get("default", "on") == "on"}
+  if mtp:
+    return {"mtp": True, **common}
   if ngram:
     return {"ngram": True, "n": int(options.get("n", 3)), **common}
   if medusa:  # k: one proposal per head unless given; tree: a candidate tree of that many nodes instead
@@ -111,11 +116,14 @@ def take_run_argument(ns):
 def build_engine(ns, echo=None, devices=None, **options):
   """The engine `generate` and `serve` run, on `devices` (default: all)."""
   from jaxpar.inference import Engine
+  from jaxpar.inference.mtp import MtpDraft
   from jaxpar.inference.speculative import DraftModel, NgramDraft
   mesh = parse_mesh_sizes(ns.mesh) or None
   spec = speculative_options(ns.speculative) if ns.speculative else {}
   if spec.get("ngram"):
     options["speculative"] = NgramDraft(spec["k"], max_n=spec["n"])
+  elif spec.get("mtp"):
+    options["speculative"] = MtpDraft(spec["k"])
   elif "medusa" in spec:
     return _medusa_engine(ns, mesh, spec, echo, devices, options)
   elif spec:

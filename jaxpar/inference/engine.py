@@ -125,12 +125,12 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     self.kv_quantization = None if kv_cache in (None, "float") else KVQuantization(kv_cache, page_size, 0)
     self._cache_layout = (num_pages, page_size, cache_dtype or cfg.compute_dtype)
     self.slots: list[Request | None] = [None] * slots
+    self.draft = speculative  # a draft source may keep layers of its own in the cache (an MTP module)
     self.cache = self._empty_cache(*self._cache_layout)
     self.cache_bytes = caches.cache_bytes(self.cache)
     self.waiting: collections.deque[Request] = collections.deque()
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self.programs = Programs(runtime, params, self.model_state, self.cache, self.kv_quantization)
-    self.draft = speculative
     if speculative is not None:
       speculative.bind(self)
       for width in speculative.widths:
@@ -169,8 +169,11 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
   def _empty_cache(self, num_pages, page_size, dtype):
     runtime = self.runtime
     model = runtime.merge(self.params, self.model_state)
-    make = lambda: model.init_cache(num_pages, page_size, dtype, kv_quantization=self.kv_quantization,  # noqa: E731
-                                    slots=len(self.slots))
+    def make():
+      cache = model.init_cache(num_pages, page_size, dtype, kv_quantization=self.kv_quantization,
+                               slots=len(self.slots))
+      return cache if self.draft is None else {**cache, **self.draft.init_cache(model, num_pages, page_size, dtype,
+                                                                                 len(self.slots))}
     shapes = jax.eval_shape(make)
     shardings = jax.tree.map(
         lambda s: logical_to_sharding(kv_cache.STACKED_NAMES, s.shape, runtime.mesh, runtime.rules), shapes)
@@ -197,7 +200,8 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     extra = {"step_processed": processing.step_processed_kind(self.max_seq_len),
              "fill_logprobs": processing.FILL_LOGPROBS,
              "burst": burst_kind(self.decode_burst),
-             "speculate_masked": self.draft and with_masks(self.draft.target_program)}.get(kind)
+             "speculate_masked": self.draft and with_masks(self.draft.target_program),
+             "fill": self.draft and self.draft.fill_program}.get(kind)
     self.programs.compile(kind, batch, length, width, program=extra)
 
   def _compiled(self, kind, rows):
@@ -323,11 +327,13 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     tokens = np.zeros((rows, chunk), np.int32)
     positions = np.full((rows, chunk), -1, np.int32)
     tails = np.zeros((rows,), np.int32)  # padding rows write nothing
+    following = np.zeros((rows, chunk), np.int32)  # the token after each (a draft's MTP layer pairs them)
     for i, request in enumerate(group):
       start = request.cached
       count = min(chunk, len(request.context) - 1 - start)
       tokens[i, :count] = request.context[start:start + count]
       positions[i, :count] = np.arange(start, start + count)
+      following[i, :count] = request.context[start + 1:start + count + 1]  # a prompt chunk stops before the last
       # A request's slot names its tail page in a quantized cache (a speculative draft's
       # copies are in no slot: their row is their target's slot).
       tails[i] = self.slots.index(request) if request in self.slots else request.row
@@ -338,7 +344,8 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     for request in group:
       self.sharing.publish(request)  # indexed now: the program below writes them before any later one reads
     if not any(r.prompt_logprobs is not None for r in group):
-      self.cache = self._run("fill", tokens, positions, table, tails)
+      pairs = () if self.draft is None or self.draft.fill_program is None else (following,)
+      self.cache = self._run("fill", tokens, positions, table, tails, *pairs)
       return rows * chunk
     targets = processing.prompt_targets(group, tokens, positions)
     outputs = self._run("fill_logprobs", tokens, positions, table, tails, targets)

@@ -24,7 +24,7 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.inference.draft_tree import DraftTree, choose_tree, default_accuracy, verify_tree
 from jaxpar.inference.programs import Kind
-from jaxpar.inference.speculative import (DETERMINISTIC_TARGET_PROGRAM, DraftSource, apply_masks, check_proposals,
+from jaxpar.inference.speculative import (DETERMINISTIC_TARGET_PROGRAM, OwnPassDraft, apply_masks, check_proposals,
                                          check_round)
 from jaxpar.models.caches import copy_positions
 from jaxpar.models.medusa import fingerprint, same_fingerprint
@@ -75,7 +75,7 @@ def _medusa_program(k: int, tree: DraftTree | None) -> Kind:
   return Kind(body, DETERMINISTIC_TARGET_PROGRAM.extra, ("rows",) * (3 if tree is None else 4))
 
 
-class MedusaDraft(DraftSource):
+class MedusaDraft(OwnPassDraft):
   """Proposals from the served model's Medusa heads: a chain of up to `k` a round (default:
   one per head), each head's best guess, or with `tree` (a DraftTree, or a node count for
   `choose_tree` under `default_accuracy`) every node of a candidate tree."""
@@ -85,8 +85,8 @@ class MedusaDraft(DraftSource):
       check_round(k)
     if k is not None and tree is not None:
       raise ConfigError("speculative medusa: give k (a chain) or tree (its node count), not both")
+    super().__init__()
     self.k, self.tree = k, tree
-    self.pending: dict[int, tuple[int, np.ndarray]] = {}  # request id -> (its length then, proposals)
 
   def bind(self, target):
     cfg = target.runtime.model_config
@@ -117,31 +117,12 @@ class MedusaDraft(DraftSource):
                         f"proposal each: use k <= {heads}")
     check_round(self.k, target)
     check_base(target.runtime, target.params, target.model_state)
-    self.batch, self.max_seq_len = len(target.slots), target.max_seq_len
+    self.bind_rows(target)
     self.adaptive = self.chain = self.tree is None  # a tree's nodes are checked together: its pass is one shape
     self.target_program = _medusa_program(self.k, self.tree)
 
-  def propose(self, rows, starts, settings):
-    proposed = np.zeros((self.batch, self.k), np.int32)
-    limit = np.zeros(self.batch, np.int32)
-    for i, request in enumerate(rows):
-      length, drafts = self.pending.get(getattr(request, "id", None), (None, None))
-      if length is not None and length == request.length:  # proposed for exactly this context
-        # A tree's nodes past the context are written nowhere: none of them is a candidate.
-        proposed[i], limit[i] = drafts, min(self.k, self.max_seq_len - length)
-    return proposed, limit, None
-
   def kept(self, proposed, outputs):
     return (outputs[0], outputs[1:]) if self.tree is not None else (proposed, outputs)
-
-  def receive(self, rows, outputs):
-    (drafts,) = outputs
-    for i, request in enumerate(rows):
-      if request is not None and request.finish_reason is None:
-        self.pending[request.id] = (request.length, drafts[i])
-
-  def forget(self, request):
-    self.pending.pop(request.id, None)
 
 
 def check_base(runtime, params, model_state):

@@ -218,8 +218,13 @@ class DraftSource:
   `adaptive`: a round checks as many proposals as draft_length.py chooses from the rows'
   acceptance and the measured cost of each of `widths` (each compiled at start)."""
   target_program = DETERMINISTIC_TARGET_PROGRAM
+  fill_program = None  # a prompt-writing program of its own (Kind; given the token after each), if any
   adaptive = True
   chain = True  # proposal j follows proposal j - 1 (a tree's nodes do not)
+
+  def init_cache(self, model, num_pages: int, page_size: int, dtype, slots: int) -> dict:
+    """Layer groups of its own that the target's cache keeps beside the model's (none)."""
+    return {}
 
   @property
   def widths(self) -> tuple[int, ...]:
@@ -237,6 +242,38 @@ class DraftSource:
 
   def forget(self, request: Request):
     pass
+
+
+class OwnPassDraft(DraftSource):
+  """A source whose proposals come out of the target's own checking pass (Medusa heads, an
+  MTP module): each round's program also returns every row's next proposals, made for its
+  length after the round, so a round is one compiled program; a row's first round after its
+  prompt has none and decodes one token, as plain decoding does."""
+
+  def __init__(self):
+    self.pending: dict[int, tuple[int, np.ndarray]] = {}  # request id -> (its length then, proposals)
+
+  def bind_rows(self, target):
+    self.batch, self.max_seq_len = len(target.slots), target.max_seq_len
+
+  def propose(self, rows, starts, settings):
+    proposed = np.zeros((self.batch, self.k), np.int32)
+    limit = np.zeros(self.batch, np.int32)
+    for i, request in enumerate(rows):
+      length, drafts = self.pending.get(getattr(request, "id", None), (None, None))
+      if length is not None and length == request.length:  # proposed for exactly this context
+        # Proposals past the context are written nowhere: none of them is a candidate.
+        proposed[i], limit[i] = drafts, min(self.k, self.max_seq_len - length)
+    return proposed, limit, None
+
+  def receive(self, rows, outputs):
+    (drafts,) = outputs
+    for i, request in enumerate(rows):
+      if request is not None and request.finish_reason is None:
+        self.pending[request.id] = (request.length, drafts[i])
+
+  def forget(self, request):
+    self.pending.pop(request.id, None)
 
 
 # Text a draft's tokenizer must split into the target's ids: words, digits, punctuation, accents.

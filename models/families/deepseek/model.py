@@ -6,7 +6,11 @@ norm) with the embedding of the next token t_{i+1}: one projection of [norm(h_i)
 norm(emb(t_{i+1}))] back to the model width, one more decoder layer (the stack's own kind),
 a norm, and the shared output head predict t_{i+2}. Its cross-entropy, times
 `model.mtp_loss_weight`, joins the auxiliary losses (`mtp`), so the train step adds it to
-the objective like the router losses. Generation ignores the module.
+the objective like the router losses.
+
+Generation uses the module only as a speculative draft (jaxpar/inference/mtp.py): its layer
+then keeps a paged cache of its own (`init_mtp_cache`, float), entry i written from the pair
+(h_i, t_{i+1}) once t_{i+1} is known, and `mtp_decode` steps it.
 """
 
 import jax
@@ -16,7 +20,7 @@ from flax import nnx
 from jaxpar import pallas_kernels
 from jaxpar.mesh import constrain, num_shards
 from jaxpar.models import caches
-from jaxpar.models.decoder import RESIDUAL
+from jaxpar.models.decoder import RESIDUAL, LayerContext
 from jaxpar.models.init import fan_in
 from jaxpar.models.layer_pattern import layer_options
 from jaxpar.models.norm import RMSNorm
@@ -39,12 +43,13 @@ class MultiTokenPrediction(nnx.Module):
     self.options = layer_options(cfg, cfg.num_layers)  # as a layer after the stack's last
     self.dtype = dtypes["compute_dtype"]
 
-  def __call__(self, hidden, next_embedded, context):
-    """hidden, next_embedded [B, L, embed] -> (normed output [B, L, embed], aux)."""
+  def __call__(self, hidden, next_embedded, context, cache=None):
+    """hidden, next_embedded [B, L, embed] -> (the layer's output [B, L, embed] before
+    out_norm, aux, cache); `cache`: a generation cache view of the layer (None: a forward
+    over whole sequences)."""
     x = jnp.concatenate([self.hidden_norm(hidden), self.embed_norm(next_embedded)], axis=-1)
     x = constrain(x @ self.merge[...].astype(self.dtype), RESIDUAL)
-    x, aux, _ = self.layer(x, context, caches.NoCache(), self.options)
-    return self.out_norm(x), aux
+    return self.layer(x, context, caches.NoCache() if cache is None else cache, self.options)
 
 
 class DeepSeekTransformer(Transformer):
@@ -72,9 +77,34 @@ class DeepSeekTransformer(Transformer):
     shift = lambda x, n: jnp.pad(x[:, n:], ((0, 0), (0, n)))  # noqa: E731
     next_tokens, targets = back(shift(t, 1)), back(shift(t, 2))
     valid = back((shift(s, 2) == s) & (jnp.arange(t.shape[1]) < t.shape[1] - 2))
-    out, mtp_aux = self.mtp(hidden, self._embed(next_tokens), context)
-    logits = jnp.einsum("ble,ev->blv", out, self.output_projection()).astype(jnp.float32)
+    out, mtp_aux, _ = self.mtp(hidden, self._embed(next_tokens), context)
+    logits = jnp.einsum("ble,ev->blv", self.mtp.out_norm(out), self.output_projection()).astype(jnp.float32)
     logits = constrain(logits, ("batch", "length", "act_vocab"))
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)[..., 0]
     mean = jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
     return self.cfg.mtp_loss_weight * mean + sum(mtp_aux.get("losses", {}).values())
+
+  # -- the module as a speculative draft (jaxpar/inference/mtp.py) ------------------------
+
+  def init_mtp_cache(self, num_pages: int, page_size: int, dtype, slots: int) -> dict:
+    """A zeroed float paged cache for the module's layer, on the stack's page tables."""
+    return caches.init(self.cfg, 1, num_pages, page_size, dtype, slots=slots)
+
+  def mtp_decode(self, hidden, next_tokens, positions, pages: dict, page_table):
+    """Write the pairs (hidden [B, T, embed], the token after each, next_tokens [B, T]) at
+    `positions` [B, T] (negative: nothing) into the module's cache `pages` and step its layer
+    -> (its output [B, T, embed] before out_norm: the next pair's hidden, cache pages)."""
+    view = caches.for_generation(pages, page_table, jnp.zeros((), jnp.int32))
+    x, _, view = self.mtp(hidden, self._embed(next_tokens), LayerContext(positions), view)
+    return x, view.pages
+
+  def mtp_forward(self, tokens):
+    """The module's guesses over whole sequences tokens [B, L] -> logits [B, L - 1, vocab],
+    at position i its guess of t_{i+2} from (h_i, t_{i+1}): what a draft proposes."""
+    x, _, context = self.stack_output(tokens)
+    out, _, _ = self.mtp(x[:, :-1], self._embed(tokens[:, 1:]), LayerContext(context.positions[:, :-1]))
+    return self.mtp_logits(out)
+
+  def mtp_logits(self, x):
+    """The module's guesses [..., vocab] from `mtp_decode`'s output."""
+    return self.logits(self.mtp.out_norm(x))
