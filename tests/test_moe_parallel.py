@@ -2,8 +2,8 @@
 (a dense first layer, a shared expert, sigmoid routing with the auxiliary-loss-free bias,
 both router losses) with GPT-OSS's pieces too (q/k/v/o biases, sinks, a learned router
 bias, biased experts with the clamped SwiGLU) gives the same loss, gradients, auxiliary
-losses and updated router bias with expert=2, 4, 8 and expert=2 x fsdp=2 x tensor=2 as
-with expert=1, in f32, and
+losses and updated router bias with expert=2, 4, 8, expert=2 x fsdp=2 x tensor=2 and
+expert=2 x context=2 x fsdp=2 as with expert=1, in f32, and
 the compiled step exchanges tokens with all-to-all exactly when experts are split."""
 
 import jax
@@ -28,6 +28,9 @@ MESHES = {
   "ep4_fsdp2": {"expert": 4, "fsdp": 2},
   "ep8": {"expert": 8, "fsdp": 1},
   "ep2_fsdp2_tp2": {"expert": 2, "fsdp": 2, "tensor": 2},
+  # Context parallelism splits the sequences: the dispatch's devices along `context` hold
+  # other tokens, whatever the weights are split over.
+  "ep2_context2_fsdp2": {"expert": 2, "context": 2, "fsdp": 2},
 }
 
 

@@ -147,9 +147,10 @@ def routed_experts(x, expert_ids, weights, gate, up, down, *, biases=None, glu=s
   ep, tp = mesh_axes("experts", num_experts), mesh_axes("mlp", ffn)
   fsdp = tuple(a for a in mesh_axes("embed", dim) if a not in ep + tp)
   batch = mesh_axes("batch", x.shape[0])
+  tokens = batch + mesh_axes("length", x.shape[1])  # context parallelism splits the sequences
   # shared: axes the weights are split over that a batch too small to split (decoding a few
   # rows) is repeated over: every copy computes the same result.
-  axes = {"ep": ep, "tp": tp, "fsdp": fsdp, "shared": tuple(a for a in ep + fsdp if a not in batch),
+  axes = {"ep": ep, "tp": tp, "fsdp": fsdp, "shared": tuple(a for a in ep + fsdp if a not in tokens),
           "replicated": tuple(a for a in batch if a not in ep + tp + fsdp)}
   mesh = jax.sharding.get_abstract_mesh()
   fn = functools.partial(_per_device, axes=axes, ep_size=math.prod(mesh.shape[a] for a in ep),
