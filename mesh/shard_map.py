@@ -5,6 +5,8 @@ and outputs' axes logically (`batch`, `act_heads`, `length`, ...); the specs com
 the same rules as every parameter and activation, so a mesh axis is named in one place.
 """
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -15,6 +17,22 @@ from jaxpar.errors import ConfigError
 from jaxpar.mesh.rules import PRESETS, resolve_rules
 
 DEFAULT_RULES = "fsdp_tp"
+_VMA_CHECKED = contextvars.ContextVar("vma_checked", default=True)
+
+
+@contextlib.contextmanager
+def vmapped_over_mesh_axis():
+  """Kernels traced inside `jax.vmap(..., spmd_axis_name=A)` (train.sync's replicas, one
+  per `data` device group) run their shard_maps without check_vma: JAX's per-value tracking
+  marks every value of a shard_map under such a vmap as varying over A, so an output the
+  vmap leaves unbatched (a gradient of the kernel's replicated input, say) fails the check
+  although it is replicated over A. vmap's own batching places those outputs; the replicas'
+  tests compare every parameter with all-reduce training."""
+  token = _VMA_CHECKED.set(False)
+  try:
+    yield
+  finally:
+    _VMA_CHECKED.reset(token)
 
 
 def current_rules():
@@ -119,5 +137,5 @@ def logical_shard_map(fn, in_names, out_names, *, sum_over=(), check_vma=True):
 
     in_specs = tuple(_spec(in_names[i], chosen) for i in present)
     return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=check_vma)(*(args[i] for i in present))
+                         check_vma=check_vma and _VMA_CHECKED.get())(*(args[i] for i in present))
   return wrapped

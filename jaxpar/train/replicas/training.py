@@ -4,8 +4,8 @@ Each of the `data` axis's R replicas takes inner steps on its share of the batch
 usual optimizer (its own state), and nothing crosses `data` between syncs: the inner step
 is the plain train step under `jax.vmap(..., spmd_axis_name="data")` over parameters
 stacked [R, ...] and split over `data`, with `batch` no longer mapped to `data` inside it,
-so XLA's partitioner places each replica's work on its own devices (FSDP, tensor and the
-rest still split inside a replica). Every `every` steps a fragment (everything, for diloco
+so XLA's partitioner places each replica's work on its own devices (FSDP, tensor, context
+and expert still split inside a replica; their kernels' shard_maps batch under the vmap). Every `every` steps a fragment (everything, for diloco
 and sparseloco) syncs, in the same program as that step's inner update:
 
   delta_r   = anchor - replica_r          the pseudo-gradient, from the parameters before
@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import ConfigError
+from jaxpar.mesh.shard_map import vmapped_over_mesh_axis
 from jaxpar.train.replicas import compress
 from jaxpar.train.replicas.fragments import Fragments, put, take
 from jaxpar.train.state import TrainState
@@ -72,11 +73,6 @@ class ReplicaTraining:
     if runtime.plan.pipelined:
       raise ConfigError(f"train.sync={train.sync} with a pipeline (mesh.stage > 1) is not built: "
                         "use train.sync=allreduce, or FSDP/tensor parallelism inside each replica")
-    per_device = [a for a in ("context", "expert") if self.mesh.shape[a] > 1]
-    if per_device:
-      raise ConfigError(f"train.sync={train.sync} with mesh.{per_device[0]}={self.mesh.shape[per_device[0]]} is not "
-                        "built (its per-device attention or expert dispatch does not run per replica yet): use "
-                        "FSDP and tensor parallelism inside each replica, or train.sync=allreduce")
     if jax.tree.leaves(runtime.abstract_model_state):
       raise ConfigError(f"train.sync={train.sync}: this model keeps non-parameter state (router biases) that the "
                         "replicas would update apart: use train.sync=allreduce")
@@ -155,7 +151,7 @@ class ReplicaTraining:
     split = jax.tree.map(lambda x: x.reshape(self.replicas, x.shape[0] // self.replicas, *x.shape[1:]), batch)
     inner = jax.vmap(self.update, in_axes=(0, 0, None, None, None, 0), out_axes=(0, 0, None, 0),
                      spmd_axis_name=AXIS)
-    with nnx.logical_axis_rules(self.rules):
+    with nnx.logical_axis_rules(self.rules), vmapped_over_mesh_axis():
       replicas, inner_state, model_state, metrics = inner(opt["replicas"], opt["inner"], state.model_state,
                                                           state.frozen, state.step, split)
     opt = {**opt, "inner": inner_state, "replicas": replicas}
