@@ -2,6 +2,13 @@
 (data=4 x fsdp=2): the exact reduction to all-reduce training, the traffic read from the
 compiled programs against the hand count, the compression's numerics, resume, config errors."""
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,6 +133,19 @@ def test_traffic_over_data_read_from_the_compiled_programs():
   assert not [c for c in found if c.kind != "all-reduce"]
 
 
+@pytest.mark.tpu
+def test_moe_replicas_inner_step_sends_nothing_over_data_on_tpu():
+  """The real TPU compiler (2 x v5e-4, `data` across the slices): an MoE replica with ring
+  attention and expert dispatch inside sends 0 bytes over `data` between syncs. (XLA's CPU
+  backend gathers a top_k's operand over every batch axis, so the 8-CPU-device program does
+  send the router scores.)"""
+  from jaxpar.aot.compile import compile_for_topology
+  config = _config("train.sync=diloco", "mesh.data=2", "mesh.fsdp=1", "mesh.context=2", "mesh.expert=2",
+                   name="tiny-moe")
+  report, _ = compile_for_topology(config, "v5e-4", 2)
+  assert report["data_sync"]["programs"]["inner"] == 0 < report["data_sync"]["programs"]["sync 0"]
+
+
 def test_streaming_resume_mid_period_continues_bit_for_bit(tmp_path):
   overrides = ["train.sync=streaming_diloco", "train.diloco.fragments=2", "train.diloco.every=4", "train.steps=6"]
   whole, _ = _losses_and_params(_config(*overrides, tmp_path=tmp_path / "whole"), None)
@@ -140,6 +160,38 @@ def test_streaming_resume_mid_period_continues_bit_for_bit(tmp_path):
   with pytest.raises(ConfigError, match="holds 4 train.sync replicas but mesh.data is 2"):
     Trainer(load_config("tiny", SMALL + overrides + [f"train.run_dir={tmp_path / 'split'}", "mesh.data=2",
                                                    "mesh.fsdp=4", "train.steps=8"])).fit(show_progress=False)
+
+
+def _losses(run_dir) -> list:
+  return [json.loads(line)["loss"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_sigterm_mid_period_then_the_same_command_continues_bit_for_bit(tmp_path):
+  """`jaxpar train` with Streaming DiLoCo, stopped by SIGTERM between two syncs (each fragment's
+  replicas have drifted apart), then the same command again: every step's loss equals an
+  uninterrupted run's, to the last bit."""
+  overrides = SMALL + ["train.sync=streaming_diloco", "train.diloco.fragments=2", "train.diloco.every=4",
+                       "train.steps=16", "train.log_every=1"]
+  Trainer(load_config("tiny", overrides + [f"train.run_dir={tmp_path / 'whole'}"])).fit(show_progress=False)
+  command = [sys.executable, "-m", "jaxpar", "train", "tiny", *overrides, f"train.run_dir={tmp_path / 'stopped'}",
+             "--no-progress"]
+  env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  output = []
+  for line in child.stdout:
+    output.append(line)
+    if line.split()[:2] == ["step", "3"]:  # fragment 0 synced after step 2, fragment 1 syncs after 4
+      child.send_signal(signal.SIGTERM)
+      break
+  output += child.stdout.read()
+  assert child.wait(120) == 0 and "stopped by SIGTERM" in "".join(output), "".join(output)
+  stopped = len(_losses(tmp_path / "stopped"))
+  assert 3 <= stopped < 16
+  finished = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+  assert finished.returncode == 0, finished.stdout + finished.stderr
+  assert _losses(tmp_path / "stopped") == _losses(tmp_path / "whole")
 
 
 @pytest.mark.parametrize("overrides, message", [

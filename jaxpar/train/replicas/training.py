@@ -70,9 +70,10 @@ class ReplicaTraining:
     if self.replicas == 1:
       raise ConfigError(f"train.sync={train.sync} syncs replicas over the `data` mesh axis, which has 1 device: "
                         "set mesh.data to the number of replicas (e.g. mesh.data=4)")
-    if runtime.plan.pipelined:
+    if runtime.plan.pipelined:  # JAX 0.10.2 fails to lower the pipeline's shard_map under the vmap
       raise ConfigError(f"train.sync={train.sync} with a pipeline (mesh.stage > 1) is not built: "
-                        "use train.sync=allreduce, or FSDP/tensor parallelism inside each replica")
+                        "use train.sync=allreduce, or FSDP, tensor, context or expert parallelism inside "
+                        "each replica")
     if jax.tree.leaves(runtime.abstract_model_state):
       raise ConfigError(f"train.sync={train.sync}: this model keeps non-parameter state (router biases) that the "
                         "replicas would update apart: use train.sync=allreduce")
