@@ -60,13 +60,17 @@ def causal_conv(x, kernel, segment_ids=None, history=None, history_segments=None
   return out
 
 
-def conv_step(x, kernel, history, count):
+def conv_step(x, kernel, history, count, every_token=False):
   """The same convolution continuing a sequence: x [B, T, H, D] after `history` [B, H, K-1, D]
   (the generation cache's layout) -> (output [B, T, H, D], the new history: the last K-1
-  inputs of history and each row's first `count` [B] tokens; later ones are padding)."""
+  inputs of history and each row's first `count` [B] tokens; later ones are padding). With
+  `every_token`, the history after each token instead [B, H, T, K-1, D]."""
   taps = kernel.shape[0]
   before = jnp.swapaxes(history, 1, 2)
   joined = jnp.concatenate([before.astype(jnp.float32), x.astype(jnp.float32)], axis=1)
+  if every_token:
+    after = jnp.stack([joined[:, t + 1:t + taps] for t in range(x.shape[1])], axis=2)  # [B, K-1, T, H, D]
+    return causal_conv(x, kernel, history=before), jnp.transpose(after, (0, 3, 2, 1, 4))
   last = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, taps - 1, axis=0))(joined, count)
   return causal_conv(x, kernel, history=before), jnp.swapaxes(last, 1, 2)
 
@@ -128,11 +132,17 @@ class GatedDeltaNet(nnx.Module):
       mixed, histories = {}, {}
       for n in ("q", "k", "v"):
         mixed[n], histories[f"conv_{n}"] = conv_step(inputs[n], kernels[n], cache.read(f"conv_{n}", positions),
-                                                     jnp.sum(positions >= 0, axis=1))
+                                                     jnp.sum(positions >= 0, axis=1),
+                                                     every_token=cache.speculating)
       valid = (positions >= 0)[..., None]
       decay, beta = jnp.where(valid, decay, 0.0), jnp.where(valid, beta, 0.0)
-      out, state = self._continue(*self._activate(mixed), decay, beta, cache.read("delta", positions))
-      cache = cache.write({**histories, "delta": state}, positions)
+      if cache.speculating:  # a speculative window: the states after each token, as candidates
+        out, states = self._each_token(*self._activate(mixed), decay, beta, cache.read("delta", positions))
+        cache = cache.write({f"{name}_at": value for name, value in {**histories, "delta": states}.items()},
+                            positions)
+      else:
+        out, state = self._continue(*self._activate(mixed), decay, beta, cache.read("delta", positions))
+        cache = cache.write({**histories, "delta": state}, positions)
     elif num_shards("length") > 1:
       out = self._split_sequence(inputs, kernels, decay, beta, segments, context.zigzag)
     else:
@@ -200,6 +210,15 @@ class GatedDeltaNet(nnx.Module):
       out, state = pallas_kernels.gated_delta_step(state, q[:, 0], k[:, 0], v[:, 0], decay[:, 0], beta[:, 0])
       return out[:, None], state
     return self._rule(q, k, v, decay, beta, state, None)
+
+  def _each_token(self, q, k, v, decay, beta, state):
+    """The delta rule token by token from each row's `state` -> (out [B, T, ...], the state
+    after each token [B, heads, T, key_dim, value_dim]): the decode step's arithmetic."""
+    def step(state, token):
+      out, state = pallas_kernels.gated_delta_step(state, *token)
+      return state, (out, state)
+    _, (out, states) = jax.lax.scan(step, state, [jnp.moveaxis(x, 1, 0) for x in (q, k, v, decay, beta)])
+    return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 2)
 
   @staticmethod
   def matmul_params(cfg) -> int:

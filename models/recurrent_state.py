@@ -13,12 +13,19 @@ heads shard like KV heads and the slots like pages (kv_cache.STACKED_NAMES):
 A row reads and writes its slot's state (each program's rows name their slots). A row whose
 first position is 0 starts a sequence, so it reads zeros, whatever a finished or preempted
 request left in the slot; a row with no valid token writes nothing.
+
+Speculative decoding checks a window of tokens of which only the first few are kept, so a
+state must not run past them. A round opens candidates (`open_candidates`: per slot, each
+state after each of the window's tokens, `<name>_at` [layers, heads, slots, window, ...]),
+the layers fill them, and once the acceptance test has counted what is kept `commit`
+stores each row's state after its last kept token and drops the candidates.
 """
 
 import jax.numpy as jnp
 from flax import struct
 
 CONV = ("conv_q", "conv_k", "conv_v")
+STATES = (*CONV, "delta")
 
 
 def init_states(cfg, num_layers: int, slots: int, dtype) -> dict:
@@ -64,3 +71,31 @@ class RecurrentState:
       slots = jnp.where(jnp.any(positions >= 0, axis=1), self.slots, stack.shape[2])  # out of range: dropped
       states[name] = stack.at[self.layer, :, slots].set(value.astype(stack.dtype), mode="drop")
     return self.replace(states=states)
+
+  @property
+  def speculating(self) -> bool:
+    """Whether a speculative round opened candidates (each token's state is kept)."""
+    return "delta_at" in self.states
+
+
+def open_candidates(cache: dict, width: int) -> dict:
+  """`cache` (a model's, every group) with zeroed candidates for a window of `width` tokens
+  in each linear-attention group."""
+  def opened(group):
+    return {**group, **{f"{name}_at": jnp.zeros((*group[name].shape[:3], width, *group[name].shape[3:]),
+                                                 group[name].dtype) for name in STATES}}
+  return {name: opened(group) if "delta" in group else group for name, group in cache.items()}
+
+
+def commit(cache: dict, kept, positions, slots) -> dict:
+  """Each row's states after its last kept token: the candidate at window index `kept` [B]
+  (the accepted count: the row's own token, then `kept` drafts) stored in its slot (`slots`
+  [B]; rows with no token store nothing); the candidates dropped."""
+  def committed(group):
+    live = jnp.where(positions[:, 0] >= 0, slots, group["delta"].shape[2])  # out of range: dropped
+    out = {name: value for name, value in group.items() if not name.endswith("_at")}
+    for name in STATES:
+      chosen = group[f"{name}_at"][:, :, slots, kept]  # [layers, heads, B, ...]
+      out[name] = group[name].at[:, :, live].set(chosen, mode="drop")
+    return out
+  return {name: committed(group) if "delta_at" in group else group for name, group in cache.items()}

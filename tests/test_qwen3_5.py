@@ -177,12 +177,6 @@ def test_batched_and_preempted_requests_get_their_own_tokens():
   assert alone[0] == tokens[len(prompts[0]):]
 
 
-def test_speculative_decoding_refuses_in_one_line():
-  from jaxpar.inference.speculative import NgramDraft
-  with pytest.raises(ConfigError, match="cannot roll back rejected drafts yet"):
-    _hybrid_engine(slots=1, speculative=NgramDraft(k=2))
-
-
 def test_flops_count_the_projections_the_model_has():
   from jaxpar.models.flops import mixer_params
   from jaxpar.runtime import abstract_model

@@ -191,6 +191,46 @@ def test_greedy_speculation_over_a_quantized_cache_is_its_plain_decoding(kv_cach
     _engine(512, 0, draft=DraftModel(_engine(512, 0, kv_cache=kv_cache), k=3))
 
 
+class _EveryThirdWrong(NgramDraft):
+  """Proposes the tokens plain decoding gives next (`want`, by prompt), every third one
+  changed: some drafts are kept, then one is rejected, again and again."""
+
+  def __init__(self, want: dict, k: int = 3):
+    super().__init__(k=k)
+    self.want = want
+
+  def propose(self, rows, starts, settings):
+    proposed, limit = np.zeros((self.batch, self.k), np.int32), np.zeros(self.batch, np.int32)
+    for i, request in enumerate(rows):
+      if request is not None:
+        done, following = len(request.generated), self.want[tuple(request.prompt)]
+        drafts = [t if (done + j) % 3 != 2 else (t + 1) % 512 for j, t in enumerate(following[done:done + self.k])]
+        proposed[i, :len(drafts)], limit[i] = drafts, len(drafts)
+    return proposed, limit, None
+
+
+def test_speculation_rolls_linear_attention_states_back_to_the_last_kept_draft():
+  """A Qwen3.5-style hybrid (Gated DeltaNet layers keep one state per sequence): drafts kept
+  and then rejected in turn leave each row's state where its last kept token left it, so the
+  tokens are plain decoding's (committing the whole window's state instead changes them). A
+  draft model with such layers is refused in one line."""
+  cfg = load_config("tiny-qwen3.5", ["model.max_seq_len=64", "data.seq_len=32"]).model
+  runtime = Runtime(cfg, MeshConfig(fsdp=1), jax.devices()[:1], seed=0)
+  params, model_state = runtime.init()
+
+  def engine(**options):
+    return Engine(runtime, params, ByteTokenizer(), model_state=model_state, slots=3, page_size=8,
+                  prefill_chunks=(8,), **options)
+  prompts, settings = [[1, 2, 3], list(range(40, 60)), [7] * 9], SamplingParams(max_tokens=30, stop_token_ids=())
+  want = [r.tokens for r in engine().generate(prompts, settings)]
+  drafted = engine(speculative=_EveryThirdWrong({tuple(p): w for p, w in zip(prompts, want)}))
+  assert [r.tokens for r in drafted.generate(prompts, settings)] == want
+  proposed, accepted = (drafted.stats[f"speculative_{x}"] for x in ("proposed", "accepted"))
+  assert 0 < accepted < proposed and drafted.stats["speculative_rounds"] < 3 * 30
+  with pytest.raises(ConfigError, match="draft has linear-attention layers"):
+    _engine(512, 0, draft=DraftModel(engine(), k=2))
+
+
 def test_rows_with_and_without_speculation_share_the_rounds(plain):
   """A request that turns speculation off (`SamplingParams.speculative=False`) shares the rounds
   of those that keep it on: the same tokens, no proposals for it, one token per target pass."""

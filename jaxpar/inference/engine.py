@@ -35,7 +35,7 @@ from jaxpar.inference.programs import Programs, burst_kind, program_key
 from jaxpar.inference.requests import Completion, Request, TokenEvent
 from jaxpar.inference.sampling import GREEDY, SamplingParams
 from jaxpar.inference.draft_length import WidthChooser
-from jaxpar.inference.speculative import DraftSource, SpeculativeCalls, with_masks
+from jaxpar.inference.speculative import DraftSource, SpeculativeCalls, rolling_back, with_masks
 from jaxpar.mesh import logical_to_sharding
 from jaxpar.models import caches, kv_cache, kv_reach, local_window
 from jaxpar.models.kv_quant import KVQuantization
@@ -133,8 +133,9 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     self.programs = Programs(runtime, params, self.model_state, self.cache, self.kv_quantization)
     if speculative is not None:
       speculative.bind(self)
+      self._round = rolling_back(speculative.target_program)  # the target's pass and acceptance test
       for width in speculative.widths:
-        self.programs.compile("speculate", slots, width + 1, self.pages_per_seq, speculative.target_program)
+        self.programs.compile("speculate", slots, width + 1, self.pages_per_seq, self._round)
       self._widths = WidthChooser(speculative.widths)
     self._compile_all(echo or (lambda text: None), compile_extras)
     self.stats = collections.Counter()
@@ -200,7 +201,7 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     extra = {"step_processed": processing.step_processed_kind(self.max_seq_len),
              "fill_logprobs": processing.FILL_LOGPROBS,
              "burst": burst_kind(self.decode_burst),
-             "speculate_masked": self.draft and with_masks(self.draft.target_program),
+             "speculate_masked": self.draft and with_masks(self._round),
              "fill": self.draft and self.draft.fill_program}.get(kind)
     self.programs.compile(kind, batch, length, width, program=extra)
 

@@ -101,6 +101,9 @@ class MedusaDraft(OwnPassDraft):
         raise ConfigError(f"speculative medusa tree: {self.tree.depth} deep, but the model has {heads} draft heads "
                           f"(one per depth): use a tree at most {heads} deep")
       self.k = self.tree.nodes
+      if target.cache_bytes["states"]:
+        raise ConfigError("speculative medusa tree: the model's linear-attention states would run through "
+                          "every candidate in turn: give k (a chain)")
       if target.kv_quantization is not None:
         raise ConfigError(f"speculative medusa tree over a {target.kv_quantization.mode} KV cache: its candidates "
                           "fill slots past a row's page, which a quantized cache would quantize before the check "

@@ -38,6 +38,7 @@ from jaxpar.inference.processing import allowed, mask_words
 from jaxpar.inference.programs import Kind, settings_extra, settings_struct
 from jaxpar.inference.requests import Request
 from jaxpar.inference.sampling import argmax, filtered_probs, row_arrays, row_keys
+from jaxpar.models import recurrent_state
 
 _PROPOSE, _ACCEPT, _RESIDUAL = 1, 2, 3  # key streams, apart from the engines' own sampling (0)
 
@@ -96,6 +97,19 @@ def apply_masks(logits, bitmask):
   vocab = logits.shape[-1]
   permitted = jax.vmap(lambda words: allowed(words, vocab), in_axes=1, out_axes=1)(bitmask)
   return jnp.where(permitted, logits, -jnp.inf)
+
+
+def rolling_back(kind: Kind) -> Kind:
+  """A target program (`kind`, whose first output is each row's accepted count) that keeps
+  linear-attention layers' states at the last kept token: candidates opened before the
+  pass, each row's committed after the acceptance test (models/recurrent_state.py). The
+  same program for models without such layers."""
+  def body(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, *rest, **masks):
+    cache = recurrent_state.open_candidates(cache, tokens.shape[1])
+    *outputs, cache = kind.body(graphdef, kv, params, model_state, cache, tokens, positions, page_table, rows, *rest,
+                                **masks)
+    return (*outputs, recurrent_state.commit(cache, outputs[0], positions, rows))
+  return Kind(body, kind.extra, kind.outputs)
 
 
 def with_masks(kind: Kind) -> Kind:
@@ -197,9 +211,6 @@ def check_round(k: int, *engines):
     if engine.local_window is not None and k + 1 > engine.local_window:
       raise ConfigError(f"speculative k={k}: a round writes k + 1 positions, more than the local layers' window "
                         f"({engine.local_window}) keeps; use k < {engine.local_window}")
-    if engine.cache_bytes["states"]:
-      raise ConfigError(f"speculative k={k}: the model's linear-attention layers keep one state per sequence, "
-                        "which cannot roll back rejected drafts yet; serve it without speculative decoding")
     if engine.adapters:
       raise ConfigError("speculative decoding does not serve stacked adapters: merge the adapter "
                         "(`jaxpar lora merge`) and use the merged model as the target")
@@ -300,6 +311,9 @@ class DraftModel(DraftSource):
       raise ConfigError("the speculative draft's tokenizer differs from the target's (it splits the same text "
                         "into other ids): use a draft trained with the target's tokenizer")
     check_round(k, target, draft)
+    if draft.cache_bytes["states"]:
+      raise ConfigError("the speculative draft has linear-attention layers, whose state its own proposals run "
+                        "past: use a draft of attention layers only (the target may have them)")
     if draft.kv_quantization is not None:
       raise ConfigError(f"the speculative draft's KV cache is {draft.kv_quantization.mode}: its proposals run "
                         "past pages it rewrites next round, which a quantized cache does not undo; give the "
