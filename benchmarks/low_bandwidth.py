@@ -2,6 +2,7 @@
 against tokens, for all-reduce, DiLoCo (H = 8, 32, 128), Streaming DiLoCo and SparseLoCo.
 
     python benchmarks/low_bandwidth.py [--config tiny] [--steps 256] [--every 32] [--plot low_bandwidth.png]
+                                       [--warm-start STEPS]
     JAX_PLATFORMS=cpu python benchmarks/low_bandwidth.py --pod     # llama3-8b's syncs on 2 x v6e-256
 
 Every method trains the same config from the same initial weights on the same batches, on 8
@@ -9,6 +10,10 @@ simulated devices (data=4 replicas x fsdp=2), and is evaluated on the held-out s
 `--every` steps (the synced parameters: what a DiLoCo run would save). Bytes are read from
 the compiled programs (each device's share of every collective that crosses `data`, ring
 algorithms), averaged over a sync period: inner steps send nothing, a sync sends a fragment.
+
+With `--warm-start W` every method starts instead from the weights of W all-reduce steps
+(a fresh optimizer, step 0's schedule) and trains on the batches after those W: the papers
+compare their methods from pre-trained weights, not from random ones.
 
 The last columns are estimates, labelled so: the seconds each step's `data` traffic would
 take on a link of `--link-gbps` gigabits per second per device, from the measured bytes.
@@ -58,15 +63,31 @@ def data_bytes(trainer) -> float:
   return data_sync_traffic(trainer, inner)["per_step"]
 
 
-def run(name, overrides, args, workdir):
-  config = load_config(args.config, MESH + overrides + [
-      f"train.steps={args.steps}", f"eval.every_steps={args.every}", f"eval.steps={args.eval_batches}",
+def _config(name, overrides, args, workdir, steps):
+  return load_config(args.config, MESH + overrides + [
+      f"train.steps={steps}", f"eval.every_steps={args.every}", f"eval.steps={args.eval_batches}",
       f"train.run_dir={workdir}/{name.replace(' ', '_').replace('/', '-')}", "checkpoint.enabled=false",
       "train.log_every=0", "train.sample_tokens=0", *args.set])
+
+
+def warm_weights(args, workdir):
+  """The parameters after --warm-start all-reduce steps (host arrays)."""
+  result = Trainer(_config("warm", [], args, workdir, args.warm_start)).fit(show_progress=False)
+  print(f"  warm start: {args.warm_start} all-reduce steps, loss {result.summary['final_loss']:.4f}", flush=True)
+  return jax.device_get(result.state.params)
+
+
+def run(name, overrides, args, workdir, warm=None):
+  config = _config(name, overrides, args, workdir, args.steps)
   trainer = Trainer(config)
   per_step = data_bytes(trainer)
+  state = batches = None
+  if warm is not None:  # from the warm weights, on the batches after the warm-up's
+    state, batches = trainer.state_from(warm), trainer.batches()
+    for _ in range(args.warm_start):
+      next(batches)
   started = time.perf_counter()
-  result = trainer.fit(show_progress=False)
+  result = trainer.fit(state, batches, show_progress=False)
   key = next(k for h in result.history for k in h if k.startswith("eval/") and k.endswith("/loss"))
   evals = [(h["step"], h[key]) for h in result.history if key in h]
   tokens = config.data.global_batch_size * config.data.seq_len
@@ -152,6 +173,8 @@ def main():
   parser.add_argument("--link-gbps", type=float, default=1.0)
   parser.add_argument("--plot", default=None, help="write the two curves to this PNG")
   parser.add_argument("--set", nargs="*", default=[], help="more config overrides, key=value")
+  parser.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
+                      help="start every method from the weights of this many all-reduce steps")
   parser.add_argument("--pod", nargs="*", choices=list(POD), help="instead: the llama3-8b syncs on 2 x v6e-256 "
                       "(compile-only; needs the tpu extra and JAX_PLATFORMS=cpu)")
   args = parser.parse_args()
@@ -160,8 +183,9 @@ def main():
   print(f"{args.config}, {args.steps} steps, data=4 x fsdp=2 on {jax.device_count()} {jax.devices()[0].platform} devices")
   rows = []
   with tempfile.TemporaryDirectory() as workdir:
+    warm = warm_weights(args, workdir) if args.warm_start else None
     for name in ["allreduce"] + [m for m in args.methods if m != "allreduce"]:
-      rows.append(run(name, METHODS[name], args, workdir))
+      rows.append(run(name, METHODS[name], args, workdir, warm))
       print(f"  {name}: final eval loss {rows[-1]['final']:.4f}, {rows[-1]['bytes'] / 1e6:.3f} MB/step, "
             f"{rows[-1]['wall_s']:.0f} s", flush=True)
   table(rows, args.link_gbps)

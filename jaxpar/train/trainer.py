@@ -184,6 +184,15 @@ class Trainer:
       return per_device * self.mesh.size
     return measure_matmul_flops(jnp.dtype(self.config.model.compute_dtype))
 
+  def state_from(self, params) -> TrainState:
+    """A state at step 0 over `params` (a fresh optimizer; train.sync's replicas starting
+    there): a warm start from another run's weights."""
+    state = self.init_state()
+    params = jax.device_put(params, self.state_shardings.params)
+    with self.context():
+      opt_state = jax.jit(self._init_opt, out_shardings=self.state_shardings.opt_state)(params)
+    return state.replace(params=params, opt_state=opt_state)
+
   def fit(self, state=None, batches=None, *, steps=None, show_progress=True,
           restore=None, overwrite=False) -> TrainResult:
     """Train `steps` more steps (default: up to train.steps in all). With no `state`, starts
