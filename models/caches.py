@@ -100,12 +100,16 @@ def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail
 
 
 def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quantization=None,
-         slots: int = 1, windows=None, mixer: str | None = None) -> dict:
+         slots: int = 1, windows=None, mixer: str | None = None, kv_repeat: int = 1) -> dict:
   """Zeroed pages for a group of `num_layers` layers, of the kind its attention block keeps
   (`init_cache`: float, or quantized with a float tail page per slot; multi-head latent
   attention's latent cache); `mixer`: the group's attention block (None: the model's). `windows`: the
   group's per-layer sliding windows; when local and global layers mix, the local layers get
-  rings of their window's pages per slot instead of pool pages (kv_cache_windowed.py)."""
+  rings of their window's pages per slot instead of pool pages (kv_cache_windowed.py).
+  `kv_repeat`: copies of each KV head the pages hold (kv_cache.head_repeat), laid out as for
+  a model with that many times the KV heads."""
+  if kv_repeat > 1:
+    cfg = cfg.model_copy(update={"num_kv_heads": cfg.num_kv_heads * kv_repeat})
   if kv_cache_windowed.is_mixed(windows):
     full = sum(w is None for w in windows)
     ring = kv_cache_windowed.ring_pages(max(w for w in windows if w), page_size)

@@ -23,6 +23,22 @@ PAGE_NAMES = ("cache_kv_heads", "cache_pages", None, "head_dim")
 STACKED_NAMES = ("layers",) + PAGE_NAMES
 
 
+def head_repeat(cfg, split: int) -> int:
+  """Copies of each KV head a generation cache keeps when its heads are split `split` ways
+  (the devices `cache_kv_heads` maps to). With more devices than KV heads the heads would
+  not divide, so every device would hold the whole cache; repeated `split / kv_heads` times
+  (when the query heads split as evenly) each device holds the one head its query heads
+  read: 1/kv_heads of the cache instead of all of it."""
+  kv = cfg.num_kv_heads
+  return split // kv if split > kv and split % kv == 0 and cfg.num_heads % split == 0 else 1
+
+
+def fit_heads(x, heads: int):
+  """New keys or values [B, T, kv_heads, D] repeated to the cache's `heads` (head_repeat):
+  stored head j is KV head j // repeat, which query head h reads as h // (H / heads)."""
+  return x if x.shape[2] == heads else jnp.repeat(x, heads // x.shape[2], axis=2)
+
+
 def page_shape(cfg, num_pages: int, page_size: int) -> tuple[int, ...]:
   return (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
@@ -49,7 +65,8 @@ class PagedCache:
   def update_and_attend(self, q, k, v, context, spec, sinks=None):
     """Store k, v [B, T, kv_heads, head_dim] at context.positions, then attend q to
     everything cached up to each query's position -> (out [B, T, heads, head_dim], cache)."""
-    cache = write(self, k, v, context.positions)
+    heads = self.pages["k"].shape[1]
+    cache = write(self, fit_heads(k, heads), fit_heads(v, heads), context.positions)
     # The stacked pages and the layer's index: a kernel that reads them in place (CPU decode)
     # need not copy the layer's pages out first.
     out = pallas_kernels.paged_attention(q, cache.pages["k"], cache.pages["v"], context.positions,

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxpar import pallas_kernels
-from jaxpar.models import kv_quant
+from jaxpar.models import kv_cache, kv_quant
 
 
 def init(cfg, num_layers: int, num_pages: int, page_size: int, slots: int, spec, dtype) -> dict:
@@ -55,7 +55,8 @@ class QuantizedPagedCache:
     attend q to what a decode step reads back: only the pages the queries' window can see
     are dequantized -> (out [B, T, heads, head_dim], cache)."""
     positions = context.positions
-    cache = write(self, k, v, positions)
+    heads = self.pages["tail_k"].shape[1]
+    cache = write(self, kv_cache.fit_heads(k, heads), kv_cache.fit_heads(v, heads), positions)
     page_size = self.pages["tail_k"].shape[3]
     table, start = pallas_kernels.visible_pages(self.page_table, positions, page_size, spec.sliding_window)
     positions = jnp.where(positions >= 0, positions - start[:, None], -1)  # relative to the visible pages

@@ -194,14 +194,16 @@ class Transformer(nnx.Module):
     return x, {**cache, **{name: view.pages for name, view in views.items()}}
 
   def init_cache(self, num_pages: int, page_size: int, dtype=None, *, kv_quantization=None,
-                 slots: int = 1) -> dict:
+                 slots: int = 1, kv_repeat: int = 1) -> dict:
     """A zeroed paged KV cache for every layer group; with `kv_quantization`, the quantized
     layout (pages in the pool quantized, one float tail page per slot). A group that mixes
     local and global layers keeps `num_pages` for its global layers and a ring of the
-    window's pages per slot for its local ones (kv_cache_windowed.py)."""
+    window's pages per slot for its local ones (kv_cache_windowed.py). `kv_repeat`: copies of
+    each KV head kept (kv_cache.head_repeat)."""
     dtype = dtype or jnp.dtype(self.cfg.compute_dtype)
     return {g.name: caches.init(self.cfg, g.count, num_pages, page_size, dtype, kv_quantization=kv_quantization,
-                                slots=slots, windows=sliding_windows(self.cfg, g.indices), mixer=g.mixer)
+                                slots=slots, windows=sliding_windows(self.cfg, g.indices), mixer=g.mixer,
+                                kv_repeat=kv_repeat)
             for g in layer_groups(self.cfg)}
 
   def _embed(self, tokens):

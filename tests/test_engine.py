@@ -57,12 +57,22 @@ def sharded():
   return _engine({"data": 2, "fsdp": 2, "tensor": 2}, jax.devices())
 
 
+@pytest.fixture(scope="module")
+def heads_repeated():
+  """tensor=4 over 2 kv heads: the cache keeps each head twice, one per device."""
+  return _engine({"data": 2, "fsdp": 1, "tensor": 4}, jax.devices())
+
+
 LENGTHS = [1, 7, 8, 9, 33, 70]  # inside a page, page edges, across chunks and pages
 
 
-@pytest.mark.parametrize("which", ["one_device", "sharded"])
+@pytest.mark.parametrize("which", ["one_device", "sharded", "heads_repeated"])
 def test_cached_greedy_equals_recompute(which, request):
   engine = request.getfixturevalue(which)
+  pages = jax.tree.leaves(engine.cache)[0]  # [layers, kv heads kept, pages, page size, head_dim]
+  tensor = engine.runtime.mesh.shape["tensor"]
+  assert (engine.kv_repeat, pages.shape[1]) == ((2, 4) if tensor == 4 else (1, MODEL.num_kv_heads))
+  assert pages.sharding.shard_shape(pages.shape)[1] == MODEL.num_kv_heads * engine.kv_repeat // tensor
   prompts = _prompts(LENGTHS)
   results = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, **NO_STOP))
   for prompt, result in zip(prompts, results):

@@ -16,7 +16,7 @@ from jaxpar.aot.compile import memory_sizes, per_device_bytes
 from jaxpar.aot.phases import silent
 from jaxpar.aot.report import gib
 from jaxpar.inference.programs import Programs
-from jaxpar.mesh import logical_to_sharding
+from jaxpar.mesh import logical_to_sharding, num_shards
 from jaxpar.models import caches, kv_cache
 from jaxpar.models.layer_pattern import sliding_windows
 from jaxpar.models.transformer import layer_groups
@@ -28,9 +28,10 @@ def abstract_cache(runtime, num_pages: int, page_size: int, dtype, slots: int = 
   engine lays it out (local layers' rings where local and global layers mix; quantized pages
   and a float tail page per slot with `kv_quantization`)."""
   cfg = runtime.model_config
+  repeat = kv_cache.head_repeat(cfg, num_shards("cache_kv_heads", runtime.mesh, runtime.rules))
   shapes = jax.eval_shape(lambda: {g.name: caches.init(cfg, g.count, num_pages, page_size, jnp.dtype(dtype), slots=slots,
                                                        windows=sliding_windows(cfg, g.indices), mixer=g.mixer,
-                                                       kv_quantization=kv_quantization)
+                                                       kv_quantization=kv_quantization, kv_repeat=repeat)
                                    for g in layer_groups(cfg)})
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=logical_to_sharding(
       kv_cache.STACKED_NAMES, s.shape, runtime.mesh, runtime.rules)), shapes)

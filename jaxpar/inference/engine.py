@@ -36,8 +36,9 @@ from jaxpar.inference.requests import Completion, Request, TokenEvent
 from jaxpar.inference.sampling import GREEDY, SamplingParams
 from jaxpar.inference.draft_length import WidthChooser
 from jaxpar.inference.speculative import DraftSource, SpeculativeCalls, rolling_back, with_masks
-from jaxpar.mesh import logical_to_sharding
+from jaxpar.mesh import logical_to_sharding, num_shards
 from jaxpar.models import caches, kv_cache, kv_reach, local_window
+from jaxpar.models.kv_cache import head_repeat
 from jaxpar.models.kv_quant import KVQuantization
 from jaxpar.weights import open_run
 
@@ -124,6 +125,8 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     self.fill_rows = {c: max(1, min(slots, self.prefill_budget // c)) for c in self.chunks}
     self.kv_quantization = None if kv_cache in (None, "float") else KVQuantization(kv_cache, page_size, 0)
     self._cache_layout = (num_pages, page_size, cache_dtype or cfg.compute_dtype)
+    # More tensor devices than KV heads: each keeps the head its query heads read, repeated.
+    self.kv_repeat = head_repeat(cfg, num_shards("cache_kv_heads", runtime.mesh, runtime.rules))
     self.slots: list[Request | None] = [None] * slots
     self.draft = speculative  # a draft source may keep layers of its own in the cache (an MTP module)
     self.cache = self._empty_cache(*self._cache_layout)
@@ -172,7 +175,7 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     model = runtime.merge(self.params, self.model_state)
     def make():
       cache = model.init_cache(num_pages, page_size, dtype, kv_quantization=self.kv_quantization,
-                               slots=len(self.slots))
+                               slots=len(self.slots), kv_repeat=self.kv_repeat)
       return cache if self.draft is None else {**cache, **self.draft.init_cache(model, num_pages, page_size, dtype,
                                                                                  len(self.slots))}
     shapes = jax.eval_shape(make)
