@@ -4,6 +4,7 @@ same on 8 devices as on one, and bad input as one-line errors."""
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -220,6 +221,34 @@ def test_the_engines_logprobs_equal_the_trainers_and_the_first_ratio_is_one(one_
   assert all(np.array_equal(a, b) for a, b in zip(held, jax.tree.leaves(_host(new_state.params))))
   assert not all(np.array_equal(a, b) for a, b in zip(held, jax.tree.leaves(before)))
   _assert_on_policy(trainer, new_state, next_batch)
+
+
+def test_rollouts_under_a_constraint_follow_it_and_stay_on_policy(tmp_path):
+  """objective.constraint: every completion (and held-out answer) is what the regex allows;
+  the recorded log-probs are the model's own, which the trainer's recomputation equals, so
+  the first ratio is 1. A constraint that cannot work is one line before anything compiles."""
+  pattern = "[0-9]{1,2}"
+  config = _config(tmp_path, objective={"constraint": {"regex": pattern}})
+  trainer = Trainer(config, devices=jax.devices()[:1])
+  state = trainer.init_state()
+  rollouts = trainer.batches()
+  rollouts.follow(state)
+  batch = next(rollouts)
+  texts = [c.text for c in rollouts.last_completions]
+  assert all(re.fullmatch(pattern, text) for text in texts), texts
+  (tmp_path / "free").mkdir()
+  (tmp_path / "bad").mkdir()
+  unconstrained = Trainer(_config(tmp_path / "free"), devices=jax.devices()[:1]).batches()
+  unconstrained.follow(state)
+  next(unconstrained)
+  assert not all(re.fullmatch(pattern, c.text) for c in unconstrained.last_completions)  # it did constrain
+  _assert_on_policy(trainer, state, batch)
+  _, step = trainer.step(state, batch)
+  assert 0 <= float(step["ratio_deviation"]) < 1e-6
+  for spec, message in (({"regex": "("}, "objective.constraint.regex"), ({"yaml": "x"}, "give one of regex")):
+    with pytest.raises(ConfigError, match=message) as error:
+      Trainer(_config(tmp_path / "bad", objective={"constraint": spec}), devices=jax.devices()[:1]).batches()
+    assert "\n" not in str(error.value)
 
 
 def test_behaviour_from_the_trainer_makes_the_first_ratio_exactly_one(tmp_path):

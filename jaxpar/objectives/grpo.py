@@ -14,7 +14,7 @@ model.lora the base with the adapters off. Without adapters the policy always st
 objective.reference (the SFT'd model), kept beside it whatever kl_coef is.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +59,9 @@ class GRPOOptions(Options):
   stop: tuple[str, ...] = ()  # stop strings; default: the chat template's end of turn
   rewards: dict[str, float] = {"exact_answer": 1.0}  # name or module:function -> weight
   format_pattern: str | None = None  # the `format` reward's regular expression
+  # Rollouts drawn under a constraint, as structured output draws them: one of {"regex": ...},
+  # {"json": schema}, {"choice": [...]}, {"grammar": lark} (jaxpar/inference/grammar.py).
+  constraint: dict[str, Any] | None = None
   overlong_buffer: int = Field(0, ge=0)  # the `overlong` reward's soft band (tokens)
   # Where rollouts run. 0: on the trainer's devices (collocated, in turn with training); n:
   # on the first n devices given, training on the rest (split). rollout_mesh: the engine's

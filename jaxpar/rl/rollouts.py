@@ -24,9 +24,10 @@ import numpy as np
 
 from jaxpar.data.chat_batches import chat_renderer, read_rows
 from jaxpar.data.loader import TOKEN_KEYS, _globalize, _process_rows
-from jaxpar.errors import DataError
+from jaxpar.errors import ConfigError, DataError
+from jaxpar.inference import grammar
 from jaxpar.inference.engine import Engine, bytes_to_move
-from jaxpar.inference.sampling import SamplingParams
+from jaxpar.inference.sampling import RequestError, SamplingParams
 from jaxpar.objectives.base import policy_weights
 from jaxpar.rl.losses import group_advantages
 
@@ -55,6 +56,22 @@ def prompt_tokens(rows: list[dict], data_config, tokenizer) -> tuple[list[list[i
   return prompts, stop or None
 
 
+def rollout_constraint(spec: dict | None, tokenizer, vocab: int):
+  """objective.constraint ({kind: value}, one of grammar.constraint's kinds) compiled, or
+  None; a bad one is a one-line ConfigError."""
+  if spec is None:
+    return None
+  kinds = ("regex", "json", "choice", "grammar")
+  if len(spec) != 1 or next(iter(spec)) not in kinds:
+    raise ConfigError(f"objective.constraint={spec}: give one of {', '.join(kinds)}, e.g. "
+                      "objective.constraint={regex: '[0-9]+'}")
+  (kind, value), = spec.items()
+  try:
+    return grammar.constraint(kind, value, f"objective.constraint.{kind}", tokenizer, vocab)
+  except RequestError as error:
+    raise ConfigError(str(error)) from None
+
+
 @functools.lru_cache(maxsize=2)
 def _order(seed: int, count: int, epoch: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(count)
@@ -70,6 +87,7 @@ class Rollouts:
     self.rows = read_rows(data.source)
     self.prompts, stop = prompt_tokens(self.rows, data, tokenizer)
     self.stop = tuple(self.options.stop) or ((stop,) if stop else ())
+    self.constraint = rollout_constraint(self.options.constraint, tokenizer, config.model.vocab_size)
     self.seq_len, self.batch = data.seq_len, data.global_batch_size
     self.groups = self.batch // self.options.group_size
     self.max_tokens = self.options.max_tokens
@@ -140,7 +158,7 @@ class Rollouts:
     that pass: objective.eval_reward is 1), heldout_reward (their mean reward) and, with
     objective.eval_samples = k > 1, heldout_pass@k (some of k samples at temperature 1 passes)."""
     self._sync()
-    greedy = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, stop=self.stop)
+    greedy = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, stop=self.stop, constraint=self.constraint)
     metrics = {}
     answers = self.engine.generate(self.eval_prompts, greedy)
     scores = [self.rewards.score(c.text, len(c.tokens), row, f"row {i} of objective.eval_source")
@@ -203,8 +221,10 @@ class Rollouts:
 
   def sampling(self, seed: int) -> SamplingParams:
     # Temperature 1 and no filters: the behaviour policy is the model's own distribution,
-    # whose log-probabilities the engine reports and the loss recomputes.
-    return SamplingParams(max_tokens=self.max_tokens, temperature=1.0, seed=seed, stop=self.stop, logprobs=True)
+    # whose log-probabilities the engine reports and the loss recomputes (under a constraint,
+    # restricted to what it allows; the log-probabilities stay the model's own on both sides).
+    return SamplingParams(max_tokens=self.max_tokens, temperature=1.0, seed=seed, stop=self.stop, logprobs=True,
+                          constraint=self.constraint)
 
   def _rollout(self) -> tuple[dict, dict]:
     sync = self._sync()
