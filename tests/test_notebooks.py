@@ -17,6 +17,8 @@ SMALL = ["model.num_layers=1", "model.scan_unroll=1"]
 PARAMETERS = {
   "quickstart": {"STEPS": 8, "BATCH": 8, "SAMPLE_TOKENS": 8, "EXTRA": [*SMALL, "train.warmup_steps=2"]},
   "finetune_hf": {"STEPS": 3, "MAX_NEW_TOKENS": 8, "EXTRA": ["data.global_batch_size=4", "data.seq_len=64"]},
+  "rl_grpo": {"SFT_STEPS": 3, "GRPO_STEPS": 2, "EVAL_EVERY": 2, "EXTRA": [*SMALL, "data.global_batch_size=8"],
+              "RL_EXTRA": ["objective.max_tokens=8"]},
   # A tiny model for a small slice: compiles in seconds (the real config takes minutes).
   "tpu_pod_plan": {"CONFIG": "tiny", "TOPOLOGY": "v5e-4", "PLAN_TOP": 1,
                    "OVERRIDES": [*SMALL, "data.global_batch_size=8", "data.seq_len=64"]},
@@ -34,6 +36,14 @@ assert last["step"] == STEPS and pathlib.Path("quickstart.png").stat().st_size >
 losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 assert len(losses) == STEPS and losses[-1] < losses[0], losses
 assert theirs == after[0]  # the merged export generates what jaxpar generates
+""",
+  "rl_grpo": """
+assert 0 <= before["heldout_pass@1"] <= 1 and 0 <= after["heldout_pass@1"] <= 1, (before, after)
+assert sft_summary["final_loss"] < sft_summary["first_loss"], sft_summary
+rewards = [r["reward"] for r in map(json.loads, (pathlib.Path(RL_DIR) / "metrics.jsonl").read_text().splitlines())
+           if "reward" in r]
+assert len(rewards) == GRPO_STEPS and pathlib.Path("grpo.png").stat().st_size > 0
+assert isinstance(answer.text, str) and 0 < len(answer.tokens) <= 32
 """,
   "tpu_pod_plan": """
 assert report["fits"] and report["devices"] == 4 and 0 < report["estimate"]["mfu"] < 1, report["oom"]
