@@ -323,3 +323,25 @@ def test_cli_compiles_the_generation_programs_of_an_8b_config(capsys):
   reported = float(out.split("weights ")[1].split(" MiB")[0])
   assert abs(reported * 2 ** 20 - weights) < 0.01 * weights, out
   assert out.count("FITS") == 2 and "decode   [8 x 1]" in out and "prefill  [1 x 256]" in out
+
+
+@pytest.mark.tpu
+def test_rl_collocated_on_a_slice_reports_both_phases_and_the_largest_rollout_batch(capsys):
+  """grpo-tiny (with a KL reference) on v5e-4: the train step and the rollout engine's decode
+  step compiled at the configured rollout batch and twice it; each phase holds what stays
+  resident in the other (the optimizer state and reference while decoding, the KV pages while
+  training), and the largest batch is compiled and fits."""
+  from jaxpar.aot.rl_plan import format_rollout_plan, plan_rollouts
+  config = load_config("grpo-tiny", ["model.num_layers=2", "model.scan_unroll=1", "objective.kl_coef=0.05",
+                                     "data.global_batch_size=16"])
+  plan = plan_rollouts(config, "v5e-4", most=32)
+  at, largest = plan["configured"], plan["largest"]
+  assert at["fits"] and at["batch"] == 16 and at["reference"] == at["params"] > 0
+  assert at["rollouts"] > at["kv_pages"] + at["opt_state"] + at["reference"] + at["params"]
+  # KV pages: 16 completions x ceil(105 / 16) pages x 16 slots x 2 layers x 2 (k, v) x 2 kv heads x 32 x f32,
+  # the whole pool on every chip (pages split over kv heads only, and this mesh is fsdp=4).
+  assert at["kv_pages"] == 16 * 7 * 16 * 2 * 2 * 2 * 32 * 4
+  assert largest["fits"] and largest["batch"] == 32 and plan["capped"]
+  assert largest["training"] > at["training"] and largest["rollouts"] > at["rollouts"]
+  text = format_rollout_plan(plan)
+  assert "rollout batch 16: FITS" in text and "largest rollout batch that fits: 32" in text
