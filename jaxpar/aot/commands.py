@@ -42,10 +42,12 @@ def _cmd_compile(ns):
     return
   report, compiled = compile_for_topology(config, topology, ns.num_slices, phase=Phases(console))
   console.print(format_report(report), markup=False, highlight=False)
-  if config.train.objective == "grpo":  # the rollout engine shares the chips
+  if config.train.objective == "grpo" and report["num_slices"] > 1:
+    console.print("the collocated rollout sizing covers one slice: run without --num-slices for it")
+  elif config.train.objective == "grpo":  # the rollout engine shares the chips
     from jaxpar.aot.rl_plan import format_rollout_plan, plan_rollouts
-    console.print(format_rollout_plan(plan_rollouts(config, topology, phase=Phases(console))), markup=False,
-                  highlight=False)
+    plan = plan_rollouts(config, topology, phase=Phases(console), trained=(report, compiled))
+    console.print(format_rollout_plan(plan), markup=False, highlight=False)
   if ns.save:
     console.print(f"saved to {save(ns.save, report, compiled)}")
 

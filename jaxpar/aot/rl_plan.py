@@ -25,10 +25,11 @@ from jaxpar.config import replace
 PAGE_SIZE = 16  # the rollout engine's
 
 
-def _phases(config, topology, batch: int, phase) -> dict:
-  """Per-chip bytes of both phases at a rollout batch of `batch` completions."""
+def _phases(config, topology, batch: int, phase, trained=None) -> dict:
+  """Per-chip bytes of both phases at a rollout batch of `batch` completions; `trained`: the
+  train step's (report, compiled executable) at that batch, when already compiled."""
   config = replace(config, data={"global_batch_size": batch})
-  train, compiled = compile_for_topology(config, topology, phase=phase)
+  train, compiled = trained or compile_for_topology(config, topology, phase=phase)
   decode = compile_inference(config, topology, slots=batch, context=config.data.seq_len + 1, page_size=PAGE_SIZE,
                              chunk=None, param_dtype=config.model.param_dtype, phase=phase)
   state = train["state_bytes"]
@@ -43,13 +44,14 @@ def _phases(config, topology, batch: int, phase) -> dict:
   return out
 
 
-def plan_rollouts(config, topology: str, most: int = 1024, phase=silent) -> dict:
+def plan_rollouts(config, topology: str, most: int = 1024, phase=silent, trained=None) -> dict:
   """{"configured": phases at data.global_batch_size, "largest": the largest rollout batch up
   to `most` that both phases fit (its phases, compiled), or None when not even one group
-  does; "capped": whether `most` fits (a larger batch might too)}."""
+  does; "capped": whether `most` fits (a larger batch might too)}. `trained`: the train
+  step as configured, (report, compiled), when `jaxpar compile` has it already."""
   group = config.objective.group_size
   batch = config.data.global_batch_size
-  measured = {}
+  measured = {batch: _phases(config, topology, batch, phase, trained)}
 
   def phases(size):  # each batch size compiled once
     if size not in measured:
