@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.aot.chips import topology_devices
-from jaxpar.aot.compile import memory_sizes, per_device_bytes
+from jaxpar.aot.compile import OOM_MARKERS, memory_sizes, per_device_bytes
 from jaxpar.aot.phases import silent
 from jaxpar.aot.report import gib
 from jaxpar.inference.programs import Programs
@@ -60,11 +60,19 @@ def compile_inference(config, topology: str, *, slots: int, context: int, page_s
             "programs": {}}
   for kind, batch, length in (("step", slots, 1), ("fill", 1, chunk))[:2 if chunk else 1]:
     started = time.perf_counter()
-    with phase(f"compiling {'decode' if kind == 'step' else 'prefill'} [{batch} x {length}] for {topology}"):
-      programs.compile(kind, batch, length, pages_per_seq)
+    name = "decode" if kind == "step" else "prefill"
+    try:
+      with phase(f"compiling {name} [{batch} x {length}] for {topology}"):
+        programs.compile(kind, batch, length, pages_per_seq)
+    except Exception as e:  # XLA raises a bare runtime error when the program does not fit
+      if not any(marker in str(e) for marker in OOM_MARKERS):
+        raise
+      report["programs"][name] = {"shape": [batch, length], "fits": False, "oom": str(e).splitlines()[0][:300],
+                                  "compile_s": time.perf_counter() - started}
+      continue
     compiled = programs.compiled[kind, batch, length, pages_per_seq]
     memory = memory_sizes(compiled.memory_analysis())
-    report["programs"]["decode" if kind == "step" else "prefill"] = {
+    report["programs"][name] = {
         "shape": [batch, length], "arguments": memory["arguments"],
         "temporaries": memory["temporaries"], "total": memory["total"],
         "fits": memory["total"] <= chip.hbm_bytes,
@@ -83,6 +91,9 @@ def format_inference_report(r: dict) -> str:
            f"KV cache for {r['slots']} sequences x {r['context']} tokens (pages of {r['page_size']})",
            f"per device, by hand: weights {gib(r['weights_bytes'])}, KV cache {gib(r['cache_bytes'])}"]
   for name, p in r["programs"].items():
+    if "oom" in p:
+      lines.append(f"{name:<8} [{p['shape'][0]} x {p['shape'][1]}]: DOES NOT FIT ({p['oom']})")
+      continue
     verdict = "FITS" if p["fits"] else "DOES NOT FIT"
     lines.append(f"{name:<8} [{p['shape'][0]} x {p['shape'][1]}]: {verdict}, {gib(p['total'])} of "
                  f"{gib(r['hbm_bytes'])} HBM per chip (arguments {gib(p['arguments'])}, temporaries "

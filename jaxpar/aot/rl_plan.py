@@ -13,7 +13,10 @@ between rollouts (jaxpar/rl/rollouts.py), so per chip, from the compiled program
 The slice fits when both do. A rollout batch is data.global_batch_size completions of up to
 data.seq_len + 1 tokens, decoded together; it is also the train step's batch. Both programs'
 bytes grow linearly with it: compiled at the configured batch and twice it, the largest
-batch (a multiple of objective.group_size) both phases hold follows, and is compiled to check.
+batch (a multiple of objective.group_size) both phases hold follows, and is compiled to check
+(where twice does not compile within HBM, the configured batch stands; where the configured
+one does not, it is halved until one fits). A program that does not fit HBM is a phase that
+does not fit, not an error.
 """
 
 from jaxpar.aot.compile import compile_for_topology
@@ -36,10 +39,11 @@ def _phases(config, topology, batch: int, phase, trained=None) -> dict:
   step = decode["programs"]["decode"]
   out = {"batch": batch, "hbm_bytes": train["hbm_bytes"], "chip": train["chip"], "devices": train["devices"],
          "params": state["params"], "opt_state": state["opt_state"], "reference": state["frozen"],
-         "kv_pages": decode["cache_bytes"], "decode_temporaries": step["temporaries"],
+         "kv_pages": decode["cache_bytes"], "decode_temporaries": step.get("temporaries", float("inf")),
          "train_fits": compiled is not None}
   out["training"] = (train["memory"]["total"] if compiled is not None else float("inf")) + out["kv_pages"]
-  out["rollouts"] = step["total"] + state["opt_state"] + state["frozen"]
+  # A decode step that does not compile within HBM: the rollouts do not fit at this batch.
+  out["rollouts"] = step["total"] + state["opt_state"] + state["frozen"] if "oom" not in step else float("inf")
   out["fits"] = out["train_fits"] and max(out["training"], out["rollouts"]) <= out["hbm_bytes"]
   return out
 
@@ -57,14 +61,20 @@ def plan_rollouts(config, topology: str, most: int = 1024, phase=silent, trained
     if size not in measured:
       measured[size] = _phases(config, topology, size, phase)
     return measured[size]
-  at, twice = phases(batch), phases(2 * batch)
+  at = phases(batch)
   hbm, estimate = at["hbm_bytes"], float(most)
-  if not (at["train_fits"] and twice["train_fits"]):
-    estimate = batch if at["fits"] else 0
-  for name in ("training", "rollouts"):
-    slope = (twice[name] - at[name]) / batch
-    if slope > 0:
-      estimate = min(estimate, batch + (hbm - at[name]) / slope)
+  if not at["fits"]:  # halve the batch until one fits (or not even one group does)
+    size = batch // 2 // group * group
+    while size >= group and not phases(size)["fits"]:
+      size = size // 2 // group * group
+    estimate = size
+  else:
+    twice = phases(2 * batch)
+    for name in ("training", "rollouts"):
+      if twice[name] == float("inf"):  # twice does not compile within HBM: stay at what does
+        estimate = min(estimate, batch)
+      elif (slope := (twice[name] - at[name]) / batch) > 0:
+        estimate = min(estimate, batch + (hbm - at[name]) / slope)
   largest = int(estimate) // group * group
   checked = phases(largest) if largest >= group else None
   for _ in range(4):  # the bytes were a straight line; where they bend, step down a tenth at a time
@@ -82,16 +92,19 @@ def format_rollout_plan(plan: dict) -> str:
            "per chip:",
            f"  resident: policy {gib(at['params'])}, optimizer state {gib(at['opt_state'])}, "
            f"reference {gib(at['reference'])}"]
+  size = lambda x: gib(x) if x != float("inf") else "more than HBM (its program does not compile)"  # noqa: E731
   for row in (at, plan["largest"]):
     if row is None:
       continue
     verdict = "FITS" if row["fits"] else "DOES NOT FIT"
-    lines.append(f"  rollout batch {row['batch']}: {verdict}; training {gib(row['training'])}, rollouts "
-                 f"{gib(row['rollouts'])} (KV pages {gib(row['kv_pages'])}, decode temporaries "
-                 f"{gib(row['decode_temporaries'])}) of {gib(row['hbm_bytes'])} HBM")
+    lines.append(f"  rollout batch {row['batch']}: {verdict}; training {size(row['training'])}, rollouts "
+                 f"{size(row['rollouts'])} (KV pages {gib(row['kv_pages'])}, decode temporaries "
+                 f"{size(row['decode_temporaries'])}) of {gib(row['hbm_bytes'])} HBM")
   largest = plan["largest"]
   if largest is None:
     lines.append("no rollout batch of one group fits: a larger slice, LoRA (model.lora) or a smaller model")
+  elif not at["fits"]:
+    lines.append(f"largest rollout batch that fits, halving the configured one: {largest['batch']}")
   else:
     lines.append(f"largest rollout batch that fits: {largest['batch']}"
                  + (" (the most this plan tries; larger ones may fit too)" if plan["capped"] else ""))
