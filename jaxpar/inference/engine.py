@@ -331,13 +331,16 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     tokens = np.zeros((rows, chunk), np.int32)
     positions = np.full((rows, chunk), -1, np.int32)
     tails = np.zeros((rows,), np.int32)  # padding rows write nothing
-    following = np.zeros((rows, chunk), np.int32)  # the token after each (a draft's MTP layer pairs them)
+    # The token after each, for a draft whose own layer pairs them (an MTP module's fill program).
+    pairs = self.draft is not None and self.draft.fill_program is not None
+    following = np.zeros((rows, chunk), np.int32)
     for i, request in enumerate(group):
       start = request.cached
       count = min(chunk, len(request.context) - 1 - start)
       tokens[i, :count] = request.context[start:start + count]
       positions[i, :count] = np.arange(start, start + count)
-      following[i, :count] = request.context[start + 1:start + count + 1]  # a prompt chunk stops before the last
+      if pairs:  # a prompt chunk stops before the last token, so each has its successor
+        following[i, :count] = request.context[start + 1:start + count + 1]
       # A request's slot names its tail page in a quantized cache (a speculative draft's
       # copies are in no slot: their row is their target's slot).
       tails[i] = self.slots.index(request) if request in self.slots else request.row
@@ -348,8 +351,7 @@ class Engine(RequestIntake, DecodeCalls, SpeculativeCalls):
     for request in group:
       self.sharing.publish(request)  # indexed now: the program below writes them before any later one reads
     if not any(r.prompt_logprobs is not None for r in group):
-      pairs = () if self.draft is None or self.draft.fill_program is None else (following,)
-      self.cache = self._run("fill", tokens, positions, table, tails, *pairs)
+      self.cache = self._run("fill", tokens, positions, table, tails, *((following,) if pairs else ()))
       return rows * chunk
     targets = processing.prompt_targets(group, tokens, positions)
     outputs = self._run("fill_logprobs", tokens, positions, table, tails, targets)

@@ -29,8 +29,8 @@ from flax import nnx
 from jaxpar.errors import ConfigError
 from jaxpar.inference.programs import Kind
 from jaxpar.inference.sampling import argmax
-from jaxpar.inference.speculative import DETERMINISTIC_TARGET_PROGRAM, OwnPassDraft, apply_masks, check_proposals, \
-    check_round
+from jaxpar.inference.speculative import (DETERMINISTIC_TARGET_PROGRAM, OwnPassDraft, apply_masks, check_proposals,
+                                         check_round)
 
 GROUP = "mtp"  # the module's layer group in the engine's cache
 
