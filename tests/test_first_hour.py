@@ -4,6 +4,7 @@ rate, training a quantized checkpoint, a mesh bigger than the devices, an HF mod
 tokenizer), no warning for a batch of one, and byte-level models exported with a tokenizer
 that `transformers` loads and that encodes as jaxpar's does."""
 
+import io
 import logging
 import os
 import subprocess
@@ -155,7 +156,6 @@ def test_launch_local_passes_the_output_on_without_gloo_connection_banners(capfd
 
 def test_banners_that_gloo_threads_interleave_into_one_line_are_dropped_too():
   """Two of gloo's threads write at once: their banners can share one line (seen in CI)."""
-  import io
   from jaxpar.cluster.launch_local import _forward
   garbled = (b"[Gloo] Rank [Gloo] Rank 1 is connected to 11 is connected to  peer ranks. 1Expected number of "
              b"connected peer ranks is :  peer ranks. 1Expected number of connected peer ranks is : 1\n"
@@ -163,3 +163,24 @@ def test_banners_that_gloo_threads_interleave_into_one_line_are_dropped_too():
   out = io.BytesIO()
   _forward(io.BufferedReader(io.BytesIO(garbled)), out)
   assert out.getvalue() == b"process 0 sees 2\n"
+
+
+class _Chunks(io.RawIOBase):
+  """A pipe that hands out the writes it was given one by one, as a process's output arrives."""
+
+  def __init__(self, writes):
+    self.writes = list(writes)
+
+  def read1(self, _size=-1):
+    return self.writes.pop(0) if self.writes else b""
+
+
+def test_a_banner_remnant_after_streamed_tokens_is_dropped_and_the_tokens_kept():
+  """Seen in CI: `generate` streamed "the dog" without a newline, then the tail of an
+  interleaved banner arrived, and its newline ended the tokens' line."""
+  from jaxpar.cluster.launch_local import _forward
+  for writes in ([b"the dog", b"Expected number of connected peer ranks is : 7\n", b"{w{c!b\n"],
+                 [b"the dogExpected number of conn", b"ected peer ranks is : 7\n{w{c!b\n"]):
+    out = io.BytesIO()
+    _forward(_Chunks(writes), out)
+    assert out.getvalue() == b"the dog{w{c!b\n", writes

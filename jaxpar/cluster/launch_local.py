@@ -12,8 +12,9 @@ notice within --peer-timeout) before they are killed, so the launcher never hang
 
 The processes' standard output passes through the launcher as it comes, less gloo's
 `[Gloo] Rank N is connected to M peer ranks` line for every connection it makes (16 for two
-processes of four devices), even when two of them interleave into one line: nothing a user
-can act on. Standard error is theirs untouched.
+processes of four devices), even when two of them interleave into one line or one lands after
+a partial line of the program's own (streamed tokens): nothing a user can act on. Standard
+error is theirs untouched.
 """
 
 import os
@@ -30,8 +31,17 @@ from jaxpar.errors import UserError
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S+")
 # Anywhere in a line: gloo's threads write their banners at once, and two can interleave
-# character by character into one line ("[Gloo] Rank [Gloo] Rank 1 is connected to 11 is ...").
-_GLOO_BANNER = re.compile(rb"\[Gloo\] Rank")
+# piece by piece ("[Gloo] Rank [Gloo] Rank 1 is connected to 11 is ..."), leaving a line that
+# starts mid-banner ("Expected number of connected peer ranks is : 7"). Gloo ends each banner
+# with a newline, so from its first piece to the line's end is gloo's; before it, the program's.
+_GLOO_BANNER = re.compile(rb"\[Gloo\] Rank|is connected to|peer ranks|Expected number of")
+
+
+def _without_banner(line: bytes) -> bytes:
+  """A complete line, less any gloo banner text (and then less its newline: the line was the
+  program's partial line that the banner's newline ended)."""
+  found = _GLOO_BANNER.search(line)
+  return line + b"\n" if found is None else line[:found.start()]
 
 
 def free_port() -> int:
@@ -61,18 +71,22 @@ def process_env(process_id: int, num_processes: int, port: int, devices: int, ba
 
 def _forward(stream, out):
   """Copy a process's output to `out` as it comes, dropping gloo's connection banners. A
-  partial line goes out at once (a live progress bar redraws without newlines) unless it
-  may be the start of a banner."""
+  partial line goes out at once (a live progress bar redraws without newlines, generation
+  streams tokens) up to anything that is or may start a banner."""
   pending = b""
   while chunk := stream.read1(65536):
     *lines, pending = (pending + chunk).split(b"\n")
-    kept = b"".join(line + b"\n" for line in lines if not _GLOO_BANNER.search(line))
-    if pending and not b"[Gloo]".startswith(pending[:6]):
+    kept = b"".join(_without_banner(line) for line in lines)
+    banner = _GLOO_BANNER.search(pending)
+    if banner:  # the program's text before it goes now; the banner waits for its newline
+      kept, pending = kept + pending[:banner.start()], pending[banner.start():]
+    elif pending and not b"[Gloo]".startswith(pending[:6]):
       kept, pending = kept + pending, b""
     out.write(kept)
     out.flush()
-  if pending and not _GLOO_BANNER.search(pending):
-    out.write(pending)
+  if pending:
+    found = _GLOO_BANNER.search(pending)
+    out.write(pending if found is None else pending[:found.start()])
     out.flush()
 
 
