@@ -182,7 +182,7 @@ def one_device(tmp_path_factory):
   rollouts = trainer.batches()
   rollouts.follow(state)
   batch = next(rollouts)
-  return trainer, state, rollouts, batch, list(rollouts.last_completions)
+  return trainer, state, rollouts, batch, list(rollouts.last_episodes)
 
 
 def _trainer_logprobs(trainer, state, batch):
@@ -234,14 +234,14 @@ def test_rollouts_under_a_constraint_follow_it_and_stay_on_policy(tmp_path):
   rollouts = trainer.batches()
   rollouts.follow(state)
   batch = next(rollouts)
-  texts = [c.text for c in rollouts.last_completions]
+  texts = [e.text for e in rollouts.last_episodes]
   assert all(re.fullmatch(pattern, text) for text in texts), texts
   (tmp_path / "free").mkdir()
   (tmp_path / "bad").mkdir()
   unconstrained = Trainer(_config(tmp_path / "free"), devices=jax.devices()[:1]).batches()
   unconstrained.follow(state)
   next(unconstrained)
-  assert not all(re.fullmatch(pattern, c.text) for c in unconstrained.last_completions)  # it did constrain
+  assert not all(re.fullmatch(pattern, e.text) for e in unconstrained.last_episodes)  # it did constrain
   _assert_on_policy(trainer, state, batch)
   _, step = trainer.step(state, batch)
   assert 0 <= float(step["ratio_deviation"]) < 1e-6
@@ -275,15 +275,19 @@ def test_behaviour_from_the_trainer_makes_the_first_ratio_exactly_one(tmp_path):
 
 
 def test_rollouts_lay_out_prompt_completion_and_rewards(one_device):
-  trainer, _, _, batch, completions = one_device
+  trainer, _, rollouts, batch, episodes = one_device
   mask, inputs = np.asarray(batch["loss_mask"]), np.asarray(batch["inputs"])
   targets = np.asarray(batch["targets"])
-  for row, completion in enumerate(completions):
-    prompt = completion.prompt_tokens
+  for row, episode in enumerate(episodes):
+    start = episode.sampled.index(True)
+    prompt, sampled = episode.tokens[:start], episode.tokens[start:]
+    assert prompt in rollouts.prompts and all(episode.sampled[start:]) and len(sampled) == episode.generated
+    assert rollouts.tokenizer.decode(sampled).startswith(episode.text)  # the completion, its stop token after
     assert inputs[row, :len(prompt)].tolist() == prompt
     assert mask[row, :len(prompt) - 1].sum() == 0  # the prompt's own tokens carry no loss
-    sampled = completion.tokens + ([completion.stop_token[0]] if completion.stop_token else [])
     assert targets[row, len(prompt) - 1:len(prompt) - 1 + len(sampled)].tolist() == sampled
+    assert mask[row, len(prompt) - 1:len(prompt) - 1 + len(sampled)].all()
+    assert mask[row, len(prompt) - 1 + len(sampled):].sum() == 0  # nor does the padding
   advantages = np.asarray(batch["advantages"])[:, 0].reshape(-1, 4)
   np.testing.assert_allclose(advantages.sum(axis=1), 0, atol=1e-4)  # relative to each group
 

@@ -19,13 +19,14 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from jaxpar.errors import ConfigError
 from jaxpar.models.logprobs import token_logprobs
 from jaxpar.objectives.base import (BASE, Objective, Options, model_state_of, policy_weights,
                                     register_objective)
 from jaxpar.rl.ahead import AheadRollouts
+from jaxpar.rl.environments import load_environment
 from jaxpar.rl.losses import LOSSES, policy_loss
 from jaxpar.rl.rewards import Rewards
 from jaxpar.rl.rollouts import KEYS, Rollouts
@@ -87,10 +88,28 @@ class GRPOOptions(Options):
   eval_every: int = Field(0, ge=0)
   eval_samples: int = Field(1, ge=1)
   eval_reward: str = "exact_answer"
+  # Multi-turn episodes (jaxpar/rl/environments.py): a built-in (calculator) or
+  # package.module:Class with reset(row) and step(text) -> (observation, reward, done); the
+  # policy takes up to max_turns turns of up to max_tokens each. Its rewards add up as the
+  # `environment` reward, and objective.rewards (none unless given) score the last turn.
+  environment: str | None = None
+  max_turns: int = Field(4, ge=1)
+
+  @model_validator(mode="before")
+  @classmethod
+  def _environment_defaults(cls, values):
+    if isinstance(values, dict) and values.get("environment"):
+      values = {"rewards": {}, "eval_reward": "environment", **values}
+    return values
 
   @property
   def upper_clip(self) -> float:
     return self.clip_low if self.clip_high is None else self.clip_high
+
+  @property
+  def sampled_limit(self) -> int:
+    """The most tokens the policy samples in one row: max_tokens per turn."""
+    return self.max_tokens * (self.max_turns if self.environment else 1)
 
 
 def behaviour_scorer(runtime, batch_sharding):
@@ -124,7 +143,7 @@ def make_grpo_loss(graphdef, options, *, reference_kept: bool):
       reference = jax.lax.stop_gradient(sequence_logprobs(nnx.merge(graphdef, weights, model_state), batch)[0])
     total, metrics, unit = policy_loss(
         logp, behaviour, batch["advantages"], batch["loss_mask"], loss=options.loss,
-        clip_low=options.clip_low, clip_high=options.upper_clip, max_tokens=options.max_tokens,
+        clip_low=options.clip_low, clip_high=options.upper_clip, max_tokens=options.sampled_limit,
         reference=reference, kl_coef=options.kl_coef)
     mask = batch["loss_mask"]
     per_row = mask / jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1.0)
@@ -185,10 +204,16 @@ class GRPO(Objective):
     if self.config.eval.every_steps:
       raise ConfigError("eval.every_steps evaluates a language model's loss on text; reinforcement learning evaluates "
                         "held-out prompts: set objective.eval_source and objective.eval_every instead")
-    if opts.eval_source and opts.eval_reward not in opts.rewards:
-      raise ConfigError(f"objective.eval_reward={opts.eval_reward} is not one of objective.rewards "
-                        f"({', '.join(opts.rewards)}): name the reward whose 1 is a pass")
-    self.rewards = Rewards(opts.rewards, format_pattern=opts.format_pattern, max_tokens=opts.max_tokens,
+    scored = [*opts.rewards, *(["environment"] if opts.environment else [])]
+    if opts.eval_source and opts.eval_reward not in scored:
+      raise ConfigError(f"objective.eval_reward={opts.eval_reward} is not one of the rewards "
+                        f"({', '.join(scored) or 'none'}): name the reward whose 1 is a pass")
+    if not scored:
+      raise ConfigError("objective.rewards is empty and there is no objective.environment: nothing scores the "
+                        "rollouts; give a reward, e.g. objective.rewards={exact_answer: 1.0}")
+    if opts.environment:
+      load_environment(opts.environment)  # says now if it does not import or lacks reset/step
+    self.rewards = Rewards(opts.rewards, format_pattern=opts.format_pattern, max_tokens=opts.sampled_limit,
                            overlong_buffer=opts.overlong_buffer)
 
   def batches(self, tokenizer, sharding):

@@ -10,11 +10,14 @@ rollout batch the policy ratio is 1 up to the difference between decoding one to
 time and the trainer's whole-sequence forward.
 
 A row: the prompt, then the completion (with the stop token that ended it, which the policy
-sampled too); targets carry loss on the completion's tokens only. Every `inner_steps` steps a
+sampled too); targets carry loss on the completion's tokens only. With objective.environment
+a row is a multi-turn episode's transcript (jaxpar/rl/environments.py): loss on the policy's
+turns, none on the observations between them. Every `inner_steps` steps a
 new rollout batch is drawn; the steps between update on the same one (their ratios move away
 from 1 and are clipped). State for resuming: the next prompt and the rollouts drawn.
 """
 
+import dataclasses
 import functools
 import time
 
@@ -29,17 +32,19 @@ from jaxpar.inference import grammar
 from jaxpar.inference.engine import Engine, bytes_to_move
 from jaxpar.inference.sampling import RequestError, SamplingParams
 from jaxpar.objectives.base import policy_weights
+from jaxpar.rl.environments import Episode, Observations, checked_step, load_environment
 from jaxpar.rl.losses import group_advantages
 
 # fresh: 1 on a batch's first update when objective.behaviour=trainer (the loss divides by its own forward).
 KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask", "behaviour_logprobs", "advantages", "fresh")
 
 
-def prompt_tokens(rows: list[dict], data_config, tokenizer) -> tuple[list[list[int]], str | None]:
-  """Each row's prompt as generation prompt tokens, and the stop string that ends an answer
-  (the chat template's end of turn; None without a template). A `prompt` that is a list of
-  messages, or any prompt when data.chat_template is set, is rendered with the chat template
-  (generation prompt added); a text prompt otherwise goes in as it is."""
+def prompt_tokens(rows: list[dict], data_config, tokenizer):
+  """(each row's prompt as generation prompt tokens, the stop string that ends an answer (the
+  chat template's end of turn; None without a template), the chat renderer or None). A
+  `prompt` that is a list of messages, or any prompt when data.chat_template is set, is
+  rendered with the chat template (generation prompt added); a text prompt otherwise goes in
+  as it is."""
   chat = data_config.chat_template is not None or any(isinstance(r.get("prompt"), list) for r in rows)
   renderer = chat_renderer(data_config, tokenizer) if chat else None
   prompts = []
@@ -49,11 +54,14 @@ def prompt_tokens(rows: list[dict], data_config, tokenizer) -> tuple[list[list[i
                       "reinforcement learning rows are {\"prompt\": text or messages, \"answer\": ...}")
     prompt = row["prompt"]
     if renderer is not None:
-      messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-      prompt = renderer.render(messages, add_generation_prompt=True)
+      prompt = renderer.render(first_messages(prompt), add_generation_prompt=True)
     prompts.append(tokenizer.encode_prompt(prompt))
   stop = renderer.end_of_turn() if renderer is not None else None
-  return prompts, stop or None
+  return prompts, stop or None, renderer
+
+
+def first_messages(prompt: str | list[dict]) -> list[dict]:
+  return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
 
 
 def rollout_constraint(spec: dict | None, tokenizer, vocab: int):
@@ -85,12 +93,14 @@ class Rollouts:
     data, self.options = config.data, config.objective
     self.config, self.runtime, self.tokenizer, self.sharding, self.rewards = config, runtime, tokenizer, sharding, rewards
     self.rows = read_rows(data.source)
-    self.prompts, stop = prompt_tokens(self.rows, data, tokenizer)
+    self.prompts, stop, renderer = prompt_tokens(self.rows, data, tokenizer)
     self.stop = tuple(self.options.stop) or ((stop,) if stop else ())
     self.constraint = rollout_constraint(self.options.constraint, tokenizer, config.model.vocab_size)
     self.seq_len, self.batch = data.seq_len, data.global_batch_size
     self.groups = self.batch // self.options.group_size
     self.max_tokens = self.options.max_tokens
+    self.environment = load_environment(self.options.environment) if self.options.environment else None
+    self.observations = Observations(tokenizer, renderer)
     for i, prompt in enumerate(self.prompts):
       if len(prompt) + self.max_tokens > self.seq_len + 1:
         raise DataError(f"row {i} of data.source={data.source!r}: its prompt has {len(prompt)} tokens, and with "
@@ -102,7 +112,7 @@ class Rollouts:
     self.eval_rows = read_rows(self.options.eval_source) if self.options.eval_source else []
     self.eval_prompts = prompt_tokens(self.eval_rows, data, tokenizer)[0] if self.eval_rows else []
     self.engine = None
-    self.last_completions = []
+    self.last_episodes: list[Episode] = []  # the last rollout's
     self._weights, self._step, self._synced = None, 0, None
     self._next_prompt = 0
     self._drawn = 0  # rollout batches drawn
@@ -160,20 +170,83 @@ class Rollouts:
     self._sync()
     greedy = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, stop=self.stop, constraint=self.constraint)
     metrics = {}
-    answers = self.engine.generate(self.eval_prompts, greedy)
-    scores = [self.rewards.score(c.text, len(c.tokens), row, f"row {i} of objective.eval_source")
-              for i, (c, row) in enumerate(zip(answers, self.eval_rows))]
+    count, where = len(self.eval_rows), "objective.eval_source"
+    scores = self._scores(self._play(self.eval_prompts, self.eval_rows, [greedy] * count, where),
+                          self.eval_rows, range(count), where)
     passed = self.options.eval_reward
     metrics["heldout_pass@1"] = float(np.mean([s[passed] >= 1 for s in scores]))
     metrics["heldout_reward"] = float(np.mean([s["reward"] for s in scores]))
     k = self.options.eval_samples
     if k > 1:
-      prompts = [p for p in self.eval_prompts for _ in range(k)]
-      samples = self.engine.generate(prompts, [self.sampling(seed) for seed in range(len(prompts))])
-      hits = [self.rewards.score(c.text, len(c.tokens), self.eval_rows[n // k], "objective.eval_source")[passed] >= 1
-              for n, c in enumerate(samples)]
+      rows = [row for row in self.eval_rows for _ in range(k)]
+      samples = self._play([p for p in self.eval_prompts for _ in range(k)], rows,
+                           [self.sampling(seed) for seed in range(len(rows))], where)
+      hits = [s[passed] >= 1 for s in self._scores(samples, rows, [n // k for n in range(len(rows))], where)]
       metrics[f"heldout_pass@{k}"] = float(np.mean(np.asarray(hits).reshape(-1, k).any(axis=1)))
     return metrics
+
+  def _scores(self, episodes, rows, numbers, where) -> list[dict]:
+    """Each episode's rewards: the reward functions on its last turn, plus the environment's."""
+    scores = []
+    for episode, row, n in zip(episodes, rows, numbers):
+      score = self.rewards.score(episode.text, episode.generated, row, f"row {n} of {where}")
+      if self.environment is not None:
+        score = {**score, "environment": episode.reward, "reward": score["reward"] + episode.reward}
+      scores.append(score)
+    return scores
+
+  # -- episodes ------------------------------------------------------------------------
+
+  def _play(self, prompts, rows, settings, where) -> list[Episode]:
+    """Each prompt sampled with its settings: one completion each, or with an environment a
+    multi-turn episode each, all of a turn's requests on the engine at once."""
+    if self.environment is None:
+      completions = self.engine.generate(prompts, settings)
+      episodes = [Episode.start(c.prompt_tokens) for c in completions]
+      for episode, completion in zip(episodes, completions):
+        episode.add_turn(completion)
+      return episodes
+    name = self.options.environment
+    episodes, environments, histories = [], [], []
+    for n, (prompt, row) in enumerate(zip(prompts, rows)):
+      environment = self.environment()
+      self._call(environment.reset, (dict(row),), name, f"row {n} of {where} (reset)")
+      environments.append(environment)
+      episodes.append(Episode.start(prompt))
+      histories.append(first_messages(row["prompt"]))
+    playing = list(range(len(prompts)))
+    for turn in range(self.options.max_turns):
+      room = {n: self.seq_len + 1 - len(episodes[n].tokens) for n in playing}
+      # The same seed every turn: a row's key comes from its seed and the position sampled.
+      asked = [dataclasses.replace(settings[n], max_tokens=min(settings[n].max_tokens, room[n])) for n in playing]
+      completions = self.engine.generate([episodes[n].tokens for n in playing], asked)
+      going = []
+      for n, completion in zip(playing, completions):
+        episode = episodes[n]
+        episode.add_turn(completion)
+        if completion.finish_reason != "stop":  # cut at max_tokens: the environment sees whole turns only
+          continue
+        step = self._call(environments[n].step, (completion.text,), name, f"row {n} of {where} (turn {turn + 1})")
+        observation, reward, done = checked_step(step, name, f"row {n} of {where} (turn {turn + 1})")
+        episode.reward += reward
+        if done or turn + 1 == self.options.max_turns:
+          continue
+        tokens = self.observations.tokens(histories[n], completion.text, observation)
+        if len(episode.tokens) + len(tokens) >= self.seq_len + 1:  # no room left for a token of the next turn
+          continue
+        episode.add_observation(tokens)
+        going.append(n)
+      playing = going
+    return episodes
+
+  @staticmethod
+  def _call(method, args, name, where):
+    try:
+      return method(*args)
+    except (DataError, ConfigError):
+      raise
+    except Exception as e:  # the user's environment: say whose, and on what
+      raise DataError(f"environment {name} raised {type(e).__name__}: {e} on {where}") from e
 
   # -- one rollout batch ---------------------------------------------------------------
 
@@ -233,25 +306,28 @@ class Rollouts:
     first_seed = (self.seed * 1_000_003 + self._drawn * self.batch) % (1 << 31)
     settings = [self.sampling((first_seed + i) % (1 << 31)) for i in range(self.batch)]
     started, hits = time.perf_counter(), self.engine.stats["prefix_cache_hits"]
-    completions = self.engine.generate([self.prompts[i] for i in indices for _ in range(group)], settings)
+    numbers = [i for i in indices for _ in range(group)]
+    episodes = self._play([self.prompts[i] for i in numbers], [self.rows[i] for i in numbers], settings,
+                          "data.source")
     rollout_s = time.perf_counter() - started
     self._drawn += 1
-    scores = [self.rewards.score(c.text, len(c.tokens), self.rows[i], f"row {i} of data.source")
-              for c, i in zip(completions, [i for i in indices for _ in range(group)])]
+    scores = self._scores(episodes, [self.rows[i] for i in numbers], numbers, "data.source")
     rewards = np.asarray([s["reward"] for s in scores], np.float32)
     advantages, flat = group_advantages(rewards, group, scale=self.options.loss != "dr_grpo")
     keep = ~flat if self.options.dynamic_sampling else np.ones_like(flat)
-    arrays = self._rows(completions, advantages, keep)
-    generated = sum(len(c.tokens) + (c.stop_token is not None) for c in completions)
+    arrays = self._rows(episodes, advantages, keep)
+    generated = sum(e.generated for e in episodes)
     metrics = {**sync, "rollout_s": rollout_s, "rollout_tokens_per_s": generated / max(rollout_s, 1e-9),
                "reward_std": float(rewards.std()), "advantage_std": float(advantages.std()),
                "zero_variance_groups": float(flat.reshape(-1, group)[:, 0].mean()),
-               "response_length": generated / len(completions),
-               "truncated": float(np.mean([c.finish_reason == "length" for c in completions])),
+               "response_length": generated / len(episodes),
+               "truncated": float(np.mean([e.finish_reason == "length" for e in episodes])),
                "prefix_cache_hits": float(self.engine.stats["prefix_cache_hits"] - hits)}
+    if self.environment is not None:
+      metrics["turns"] = float(np.mean([e.turns for e in episodes]))
     for name in scores[0]:
       metrics[name if name == "reward" else f"reward/{name}"] = float(np.mean([s[name] for s in scores]))
-    self.last_completions = completions
+    self.last_episodes = episodes
     local = {k: v[self._local] for k, v in arrays.items()}
     batch = _globalize(local, self.sharding, (self.batch, self.seq_len))
     if self.scorer is not None:
@@ -260,19 +336,17 @@ class Rollouts:
       self._zeros = jnp.zeros_like(batch["fresh"])
     return batch, metrics
 
-  def _rows(self, completions, advantages, keep) -> dict:
+  def _rows(self, episodes, advantages, keep) -> dict:
     arrays = {k: np.zeros((self.batch, self.seq_len), np.int32 if k in TOKEN_KEYS else np.float32) for k in KEYS}
     arrays["fresh"][:] = float(self.scorer is not None)
-    for r, c in enumerate(completions):
-      sampled = c.tokens + ([c.stop_token[0]] if c.stop_token else [])
-      logprobs = c.logprobs + ([c.stop_token[1]] if c.stop_token else [])
-      tokens = (c.prompt_tokens + sampled)[:self.seq_len + 1]
-      n, start = len(tokens) - 1, len(c.prompt_tokens) - 1  # target j is token j + 1
+    for r, episode in enumerate(episodes):
+      tokens = episode.tokens[:self.seq_len + 1]
+      n = len(tokens) - 1  # target j is token j + 1
       arrays["inputs"][r, :n] = tokens[:-1]
       arrays["targets"][r, :n] = tokens[1:]
       arrays["segment_ids"][r, :n] = 1
       arrays["positions"][r, :n] = np.arange(n)
-      arrays["loss_mask"][r, start:n] = float(keep[r])
-      arrays["behaviour_logprobs"][r, start:n] = logprobs[:n - start]
+      arrays["loss_mask"][r, :n] = np.asarray(episode.sampled[1:n + 1], np.float32) * float(keep[r])
+      arrays["behaviour_logprobs"][r, :n] = episode.logprobs[1:n + 1]
       arrays["advantages"][r, :n] = advantages[r]
     return arrays
