@@ -14,7 +14,8 @@ from flax import nnx
 
 from jaxpar.errors import ConfigError, DataError
 from jaxpar.objectives import policy_weights
-from jaxpar.objectives.grpo import make_grpo_loss, sequence_logprobs
+from jaxpar.objectives.grpo import make_grpo_loss
+from jaxpar.objectives.scoring import sequence_logprobs
 from jaxpar.rl.losses import group_advantages, policy_loss
 from jaxpar.rl.rewards import Rewards, final_answer
 from jaxpar.train.step import make_gradients
@@ -221,6 +222,25 @@ def test_the_engines_logprobs_equal_the_trainers_and_the_first_ratio_is_one(one_
   assert all(np.array_equal(a, b) for a, b in zip(held, jax.tree.leaves(_host(new_state.params))))
   assert not all(np.array_equal(a, b) for a, b in zip(held, jax.tree.leaves(before)))
   _assert_on_policy(trainer, new_state, next_batch)
+
+
+def test_scoring_in_chunks_equals_the_whole_sequence_and_its_gradients(one_device):
+  """train.logits_chunk_len: the logits a chunk at a time, remade in the backward pass, give the
+  whole-sequence forward's log-probs, entropies and gradients."""
+  trainer, state, _, batch, _ = one_device
+  weights = policy_weights(state.params, state.frozen)
+
+  def scored(chunk_len):
+    def total(w):
+      logp, spread = sequence_logprobs(nnx.merge(trainer.graphdef, w, state.model_state), batch, chunk_len)
+      return jnp.sum(logp * batch["loss_mask"]), (logp, spread)
+    with trainer.context():
+      return _host(jax.jit(jax.grad(total, has_aux=True))(weights))
+  (whole_grads, (whole, whole_spread)), (grads, (chunked, spread)) = scored(0), scored(13)  # 26 = 2 x 13
+  np.testing.assert_allclose(chunked, whole, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(spread, whole_spread, rtol=1e-6, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(whole_grads), jax.tree.leaves(grads)):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-7)
 
 
 def test_rollouts_under_a_constraint_follow_it_and_stay_on_policy(tmp_path):

@@ -34,18 +34,18 @@ from pydantic import Field
 
 from jaxpar.data.preference_batches import PreferenceBatches
 from jaxpar.errors import ConfigError
-from jaxpar.models.logprobs import token_logprobs
 from jaxpar.objectives.base import (BASE, Objective, Options, model_state_of, policy_weights,
                                     register_objective)
+from jaxpar.objectives.scoring import sequence_logprobs
 from jaxpar.trees import join
 
 REFERENCE = "reference"  # TrainState.frozen's key for the reference network (without adapters)
 
 
-def answer_logprobs(model, batch):
+def answer_logprobs(model, batch, chunk_len: int = 0):
   """[rows] log-probability of each row's masked target tokens (the answer), summed."""
-  logits, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-  return jnp.sum(token_logprobs(logits, batch["targets"]) * batch["loss_mask"].astype(jnp.float32), axis=-1)
+  logp = sequence_logprobs(model, batch, chunk_len)[0]
+  return jnp.sum(logp * batch["loss_mask"].astype(jnp.float32), axis=-1)
 
 
 def dpo_loss(policy, reference, beta: float):
@@ -58,19 +58,21 @@ def dpo_loss(policy, reference, beta: float):
   return -jax.nn.log_sigmoid(margin), margin, chosen, rejected
 
 
-def make_dpo_objective(graphdef, beta: float):
+def make_dpo_objective(graphdef, beta: float, chunk_len: int = 0):
   """(trained weights, model_state, batch, frozen) -> (summed loss, (sums, model_state)), as
   the objective protocol says: the step divides the sums by "tokens", here the pairs.
-  frozen: the base under adapters, or the reference network without them."""
+  frozen: the base under adapters, or the reference network without them. chunk_len > 0:
+  the logits chunk_len positions at a time (scoring.sequence_logprobs)."""
   def objective(params, model_state, batch, frozen=None):
     frozen = frozen or {}
     model = nnx.merge(graphdef, policy_weights(params, frozen), model_state)
-    policy = answer_logprobs(model, batch)
+    policy = answer_logprobs(model, batch, chunk_len)
     if REFERENCE in frozen:
       reference_weights = frozen[REFERENCE]
     else:  # adapters: the base with them off
       reference_weights = join(jax.tree.map(jnp.zeros_like, params), frozen[BASE])
-    reference = jax.lax.stop_gradient(answer_logprobs(nnx.merge(graphdef, reference_weights, model_state), batch))
+    reference = jax.lax.stop_gradient(
+        answer_logprobs(nnx.merge(graphdef, reference_weights, model_state), batch, chunk_len))
     loss, margin, chosen, rejected = dpo_loss(policy, reference, beta)
     total = jnp.sum(loss)
     sums = {"ce_sum": total, "z_sum": jnp.zeros(()), "tokens": jnp.asarray(loss.shape[0], jnp.float32),
@@ -105,7 +107,7 @@ class DPO(Objective):
     return PreferenceBatches(self.config.data, tokenizer, sharding)
 
   def loss(self):
-    return make_dpo_objective(self.runtime.graphdef, self.options.beta)
+    return make_dpo_objective(self.runtime.graphdef, self.options.beta, self.config.train.logits_chunk_len)
 
   def kept_networks(self):
     return {} if self.adapters else {REFERENCE: self.options.reference}

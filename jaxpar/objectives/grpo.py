@@ -22,9 +22,9 @@ from flax import nnx
 from pydantic import Field, model_validator
 
 from jaxpar.errors import ConfigError
-from jaxpar.models.logprobs import token_logprobs
 from jaxpar.objectives.base import (BASE, Objective, Options, model_state_of, policy_weights,
                                     register_objective)
+from jaxpar.objectives.scoring import sequence_logprobs
 from jaxpar.rl.ahead import AheadRollouts
 from jaxpar.rl.environments import load_environment
 from jaxpar.rl.losses import LOSSES, policy_loss
@@ -34,18 +34,6 @@ from jaxpar.runtime import Runtime
 from jaxpar.trees import join
 
 REFERENCE = "reference"
-
-
-def sequence_logprobs(model, batch):
-  """([rows, length] log-probability of each target token under `model` (f32), the logits)."""
-  logits, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
-  return token_logprobs(logits, batch["targets"]), logits
-
-
-def entropy(logits):
-  """[rows, length] entropy of each position's distribution (a metric: no gradient)."""
-  logp = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
-  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
 class GRPOOptions(Options):
@@ -112,11 +100,11 @@ class GRPOOptions(Options):
     return self.max_tokens * (self.max_turns if self.environment else 1)
 
 
-def behaviour_scorer(runtime, batch_sharding):
+def behaviour_scorer(runtime, batch_sharding, chunk_len: int = 0):
   """jitted (policy weights, model_state, batch) -> (batch with its behaviour log-probs those of
   the policy's forward on its completion tokens, the largest |engine - trainer| there)."""
   def score(weights, model_state, batch):
-    logp = sequence_logprobs(nnx.merge(runtime.graphdef, weights, model_state), batch)[0]
+    logp = sequence_logprobs(nnx.merge(runtime.graphdef, weights, model_state), batch, chunk_len)[0]
     mask = batch["loss_mask"] > 0
     gap = jnp.max(jnp.where(mask, jnp.abs(logp - batch["behaviour_logprobs"]), 0.0))
     return {**batch, "behaviour_logprobs": jnp.where(mask, logp, 0.0)}, gap
@@ -129,18 +117,20 @@ def behaviour_scorer(runtime, batch_sharding):
   return run
 
 
-def make_grpo_loss(graphdef, options, *, reference_kept: bool):
-  """The objective protocol's loss over rollout batches (rollouts.KEYS)."""
+def make_grpo_loss(graphdef, options, *, reference_kept: bool, chunk_len: int = 0):
+  """The objective protocol's loss over rollout batches (rollouts.KEYS); chunk_len > 0: the
+  logits chunk_len positions at a time (train.logits_chunk_len, scoring.sequence_logprobs)."""
   def loss(params, model_state, batch, frozen=None):
     frozen = frozen or {}
     model = nnx.merge(graphdef, policy_weights(params, frozen), model_state)
-    logp, logits = sequence_logprobs(model, batch)
+    logp, spread = sequence_logprobs(model, batch, chunk_len)
     # The first update on a batch scored by the trainer divides by its own forward: ratio 1 exactly.
     behaviour = jnp.where(batch["fresh"] > 0, jax.lax.stop_gradient(logp), batch["behaviour_logprobs"])
     reference = None
     if options.kl_coef:
       weights = frozen[REFERENCE] if reference_kept else join(jax.tree.map(jnp.zeros_like, params), frozen[BASE])
-      reference = jax.lax.stop_gradient(sequence_logprobs(nnx.merge(graphdef, weights, model_state), batch)[0])
+      reference = jax.lax.stop_gradient(sequence_logprobs(nnx.merge(graphdef, weights, model_state), batch,
+                                                          chunk_len)[0])
     total, metrics, unit = policy_loss(
         logp, behaviour, batch["advantages"], batch["loss_mask"], loss=options.loss,
         clip_low=options.clip_low, clip_high=options.upper_clip, max_tokens=options.sampled_limit,
@@ -149,7 +139,7 @@ def make_grpo_loss(graphdef, options, *, reference_kept: bool):
     per_row = mask / jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1.0)
     sums = {"ce_sum": total, "z_sum": jnp.zeros(()), "tokens": unit,
             **{f"metric/{k}": v for k, v in metrics.items()},
-            "metric/entropy": jnp.sum(entropy(logits) * (mask if options.loss == "dapo" else per_row))}
+            "metric/entropy": jnp.sum(spread * (mask if options.loss == "dapo" else per_row))}
     return total, (sums, model_state_of(model))
   return loss
 
@@ -217,12 +207,14 @@ class GRPO(Objective):
                            overlong_buffer=opts.overlong_buffer)
 
   def batches(self, tokenizer, sharding):
-    scorer = behaviour_scorer(self.runtime, sharding) if self.options.behaviour == "trainer" else None
+    chunk_len = self.config.train.logits_chunk_len
+    scorer = behaviour_scorer(self.runtime, sharding, chunk_len) if self.options.behaviour == "trainer" else None
     rollouts = Rollouts(self.config, self.rollout_runtime(), tokenizer, sharding, self.rewards, scorer)
     return AheadRollouts(rollouts, self.options.max_staleness) if self.options.max_staleness else rollouts
 
   def loss(self):
-    return make_grpo_loss(self.runtime.graphdef, self.options, reference_kept=not self.adapters)
+    return make_grpo_loss(self.runtime.graphdef, self.options, reference_kept=not self.adapters,
+                          chunk_len=self.config.train.logits_chunk_len)
 
   def kept_networks(self):
     return {} if self.adapters else {REFERENCE: self.options.reference}

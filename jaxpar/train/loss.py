@@ -33,7 +33,7 @@ _PARTIALS = ("batch", "length", "act_embed", "act_vocab")
 _PARAMETER = ("embed", "vocab")  # the output projection's own layout (either orientation)
 
 
-def _chunk_len(length: int, target: int) -> int:
+def chunk_length(length: int, target: int) -> int:
   """The largest divisor of `length` not above `target`."""
   return max(d for d in range(1, min(length, target) + 1) if length % d == 0)
 
@@ -69,7 +69,7 @@ def _fused_forward(hidden, projection, targets, loss_mask, z_loss, chunk_len, lo
   # positions from every device's own span of the sequence: no hidden state moves, and
   # the chunk count (one projection-gradient reduction each) is what it is unsplit.
   spans = length_spans(length)
-  chunk = _chunk_len(length // spans, chunk_len)
+  chunk = chunk_length(length // spans, chunk_len)
   count = length // spans // chunk
   shards = _batch_shards(batch)
   # Gather the (FSDP-split) projection once, not once per chunk inside the loop.
