@@ -4,7 +4,7 @@
     python benchmarks/precision_memory.py --part step     # on a GPU: 12 x 768 Llama, bf16; on CPU: tiny
 
 curves: every scheme, and the float run with bf16 or 8-bit optimizer moments
-(train.optimizer_state_dtype), trains the same config from the same initial weights on the
+(train.optimizer_state_dtype) or GaLore (train.optimizer=galore), trains the same config from the same initial weights on the
 same batches (the bundled corpus); the table gives the loss at every `--every` steps and each
 run's final loss relative to the first's. It runs wherever jaxpar runs (on CPU the
 low-precision dots are converted by XLA: same numbers, no speed-up).
@@ -37,7 +37,10 @@ PRECISIONS = ("compute_dtype", *SCHEMES)
 # The curves: each train precision, and the float run with narrower optimizer moments.
 VARIANTS = {**{p: [f"model.train_precision={p}"] for p in PRECISIONS},
             "moments_bf16": ["train.optimizer_state_dtype=bfloat16"],
-            "moments_int8": ["train.optimizer_state_dtype=int8_blockwise"]}
+            "moments_int8": ["train.optimizer_state_dtype=int8_blockwise"],
+            # GaLore at a quarter of tiny's embed (128) and the paper's scale, and at scale 1.
+            "galore": ["train.optimizer=galore", "train.galore.rank=32"],
+            "galore_scale1": ["train.optimizer=galore", "train.galore.rank=32", "train.galore.scale=1.0"]}
 # The `jaxpar check` train step's model on accelerators (GPT-2-small-sized Llama, bf16).
 GPU_MODEL = ["model.embed_dim=768", "model.num_layers=12", "model.num_heads=12", "model.num_kv_heads=12",
              "model.head_dim=64", "model.mlp_dim=3072", "model.max_seq_len=1024",

@@ -193,10 +193,18 @@ class DilocoConfig(_Frozen):
         raise ValueError(f"train.diloco.bits={s.bits} with train.sync=sparseloco: its values go 8, 4 or 2 bits each")
 
 
+class GaloreConfig(_Frozen):
+  """train.optimizer: galore (jaxpar/train/galore.py): Adam in a low-rank projection of each
+  hidden matrix's gradient."""
+  rank: int = Field(128, ge=1)  # the projection's rank (at most the matrix's smaller side)
+  update_every: int = Field(200, ge=1)  # steps between two refreshes of the projection (an SVD)
+  scale: float = Field(0.25, gt=0)  # alpha: the projected matrices' updates are scaled by it
+
+
 class TrainConfig(_Frozen):
   steps: int = 300
   # jaxpar/train/optim.py says what each optimizer and schedule does with these keys.
-  optimizer: Literal["adamw", "adafactor", "lion", "sgd", "muon"] = "adamw"
+  optimizer: Literal["adamw", "adafactor", "lion", "sgd", "muon", "galore"] = "adamw"
   schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
   learning_rate: float = Field(3e-3, gt=0)
   warmup_steps: int = 20
@@ -207,6 +215,7 @@ class TrainConfig(_Frozen):
   b2: float = 0.95
   eps: float = 1e-8
   momentum: float | None = Field(None, ge=0, lt=1)  # sgd (default 0.9), muon (default 0.95)
+  galore: GaloreConfig = GaloreConfig()
   grad_clip: float | None = 1.0
   # How the optimizer's parameter-shaped moments are stored between steps (jaxpar/train/moments.py):
   # float32 (8 bytes per parameter for AdamW), bfloat16 (4) or int8_blockwise (about 2).
@@ -238,7 +247,7 @@ class TrainConfig(_Frozen):
 
   @model_validator(mode="after")
   def _narrow_moments(self):
-    if self.optimizer_state_dtype != "float32" and self.optimizer in ("adafactor", "muon"):
+    if self.optimizer_state_dtype != "float32" and self.optimizer in ("adafactor", "muon", "galore"):
       raise ValueError(f"train.optimizer_state_dtype={self.optimizer_state_dtype} stores AdamW's, Lion's and "
                        f"SGD's moments; {self.optimizer}'s keep float32: set train.optimizer_state_dtype=float32 "
                        "or another train.optimizer")

@@ -333,14 +333,15 @@ def test_rl_collocated_on_a_slice_reports_both_phases_and_the_largest_rollout_ba
   training), and the largest batch is compiled and fits."""
   from jaxpar.aot.rl_plan import format_rollout_plan, plan_rollouts
   config = load_config("grpo-tiny", ["model.num_layers=2", "model.scan_unroll=1", "objective.kl_coef=0.05",
-                                     "data.global_batch_size=16"])
+                                     "data.global_batch_size=16", "model.compute_dtype=bfloat16"])
   plan = plan_rollouts(config, "v5e-4", most=32)
   at, largest = plan["configured"], plan["largest"]
   assert at["fits"] and at["batch"] == 16 and at["reference"] == at["params"] > 0
   assert at["rollouts"] > at["kv_pages"] + at["opt_state"] + at["reference"] + at["params"]
-  # KV pages: 16 completions x ceil(105 / 16) pages x 16 slots x 2 layers x 2 (k, v) x 2 kv heads x 32 x f32,
-  # the whole pool on every chip (pages split over kv heads only, and this mesh is fsdp=4).
-  assert at["kv_pages"] == 16 * 7 * 16 * 2 * 2 * 2 * 32 * 4
+  # KV pages: 16 completions x ceil(105 / 16) pages x 16 slots x 2 layers x 2 (k, v) x 2 kv heads x 32, in
+  # the compute dtype as the engine keeps them (bf16 over f32 weights), the whole pool on every chip (pages
+  # split over kv heads only, and this mesh is fsdp=4).
+  assert at["kv_pages"] == 16 * 7 * 16 * 2 * 2 * 2 * 32 * 2
   assert largest["fits"] and largest["batch"] == 32 and plan["capped"]
   assert largest["training"] > at["training"] and largest["rollouts"] > at["rollouts"]
   text = format_rollout_plan(plan)

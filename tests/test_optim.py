@@ -19,6 +19,8 @@ STEPS = 4
 def _config(tmp_path, optimizer, mesh, **train):
   optimizer, _, state_dtype = optimizer.partition("-")  # e.g. adamw-int8_blockwise
   train = {"optimizer_state_dtype": state_dtype or "float32", **train}
+  if optimizer == "galore":  # a rank under the matrices' sides, refreshed before a save and after
+    train["galore"] = {"rank": 16, "update_every": 3}
   return small_config(mesh=mesh, model=MODEL, data={"seq_len": 16},
                       train={"steps": STEPS, "optimizer": optimizer, "learning_rate": 1e-3,
                              "warmup_steps": 1, "peak_flops_per_device": 1e9, **train},
@@ -29,7 +31,7 @@ def _leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "lion", "sgd", "muon", "adamw-int8_blockwise"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor", "lion", "sgd", "muon", "galore", "adamw-int8_blockwise"])
 def test_optimizer_sharded_equals_one_device_and_resumes_exactly(optimizer, tmp_path):
   sharded = Trainer(_config(tmp_path / "8", optimizer, {"fsdp": 4, "tensor": 2}))
   single = Trainer(_config(tmp_path / "1", optimizer, {"fsdp": 1}, run_dir=str(tmp_path / "1")),
@@ -59,7 +61,8 @@ def test_optimizer_sharded_equals_one_device_and_resumes_exactly(optimizer, tmp_
   # (2.7e-5 by the 4th step on an AMD EPYC host; 2e-5 held on the hosts before).
   np.testing.assert_allclose([h["loss"] for h in single.fit(start_single, show_progress=False).history],
                              losses, rtol=1e-4 if optimizer == "lion" else 2e-5)
-  if optimizer.endswith("int8_blockwise"):  # 8-bit moments saved on fsdp4 x tensor2 go on on one device
+  if optimizer in ("adamw-int8_blockwise", "galore"):  # 8-bit moments, GaLore's projections: saved on
+    # fsdp4 x tensor2, they go on on one device
     moved = single.fit(restore=tmp_path / "8" / "run" / "checkpoints" / "2", show_progress=False)
     np.testing.assert_allclose([h["loss"] for h in moved.history], losses[2:], rtol=2e-5)
 
@@ -106,7 +109,7 @@ def test_unknown_optimizer_or_schedule_lists_the_choices():
   with pytest.raises(ConfigError) as error:
     small_config(train={"optimizer": "adam"})
   assert str(error.value) == ("train.optimizer='adam': Input should be 'adamw', 'adafactor', 'lion', "
-                              "'sgd' or 'muon'")
+                              "'sgd', 'muon' or 'galore'")
   with pytest.raises(ConfigError, match="train.schedule='step': Input should be 'cosine', 'linear', "
                                         "'constant' or 'wsd'"):
     small_config(train={"schedule": "step"})

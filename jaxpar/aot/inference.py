@@ -38,19 +38,21 @@ def abstract_cache(runtime, num_pages: int, page_size: int, dtype, slots: int = 
 
 
 def compile_inference(config, topology: str, *, slots: int, context: int, page_size: int = 128,
-                      chunk: int | None = 512, param_dtype: str = "bfloat16", num_slices: int = 1,
-                      phase=silent) -> dict:
+                      chunk: int | None = 512, param_dtype: str = "bfloat16", compute_dtype: str | None = None,
+                      num_slices: int = 1, phase=silent) -> dict:
   """Report dict for the decode step ([slots, 1]) and one prefill chunk ([1, chunk]; none
-  when chunk is None) of `config`'s model with `param_dtype` weights and a cache holding
-  `slots` x `context` tokens. `phase`: see phases.py."""
+  when chunk is None) of `config`'s model with `param_dtype` weights, computing in
+  `compute_dtype` (default: param_dtype), and a cache holding `slots` x `context` tokens in
+  the compute dtype, as the engine keeps it. `phase`: see phases.py."""
   with phase(f"describing TPU topology {topology}"):
     chip, devices = topology_devices(topology, num_slices)
-  model = config.model.model_copy(update={"param_dtype": param_dtype, "compute_dtype": param_dtype})
+  compute_dtype = compute_dtype or param_dtype
+  model = config.model.model_copy(update={"param_dtype": param_dtype, "compute_dtype": compute_dtype})
   with phase("building the model (abstract, sharded)"):
     runtime = Runtime(model, config.mesh, devices, parallel=config.parallel)
   params, model_state = runtime.abstract_targets()
   pages_per_seq = -(-context // page_size)
-  cache = abstract_cache(runtime, slots * pages_per_seq, page_size, param_dtype, slots)
+  cache = abstract_cache(runtime, slots * pages_per_seq, page_size, compute_dtype, slots)
   programs = Programs(runtime, params, model_state, cache)
   report = {"topology": topology, "chip": chip.name, "devices": runtime.mesh.size,
             "mesh": {a: s for a, s in runtime.mesh.shape.items() if s > 1}, "hbm_bytes": chip.hbm_bytes,

@@ -10,7 +10,9 @@ between rollouts (jaxpar/rl/rollouts.py), so per chip, from the compiled program
   rollouts   the decode step (the policy's parameters, the KV pages and its temporaries)
              + the optimizer state and the reference, resident meanwhile
 
-The slice fits when both do. A rollout batch is data.global_batch_size completions of up to
+The engine computes in the model's compute dtype on the policy's arrays and keeps its KV
+pages in that dtype (bfloat16 for a bf16-compute recipe over f32 master weights). The slice
+fits when both do. A rollout batch is data.global_batch_size completions of up to
 data.seq_len + 1 tokens, decoded together; it is also the train step's batch. Both programs'
 bytes grow linearly with it: compiled at the configured batch and twice it, the largest
 batch (a multiple of objective.group_size) both phases hold follows, and is compiled to check
@@ -34,7 +36,8 @@ def _phases(config, topology, batch: int, phase, trained=None) -> dict:
   config = replace(config, data={"global_batch_size": batch})
   train, compiled = trained or compile_for_topology(config, topology, phase=phase)
   decode = compile_inference(config, topology, slots=batch, context=config.data.seq_len + 1, page_size=PAGE_SIZE,
-                             chunk=None, param_dtype=config.model.param_dtype, phase=phase)
+                             chunk=None, param_dtype=config.model.param_dtype,
+                             compute_dtype=config.model.compute_dtype, phase=phase)
   state = train["state_bytes"]
   step = decode["programs"]["decode"]
   out = {"batch": batch, "hbm_bytes": train["hbm_bytes"], "chip": train["chip"], "devices": train["devices"],

@@ -1,11 +1,12 @@
 """Optimizers and learning-rate schedules (optax), chosen by name in `train:`.
 
-optimizer: adamw | adafactor | lion | sgd (with momentum) | muon. Every one clips the global
-gradient norm first (train.grad_clip) and decays only the parameters that declare
+optimizer: adamw | adafactor | lion | sgd (with momentum) | muon | galore. Every one clips the
+global gradient norm first (train.grad_clip) and decays only the parameters that declare
 `weight_decay` (norm scales do not). Muon is optax's: it orthogonalises the update of every
 hidden weight matrix and hands the rest (embeddings, output projection, norm scales) to
 AdamW, as its authors recommend; `consistent_rms=0.2` scales its updates to AdamW's size so
-one train.learning_rate serves both. Its weight decay applies to the matrices.
+one train.learning_rate serves both. Its weight decay applies to the matrices. GaLore
+(train/galore.py) is AdamW with each hidden matrix's moments in a low-rank projection.
 
 schedule: cosine | linear | constant | wsd, each after a linear warm-up from 0; cosine and
 linear decay to learning_rate * min_lr_ratio at train.steps, wsd (warmup-stable-decay) holds
@@ -18,6 +19,8 @@ import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from optax import contrib
+
+from jaxpar.train.galore import scale_by_galore
 
 # Parameter axes that stack independent matrices (scanned layers, experts): Muon
 # orthogonalises each matrix on its own.
@@ -71,6 +74,11 @@ def make_optimizer(train_cfg, decay_mask, axis_names=None) -> optax.GradientTran
   elif t.optimizer == "sgd":
     update = optax.chain(optax.add_decayed_weights(t.weight_decay, decay_mask),
                          optax.sgd(lr, momentum=t.momentum if t.momentum is not None else 0.9))
+  elif t.optimizer == "galore":
+    g = t.galore
+    update = optax.chain(scale_by_galore(axis_names, rank=g.rank, update_every=g.update_every, scale=g.scale,
+                                         b1=t.b1, b2=t.b2, eps=t.eps),
+                         optax.add_decayed_weights(t.weight_decay, decay_mask), optax.scale_by_learning_rate(lr))
   else:  # muon
     update = contrib.muon(lr, beta=t.momentum if t.momentum is not None else 0.95, eps=t.eps,
                           weight_decay=t.weight_decay, adam_b1=t.b1, adam_b2=t.b2,
@@ -87,9 +95,11 @@ def path_names(path) -> tuple:
 def opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, mesh):
   """Shardings for an optimizer state: a leaf that mirrors a parameter (its path ends with
   the parameter's) is sharded like it; a factored moment (the parameter's shape less one
-  axis, Adafactor's row and column statistics) like it with that axis dropped; an 8-bit
-  moment's (train/moments.py) codes like the parameter and its block scales like it but whole
-  along the blocked axis; the rest (step counts, scalars) replicated."""
+  axis, Adafactor's row and column statistics) like it with that axis dropped; one of the
+  parameter's rank with other sizes on some axes (an 8-bit moment's block scales,
+  train/moments.py; GaLore's projection and projected moments, train/galore.py) like it on the
+  axes of the parameter's size and whole on the others; the rest (step counts, scalars)
+  replicated."""
   params = {path_names(p): (leaf.shape, s) for (p, leaf), s in zip(
       jax.tree_util.tree_leaves_with_path(abstract_params), jax.tree.leaves(param_shardings))}
   replicated = NamedSharding(mesh, PartitionSpec())
@@ -103,13 +113,13 @@ def opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, me
       return replicated
     shape, param_sharding = found
     spec = tuple(param_sharding.spec) + (None,) * (len(shape) - len(param_sharding.spec))
-    if part == "scales":  # split as the parameter, but whole along its blocked axis
-      return NamedSharding(mesh, PartitionSpec(*(s if n == m else None for s, n, m in zip(spec, leaf.shape, shape))))
     if tuple(leaf.shape) == tuple(shape):
       return param_sharding
     for axis in reversed(range(len(shape))):  # the last axis first: Adafactor's row statistic
       if tuple(leaf.shape) == shape[:axis] + shape[axis + 1:]:
         return NamedSharding(mesh, PartitionSpec(*spec[:axis], *spec[axis + 1:]))
+    if leaf.ndim == len(shape):  # split as the parameter where the sizes agree, whole elsewhere
+      return NamedSharding(mesh, PartitionSpec(*(s if n == m else None for s, n, m in zip(spec, leaf.shape, shape))))
     return replicated
   return jax.tree_util.tree_map_with_path(sharding, abstract_opt_state)
 
