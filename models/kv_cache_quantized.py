@@ -5,7 +5,10 @@ keys per token for int8, per channel over the page for KIVI; values per token). 
 sequence's newest, incomplete page stays in float in a per-slot `tail` page until it fills
 (KIVI's full-precision residual, one page long), then is quantized into its pool page. So
 a query reads every complete page quantized and its own partial page in float: exactly
-`kv_quant.cached_attention` with window 0, which is how quality is measured.
+`kv_quant.cached_attention` with window 0, which is how quality is measured. Decoding an
+int8 cache on TPU, the kernel reads the pool as stored (`pallas_kernels.int8_paged_decode`:
+codes and scales into VMEM, the row's tail for its partial page); elsewhere, and for the
+KIVI modes, the pages a step can see are dequantized by XLA first (`read`).
 
 Cache per layer group: {"k": {"q", "scale"[, "zero"]}, "v": {...}} over
 [layers, kv_heads, num_pages, page_size, ...], and "tail_k" / "tail_v" [layers, kv_heads,
@@ -57,6 +60,16 @@ class QuantizedPagedCache:
     positions = context.positions
     heads = self.pages["tail_k"].shape[1]
     cache = write(self, kv_cache.fit_heads(k, heads), kv_cache.fit_heads(v, heads), positions)
+    if q.shape[1] == 1 and self.spec.mode == "int8" and pallas_kernels.reads_int8_pages(spec):
+      # Decoding on TPU: the kernel reads the int8 pages as stored and dequantizes in VMEM.
+      pool = cache.pages
+      row = lambda scale: jnp.swapaxes(scale, -1, -2)  # noqa: E731  [.., page_size, 1] -> [.., 1, page_size]
+      int8 = pallas_kernels.Int8Pages(row(pool["k"]["scale"]), row(pool["v"]["scale"]), pool["tail_k"],
+                                      pool["tail_v"], cache.tail_index)
+      out = pallas_kernels.int8_paged_decode(q[:, 0], pool["k"]["q"], pool["v"]["q"], int8,
+                                             jnp.maximum(positions[:, 0] + 1, 0), cache.page_table, spec,
+                                             layer=cache.layer, sinks=sinks)
+      return out[:, None], cache
     page_size = self.pages["tail_k"].shape[3]
     table, start = pallas_kernels.visible_pages(self.page_table, positions, page_size, spec.sliding_window)
     positions = jnp.where(positions >= 0, positions - start[:, None], -1)  # relative to the visible pages

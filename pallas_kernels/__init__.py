@@ -16,8 +16,9 @@ run it per device through the logical `shard_map` helper of `jaxpar.mesh`:
 """
 
 from jaxpar.pallas_kernels.attention.block_sizes import BlockSizes, default_block_sizes
+from jaxpar.pallas_kernels.attention.decode_tpu import Int8Pages
 from jaxpar.pallas_kernels.attention.dispatch import (attention, choose_implementation, decode_attention,
-                                                      paged_attention)
+                                                      int8_paged_decode, paged_attention, reads_int8_pages)
 from jaxpar.pallas_kernels.attention.decode_common import visible_pages
 from jaxpar.pallas_kernels.attention.layout import unzigzag, zigzag
 from jaxpar.pallas_kernels.attention.reference import (attention_reference, decode_attention_reference,
@@ -36,6 +37,7 @@ from jaxpar.pallas_kernels.matmul.quantize import dequantize_weight, quantize_we
 __all__ = ["MatmulBlocks", "QuantizedWeight", "dequantize_weight", "quantize_weight", "quantized_matmul",
            "IMPLEMENTATIONS", "AttentionSpec", "BlockSizes", "CausalMask", "FullMask", "LocalMask", "TreeMask", "attention",
            "attention_reference",
-           "choose_implementation", "decode_attention", "decode_attention_reference",
+           "choose_implementation", "decode_attention", "decode_attention_reference", "Int8Pages",
+           "int8_paged_decode", "reads_int8_pages",
            "default_block_sizes", "paged_attention", "paged_attention_reference", "unzigzag",
            "visible_pages", "zigzag", "gated_delta_rule", "gated_delta_rule_reference", "gated_delta_step"]

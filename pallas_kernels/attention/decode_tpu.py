@@ -9,10 +9,19 @@ form one [group, head_dim] tile, so GQA reads each page once. Values may have th
 head dim, or be the first `value_dim` entries of each key (multi-head latent attention's
 absorbed form: one latent page array holds both, read once). Attention sinks (one logit
 per query head, in SMEM) start each row's online softmax at (max = sink, sum = 1).
+
+An int8 cache (`Int8Pages`: jaxpar's int8 KV pages, models/kv_quant.py) is read as stored:
+each page's int8 codes and per-token scales come into VMEM, the codes become the compute
+type there (exactly: |code| <= 127), and the scales, one per token, multiply the scores
+(keys) and the probabilities (values) instead of the pages: a row vector each, where a
+column of scales would need the [page_size, 1] block that Mosaic pads to 128 lanes (and
+XLA relayouts the whole pool to feed). A row's partial page (its newest, not yet
+quantized) comes from its float tail.
 """
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +46,33 @@ class _Static:
   value_dim: int
 
 
-def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, m_scr, l_scr, acc_scr, *, st):
+class Int8Pages(NamedTuple):
+  """An int8 paged cache as jaxpar stores it (models/kv_quant.py), stacked over layers: codes
+  [layers, Hkv, num_pages, page_size, D] int8 holding q + 128 (q in [-127, 127]), scales
+  [.., 1, page_size] (one per token: the stored [.., page_size, 1] reshaped, a free
+  bitcast), and each row's partial page in float: tails [layers, Hkv, slots, page_size, D]
+  at slot tail_index[b]."""
+  k_scales: jax.Array
+  v_scales: jax.Array
+  k_tails: jax.Array
+  v_tails: jax.Array
+  tail_index: jax.Array
+
+
+def _page(codes, scales, tail, use_tail, dtype):
+  """(one page's unscaled values in `dtype`: its codes as stored, q = code + 128 mod 256 - 128,
+  or the float tail; the per-token scales [1, page_size] in f32, ones for the tail)."""
+  signed = codes.astype(jnp.int32)
+  q = jnp.where(signed < 0, signed + 128, signed - 128).astype(dtype)
+  return jnp.where(use_tail, tail.astype(dtype), q), jnp.where(use_tail, 1.0, scales.astype(jnp.float32))
+
+
+def _kernel(layer_ref, lengths_ref, table_ref, *refs, st):
+  if len(refs) == 13:  # int8 pages: the tails' slots (used by the index maps), scales and tails
+    _, q_ref, k_ref, v_ref, ks_ref, vs_ref, kt_ref, vt_ref, sinks_ref, o_ref, m_scr, l_scr, acc_scr = refs
+  else:
+    ks_ref = None
+    q_ref, k_ref, v_ref, sinks_ref, o_ref, m_scr, l_scr, acc_scr = refs
   b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   length = lengths_ref[b]
 
@@ -61,9 +96,17 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o
 
   @pl.when((j >= first) & (j <= last))
   def _step():
-    k = k_ref[...]
-    v = k[:, :st.value_dim] if v_ref is None else v_ref[...]  # no v pages: the latent keys hold them
+    k_scale = v_scale = None
+    if ks_ref is None:
+      k = k_ref[...]
+      v = k[:, :st.value_dim] if v_ref is None else v_ref[...]  # no v pages: the latent keys hold them
+    else:
+      use_tail = (j == last) & (length % st.page_size != 0)  # the newest page, still in float
+      k, k_scale = _page(k_ref[...], ks_ref[...], kt_ref[...], use_tail, q_ref.dtype)
+      v, v_scale = _page(v_ref[...], vs_ref[...], vt_ref[...], use_tail, q_ref.dtype)
     s = mxu_dot(q_ref[...], k, trans_b=True) * st.scale
+    if k_scale is not None:  # q . (code x scale) = (q . code) x scale, one scale per key
+      s = s * k_scale
     k_pos = j * st.page_size + lax.broadcasted_iota(jnp.int32, s.shape, 1)
     mask = masking.token_mask(length - 1, k_pos, st.spec.mask, kv_len=length)
     s = jnp.where(mask, masking.soft_cap(s, st.spec.logit_soft_cap), masking.MASK_VALUE)
@@ -72,7 +115,8 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o
     p = jnp.exp(s - m_next[:, :1])
     alpha = jnp.exp(m_prev - m_next)
     l_scr[...] = alpha * l_scr[...] + p.sum(axis=1, keepdims=True)
-    pv = mxu_dot(p.astype(v.dtype), v)
+    # p @ (code x scale) = (p x scale) @ code, one scale per value row (not in l: p's own sum)
+    pv = mxu_dot((p if v_scale is None else p * v_scale).astype(v.dtype), v)
     acc_scr[...] = acc_scr[...] * alpha[:, :1] + pv
     m_scr[...] = m_next
 
@@ -82,26 +126,33 @@ def _kernel(layer_ref, lengths_ref, table_ref, q_ref, k_ref, v_ref, sinks_ref, o
     o_ref[...] = (acc_scr[...] / jnp.where(l == 0.0, 1.0, l)[:, :1]).astype(o_ref.dtype)
 
 
-def _cost(q, k_pages, pages_per_seq, value_dim, shared_values):
+def _cost(q, k_pages, pages_per_seq, value_dim, shared_values, int8=None):
   """At full context (every page of the table live; shorter sequences skip pages): two
-  matmuls over all cached keys, one exp per score, each K/V page read once per sequence."""
+  matmuls over all cached keys, one exp per score, each K/V page read once per sequence
+  (int8 pages: a byte per element and a scale per token and head)."""
   batch, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape[-4:]
   keys = pages_per_seq * page_size
   scores = batch * num_heads * keys
   per_key = head_dim + (0 if shared_values else value_dim)
   cache_bytes = batch * num_kv_heads * keys * per_key * k_pages.dtype.itemsize
+  if int8 is not None:
+    cache_bytes += 2 * batch * num_kv_heads * keys * int8.k_scales.dtype.itemsize
   return pl.CostEstimate(flops=2 * scores * (head_dim + value_dim), transcendentals=scores,
                          bytes_accessed=cache_bytes + q.size * q.dtype.itemsize
                          + batch * num_heads * value_dim * q.dtype.itemsize)
 
 
 def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, spec: AttentionSpec = AttentionSpec(), *,
-                               layer=None, sinks=None):
+                               layer=None, sinks=None, int8: Int8Pages | None = None):
   """q: [B, Hq, D]; k_pages: [Hkv, num_pages, page_size, D]; v_pages: [.., Dv], or None with
   spec.value_dim (the keys' first value_dim entries); with `layer` (an int scalar) both
   stacked over layers [layers, Hkv, ...] and that layer's read; lengths: [B]; page_table:
-  [B, n]; sinks: [Hq] or None -> [B, Hq, Dv]."""
+  [B, n]; sinks: [Hq] or None -> [B, Hq, Dv]. int8: the pages are int8 codes, with their
+  scales and each row's float tail (Int8Pages, stacked over layers like the codes)."""
+  if int8 is not None and (layer is None or v_pages is None):
+    raise UserError("int8 pages are read from the pool stacked over layers, keys and values apart: give layer "
+                    "and v_pages")
   k_pages, v_pages, layer, value_dim = decode_common.stacked_inputs(q, k_pages, v_pages, lengths, page_table, layer,
                                                                     spec.value_dim, sinks)
   batch, num_heads, head_dim = q.shape
@@ -113,7 +164,7 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, spec: A
   st = _Static(spec=spec, scale=spec.scale_for(head_dim), page_size=page_size, pages_per_seq=pages_per_seq,
                value_dim=value_dim)
 
-  def page_index(b, h, j, layer_ref, lengths_ref, table_ref):
+  def page_index(b, h, j, layer_ref, lengths_ref, table_ref, *_):
     page = decode_common.clamp_page(j, lengths_ref[b], page_size, spec.sliding_window)
     return (layer_ref[0], h, table_ref[b * pages_per_seq + page], 0, 0)
 
@@ -121,13 +172,21 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, spec: A
                     for d in (head_dim, value_dim))
   k_spec = pl.BlockSpec((None, None, None, page_size, head_dim), page_index)
   v_spec = None if v_pages is None else pl.BlockSpec((None, None, None, page_size, value_dim), page_index)
+  prefetched = (layer, lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1))
+  extra_specs, extra = [], []
+  if int8 is not None:  # per-token scales beside each page; the row's tail slot, fetched once per row
+    scale_spec = pl.BlockSpec((None, None, None, 1, page_size), page_index)
+    tail_spec = pl.BlockSpec((None, None, None, page_size, head_dim),
+                             lambda b, h, j, layer_ref, lengths_ref, table_ref, tail_ref: (layer_ref[0], h, tail_ref[b], 0, 0))
+    extra_specs, extra = [scale_spec, scale_spec, tail_spec, tail_spec], list(int8[:4])
+    prefetched += (int8.tail_index.astype(jnp.int32),)
   qg = q.reshape(batch, num_kv_heads, group, head_dim)
   out = pl.pallas_call(
       functools.partial(_kernel, st=st),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3,
+          num_scalar_prefetch=len(prefetched),
           grid=(batch, num_kv_heads, pages_per_seq),
-          in_specs=[q_spec, k_spec, v_spec,
+          in_specs=[q_spec, k_spec, v_spec, *extra_specs,
                     None if sinks is None else pl.BlockSpec(memory_space=pltpu.SMEM)],
           out_specs=o_spec,
           scratch_shapes=[pltpu.VMEM((group, _LANES), jnp.float32),
@@ -137,9 +196,8 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, spec: A
                                      manual_axis_type=jax.typeof(q).mat),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "arbitrary")),
-      cost_estimate=_cost(q, k_pages, pages_per_seq, value_dim, v_pages is None),
+      cost_estimate=_cost(q, k_pages, pages_per_seq, value_dim, v_pages is None, int8),
       interpret=spec.interpret,
-      name="paged_decode_attention",
-  )(layer, lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1), qg, k_pages, v_pages,
-    None if sinks is None else sinks.astype(jnp.float32))
+      name="paged_decode_attention" if int8 is None else "paged_decode_attention_int8",
+  )(*prefetched, qg, k_pages, v_pages, *extra, None if sinks is None else sinks.astype(jnp.float32))
   return out.reshape(batch, num_heads, value_dim)

@@ -26,7 +26,7 @@ from jaxpar.pallas_kernels.attention.decode_common import visible_pages
 from jaxpar.pallas_kernels.attention.block_sizes import default_block_sizes
 from jaxpar.pallas_kernels.attention.chunked import chunked_attention
 from jaxpar.pallas_kernels.attention.decode_gpu import paged_decode_attention_gpu
-from jaxpar.pallas_kernels.attention.decode_tpu import paged_decode_attention_tpu
+from jaxpar.pallas_kernels.attention.decode_tpu import Int8Pages, paged_decode_attention_tpu
 from jaxpar.pallas_kernels.attention.decode_xla import paged_decode_attention_xla
 from jaxpar.pallas_kernels.attention.flash_gpu import flash_attention_gpu
 from jaxpar.pallas_kernels.attention.flash_tpu import flash_attention_tpu
@@ -156,19 +156,46 @@ def _paged_decode_kernel(implementation, platform, q_dtype, cache_dtype):
   return None
 
 
-def _sharded_decode(kernel, q, k_pages, v_pages, lengths, page_table, sinks, layer):
+def _sharded_decode(kernel, q, k_pages, v_pages, lengths, page_table, sinks, layer, int8=None):
   """`kernel` per device over the current mesh: rows over the batch axes, query and kv heads
   over the same axes; pages (stacked over layers when `layer` is given: each device reads
-  its layer in place) shared by the rows."""
+  its layer in place) shared by the rows, and so are int8 pages' scales and tails."""
   token = ("batch", _HEADS, "head_dim")
   # One kv head (MQA, a latent cache) is never split: every device's query heads read it.
   pages = _PAGES if k_pages.shape[-4] > 1 else (None,) + _PAGES[1:]
   if layer is not None:
     pages = (None, *pages)
     layer = jnp.asarray(layer, jnp.int32)
-  per_device = lambda q, k, v, n, t, i, sinks: kernel(q, k, v, n, t, layer=i, sinks=sinks)  # noqa: E731
-  return logical_shard_map(per_device, (token, pages, pages, ("batch",), ("batch", None), (), (_HEADS,)),
-                           token)(q, k_pages, v_pages, lengths, page_table, layer, sinks)
+  if int8 is None:
+    per_device = lambda q, k, v, n, t, i, sinks: kernel(q, k, v, n, t, layer=i, sinks=sinks)  # noqa: E731
+    return logical_shard_map(per_device, (token, pages, pages, ("batch",), ("batch", None), (), (_HEADS,)),
+                             token)(q, k_pages, v_pages, lengths, page_table, layer, sinks)
+  scales = (*pages[:-1], None)
+  per_device = lambda q, k, v, n, t, i, sinks, *extra: kernel(q, k, v, n, t, layer=i, sinks=sinks,  # noqa: E731
+                                                              int8=Int8Pages(*extra))
+  return logical_shard_map(per_device, (token, pages, pages, ("batch",), ("batch", None), (), (_HEADS,),
+                                        scales, scales, pages, pages, ("batch",)),
+                           token)(q, k_pages, v_pages, lengths, page_table, layer, sinks, *int8)
+
+
+def reads_int8_pages(spec: AttentionSpec) -> bool:
+  """Whether `int8_paged_decode` has a kernel here: the TPU kernel ("auto" on TPU; "flash"
+  anywhere else, interpreted). Elsewhere the caller dequantizes the pages it reads."""
+  platform = current_platform()
+  return spec.implementation == "flash" and platform != "gpu" or spec.implementation == "auto" and platform == "tpu"
+
+
+def int8_paged_decode(q, k_codes, v_codes, int8: Int8Pages, lengths, page_table, spec: AttentionSpec, *, layer,
+                      sinks=None):
+  """One new token per sequence against an int8 paged cache read as stored (decode_tpu.Int8Pages:
+  codes [layers, Hkv, num_pages, page_size, D], per-token scales, each row's float tail),
+  dequantized in the kernel's VMEM -> [B, Hq, Dv]. Where `reads_int8_pages(spec)`."""
+  validation.check_sinks(sinks, q.shape[1])
+  page_table, start = visible_pages(page_table, lengths[:, None] - 1, k_codes.shape[-2], spec.sliding_window)
+  lengths = jnp.where(lengths > 0, lengths - start, 0)
+  spec = spec.replace(interpret=interpret(current_platform()))
+  return _sharded_decode(functools.partial(paged_decode_attention_tpu, spec=spec), q, k_codes, v_codes, lengths,
+                         page_table, sinks, layer, int8)
 
 
 def paged_attention(q, k_pages, v_pages, q_positions, page_table, spec: AttentionSpec = AttentionSpec(), *,

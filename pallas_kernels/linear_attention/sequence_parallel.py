@@ -18,7 +18,6 @@ Three passes of the local work, one collective per layer of fixed size; softmax 
 hybrid keep their own context attention.
 """
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
