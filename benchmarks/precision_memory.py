@@ -38,9 +38,14 @@ PRECISIONS = ("compute_dtype", *SCHEMES)
 VARIANTS = {**{p: [f"model.train_precision={p}"] for p in PRECISIONS},
             "moments_bf16": ["train.optimizer_state_dtype=bfloat16"],
             "moments_int8": ["train.optimizer_state_dtype=int8_blockwise"],
-            # GaLore at a quarter of tiny's embed (128) and the paper's scale, and at scale 1.
+            # GaLore at a quarter of tiny's embed (128): the defaults (a refresh every 200 steps,
+            # the paper's scale 0.25), then refreshed every 50 steps, at scale 0.25 and 1; and at half.
             "galore": ["train.optimizer=galore", "train.galore.rank=32"],
-            "galore_scale1": ["train.optimizer=galore", "train.galore.rank=32", "train.galore.scale=1.0"]}
+            "galore_t50": ["train.optimizer=galore", "train.galore.rank=32", "train.galore.update_every=50"],
+            "galore_t50_scale1": ["train.optimizer=galore", "train.galore.rank=32", "train.galore.update_every=50",
+                                  "train.galore.scale=1.0"],
+            "galore_r64_scale1": ["train.optimizer=galore", "train.galore.rank=64", "train.galore.update_every=50",
+                                  "train.galore.scale=1.0"]}
 # The `jaxpar check` train step's model on accelerators (GPT-2-small-sized Llama, bf16).
 GPU_MODEL = ["model.embed_dim=768", "model.num_layers=12", "model.num_heads=12", "model.num_kv_heads=12",
              "model.head_dim=64", "model.mlp_dim=3072", "model.max_seq_len=1024",
