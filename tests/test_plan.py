@@ -65,6 +65,34 @@ def test_rank_prunes_layouts_that_cannot_fit_but_keeps_the_default():
   assert [c.predicted_s for c in ranked] == sorted(c.predicted_s for c in ranked)
 
 
+def test_layouts_that_only_fit_with_narrower_moments_get_them_and_the_rest_keep_float32():
+  """llama3-8b on a chip of 18 GiB: the planner keeps float32 moments wherever they fit and
+  turns to bf16, then 8-bit moments for the layouts they alone make fit; the winner's
+  overrides carry the choice. An optimizer that keeps float32 moments is never changed."""
+  config = load_config("llama3-8b")
+  p = count_params(abstract_model(config.model)[1])
+  small = Hardware("small", 18 * GIB, 918e12, 1638e9, 800e9, shared_host=False)
+  ranked = plan.rank(config, 256, small, p)
+  by_moments = {}
+  for c in ranked:
+    by_moments.setdefault(c.layout.optimizer_state, []).append(c)
+  assert set(by_moments) >= {None, "bfloat16", "int8_blockwise"}, set(by_moments)
+  for c in ranked:
+    if c.layout.optimizer_state is not None and not c.is_default:  # it did not fit any wider
+      wider = dataclasses.replace(c.layout, optimizer_state=None)
+      assert cost_model.memory_bytes(config, wider, p) > plan.FIT_MARGIN * small.hbm_bytes
+      assert c.predicted_bytes <= plan.FIT_MARGIN * small.hbm_bytes
+      assert c.layout.overrides()["train"]["optimizer_state_dtype"] == c.layout.optimizer_state
+  f32 = by_moments[None][0].layout
+  assert "optimizer_state_dtype" not in f32.overrides()["train"]
+  # 8-bit moments save 8 - 2.06 bytes per parameter over this layout's shards.
+  saved = cost_model.memory_bytes(config, f32, p) - cost_model.memory_bytes(
+      config, dataclasses.replace(f32, optimizer_state="int8_blockwise"), p)
+  assert saved == pytest.approx(p * (8 - 2 * (1 + 4 / 128)) / f32.state_shards / f32.tensor)
+  muon = replace(config, train={"optimizer": "muon"})
+  assert all(c.layout.optimizer_state is None for c in plan.rank(muon, 256, small, p))
+
+
 def test_spearman():
   assert plan.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
   assert plan.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

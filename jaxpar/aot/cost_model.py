@@ -91,6 +91,7 @@ class Layout:
   repeats: int = 1  # R: circular when > 1
   num_slices: int = 1
   dcn_axis: str = "data"  # the axis spanning the slices (with num_slices > 1)
+  optimizer_state: str | None = None  # train.optimizer_state_dtype to set (None: the config's)
 
   @property
   def devices(self) -> int:
@@ -124,7 +125,9 @@ class Layout:
                      "expert": self.expert, "tensor": self.tensor, "num_slices": self.num_slices,
                      "dcn_axis": self.dcn_axis},
             "parallel": {"pipeline": pipeline},
-            "model": {"remat": self.remat}, "train": {"microbatches": self.microbatches}}
+            "model": {"remat": self.remat},
+            "train": {"microbatches": self.microbatches,
+                      **({"optimizer_state_dtype": self.optimizer_state} if self.optimizer_state else {})}}
 
   def __str__(self):
     extra = "".join(f" {a}={getattr(self, a)}" for a in ("context", "expert") if getattr(self, a) > 1)
@@ -133,8 +136,9 @@ class Layout:
       stage = f"stage={self.stage} (M={self.pipeline_microbatches}" + \
           (f" R={self.repeats}" if self.repeats > 1 else "") + ") "
     slices = f" {self.dcn_axis} over {self.num_slices} slices" if self.num_slices > 1 else ""
+    moments = f" moments={self.optimizer_state}" if self.optimizer_state else ""
     return (f"data={self.data} {stage}fsdp={self.fsdp}{extra} tensor={self.tensor} remat={self.remat} "
-            f"microbatches={self.microbatches}{slices}")
+            f"microbatches={self.microbatches}{slices}{moments}")
 
 
 def tokens_per_device(config, layout: Layout) -> int:
@@ -143,13 +147,19 @@ def tokens_per_device(config, layout: Layout) -> int:
   return d.global_batch_size // layout.microbatches // layout.batch_shards * d.seq_len // layout.context
 
 
+# Bytes per parameter of the two AdamW moments stored narrower (train.optimizer_state_dtype;
+# float32, the default, keeps them as optax does: in the parameters' dtype).
+MOMENT_BYTES = {"bfloat16": 4.0, "int8_blockwise": 2 * (1 + 4 / 128)}
+
+
 def memory_bytes(config, layout: Layout, num_params: int) -> float:
   m = config.model
   t, f = layout.tensor, layout.state_shards
   p, c = _BYTES[m.param_dtype], _BYTES[m.compute_dtype]
   tokens = tokens_per_device(config, layout)
   qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim / t
-  state = num_params * p * 3 / (f * t)
+  moments = MOMENT_BYTES.get(layout.optimizer_state or config.train.optimizer_state_dtype, 2 * p)
+  state = num_params * (p + moments) / (f * t)
   grads = num_params * p / (f * t)
   gathered = 2 * num_params / m.num_layers * c / t if f > 1 else 0.0
   saved = m.num_layers / layout.stage * tokens * c * saved_per_token(m, layout.remat, t)

@@ -13,6 +13,7 @@ network at DCN bandwidth, so stage (hand-offs only) or data (one gradient all-re
 DCN ranks ahead of FSDP over DCN, and the compiled candidates are multi-slice programs.
 """
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -124,17 +125,32 @@ def chip_hardware(chip) -> Hardware:
                   chip.ici_bandwidth, shared_host=False, dcn_bandwidth=chip.dcn_bandwidth)
 
 
+def narrower_moments(config) -> tuple[str, ...]:
+  """The train.optimizer_state_dtype values a layout whose float32 moments do not fit may
+  turn to, narrowest last: the config's own choice when it made one, and none for the
+  optimizers that keep float32 moments (adafactor, muon, galore)."""
+  t = config.train
+  if t.optimizer_state_dtype != "float32" or t.optimizer not in ("adamw", "lion", "sgd"):
+    return ()
+  return ("bfloat16", "int8_blockwise")
+
+
 def rank(config, num_devices: int, hw: Hardware, num_params: int, num_slices: int = 1) -> list[Candidate]:
   """All layouts that the analytic model says fit, fastest predicted first; the config's
-  own layout is always kept (marked default) so the winner can be compared with it."""
+  own layout is always kept (marked default) so the winner can be compared with it. A layout
+  that does not fit with the config's optimizer moments is tried with narrower ones (bf16,
+  then 8-bit): exact moments wherever they fit, narrower ones to reach the faster layouts
+  (less remat, fewer microbatches) that only fit with them."""
   default = default_layout(config, num_devices, num_slices)
   candidates = []
   for layout in layouts(config, num_devices, num_slices):
-    memory = cost_model.memory_bytes(config, layout, num_params)
-    if hw.hbm_bytes is not None and memory > FIT_MARGIN * hw.hbm_bytes and layout != default:
-      continue
-    candidates.append(Candidate(layout, cost_model.step_seconds(config, layout, num_params, hw),
-                                memory, is_default=layout == default))
+    for moments in (None, *narrower_moments(config)):
+      tried = dataclasses.replace(layout, optimizer_state=moments)
+      memory = cost_model.memory_bytes(config, tried, num_params)
+      if hw.hbm_bytes is None or memory <= FIT_MARGIN * hw.hbm_bytes or tried == default:
+        candidates.append(Candidate(tried, cost_model.step_seconds(config, tried, num_params, hw),
+                                    memory, is_default=tried == default))
+        break
   return sorted(candidates, key=lambda c: c.predicted_s)
 
 
