@@ -63,9 +63,8 @@ class QuantizedPagedCache:
     if q.shape[1] == 1 and self.spec.mode == "int8" and pallas_kernels.reads_int8_pages(spec):
       # Decoding on TPU: the kernel reads the int8 pages as stored and dequantizes in VMEM.
       pool = cache.pages
-      row = lambda scale: jnp.swapaxes(scale, -1, -2)  # noqa: E731  [.., page_size, 1] -> [.., 1, page_size]
-      int8 = pallas_kernels.Int8Pages(row(pool["k"]["scale"]), row(pool["v"]["scale"]), pool["tail_k"],
-                                      pool["tail_v"], cache.tail_index)
+      int8 = pallas_kernels.Int8Pages(pool["k"]["scale"], pool["v"]["scale"], pool["tail_k"], pool["tail_v"],
+                                      cache.tail_index)
       out = pallas_kernels.int8_paged_decode(q[:, 0], pool["k"]["q"], pool["v"]["q"], int8,
                                              jnp.maximum(positions[:, 0] + 1, 0), cache.page_table, spec,
                                              layer=cache.layer, sinks=sinks)

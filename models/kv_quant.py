@@ -10,6 +10,10 @@ Works on the paged layout of `kv_cache.py`, [..., page_size, head_dim] per kv he
   ("sealed") once all its tokens are older than that (KIVI's residual, page-aligned).
 
 Values are packed along head_dim (two or four per byte, `pallas_kernels.matmul.packing`).
+A page's per-token scales and zero points are stored as a row [..., 1, page_size], not a
+column [..., page_size, 1]: the TPU decode kernel reads them so, and on a TPU a column is a
+different tiled layout, which XLA would copy the whole pool of to turn into a row, every layer
+of every step.
 Every element is within half a quantization step of its float value, plus the bfloat16
 rounding of its scale and zero point (2^-9 relative). How the engine stores sealed and
 open pages is the engine's business; these
@@ -54,32 +58,41 @@ class KVQuantization:
 
 def _quantize(x, bits: int, axis: int) -> dict:
   """One page tensor [..., S, D] -> {"q": packed int8 [..., S, D * bits / 8], "scale",
-  "zero"}; x ~ (q - zero) * scale. int8: symmetric (the stored byte is q + 128, zero 128)."""
+  "zero"}; x ~ (q - zero) * scale. int8: symmetric (the stored byte is q + 128, zero 128).
+  Per token (axis -1) the scale and zero are stored as rows [..., 1, S]."""
   symmetric = bits == 8
   q, scale, zero = quantize_int(x, bits, axis, symmetric=symmetric)
   bias = 2 ** (bits - 1) if symmetric else 0
+  stored = (lambda a: jnp.swapaxes(a, -1, -2)) if axis == -1 else (lambda a: a)  # noqa: E731
   out = {"q": packing.pack(q + bias, bits, axis=-1, group=x.shape[-1]),
-         "scale": scale.astype(SCALE_DTYPE)}
+         "scale": stored(scale).astype(SCALE_DTYPE)}
   if not symmetric:
-    out["zero"] = zero.astype(SCALE_DTYPE)
+    out["zero"] = stored(zero).astype(SCALE_DTYPE)
   return out
 
 
-def _dequantize(stored: dict, bits: int):
+def _dequantize(stored: dict, bits: int, axis: int):
+  """`_quantize`'s inverse for values quantized along `axis` (-1: per token, the scale and
+  zero stored as rows, back to columns here)."""
   q = packing.unpack(stored["q"], bits, axis=-1, group=stored["q"].shape[-1] * 8 // bits)
-  zero = stored["zero"].astype(jnp.float32) if "zero" in stored else 2 ** (bits - 1)
-  return (q - zero) * stored["scale"].astype(jnp.float32)
+  column = (lambda a: jnp.swapaxes(a, -1, -2)) if axis == -1 else (lambda a: a)  # noqa: E731
+  zero = column(stored["zero"]).astype(jnp.float32) if "zero" in stored else 2 ** (bits - 1)
+  return (q - zero) * column(stored["scale"]).astype(jnp.float32)
 
 
 def quantize_pages(k_pages, v_pages, spec: KVQuantization) -> dict:
   """Float pages [..., page_size, head_dim] -> {"k": {...}, "v": {...}} (see module doc)."""
-  key_axis = -1 if spec.mode == "int8" else -2  # KIVI: keys per channel over the page
-  return {"k": _quantize(k_pages, spec.bits, key_axis), "v": _quantize(v_pages, spec.bits, -1)}
+  return {"k": _quantize(k_pages, spec.bits, _key_axis(spec)), "v": _quantize(v_pages, spec.bits, -1)}
+
+
+def _key_axis(spec: KVQuantization) -> int:
+  return -1 if spec.mode == "int8" else -2  # KIVI: keys per channel over the page
 
 
 def dequantize_pages(stored: dict, spec: KVQuantization, dtype=jnp.float32):
   """-> (k_pages, v_pages) in `dtype`, as a decode step reads them."""
-  return tuple(_dequantize(stored[name], spec.bits).astype(dtype) for name in ("k", "v"))
+  return tuple(_dequantize(stored[name], spec.bits, axis).astype(dtype)
+               for name, axis in (("k", _key_axis(spec)), ("v", -1)))
 
 
 def nbytes(tree) -> int:

@@ -1,7 +1,8 @@
 """The gated delta rule (pallas_kernels/linear_attention): the chunked WY form equals the
 token-by-token reference (outputs, final state and gradients) with grouped heads, Dk != Dv, an
-initial state, a length no multiple of the chunk and packed sequences; the reference's resets
-equal running each sequence alone; the decode step, token by token, equals the reference."""
+initial state, a length no multiple of the chunk and packed sequences, with a decay per head
+(Gated DeltaNet) and per key channel (Kimi Delta Attention); the reference's resets equal
+running each sequence alone; the decode step, token by token, equals the reference."""
 
 import functools
 
@@ -31,23 +32,27 @@ def packed_segment_ids():
   return ids
 
 
-def inputs(seed=0, key_heads=KEY_HEADS, length=LENGTH):
+def inputs(seed=0, key_heads=KEY_HEADS, length=LENGTH, per_channel=False):
   """(q, k, v, g, beta, initial_state) as the model block gives them: unit q and k, decays
-  exp(g) in (0, 1), beta in (0, 1)."""
+  exp(g) in (0, 1) (one per head, or with `per_channel` one per key channel), beta in (0, 1)."""
   rng = np.random.default_rng(seed)
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
   q, k = (unit(rng.normal(size=(BATCH, length, key_heads, KEY_DIM))) for _ in range(2))
   v = rng.normal(size=(BATCH, length, HEADS, VALUE_DIM))
-  g = -np.logaddexp(0.0, rng.normal(size=(BATCH, length, HEADS))) * 0.5
+  g = -np.logaddexp(0.0, rng.normal(size=(BATCH, length, HEADS) + ((KEY_DIM,) if per_channel else ()))) * 0.5
   beta = 1 / (1 + np.exp(-rng.normal(size=(BATCH, length, HEADS))))
   state = rng.normal(size=(BATCH, HEADS, KEY_DIM, VALUE_DIM))
   return tuple(x.astype(np.float32) for x in (q, k, v, g, beta, state))
 
 
+PER_CHANNEL = pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+
+
+@PER_CHANNEL
 @pytest.mark.parametrize("chunk_size", [CHUNK, 64], ids=["padded_chunks", "one_chunk"])
 @pytest.mark.parametrize("segment_ids", [None, packed_segment_ids()], ids=["one_sequence", "packed"])
-def test_chunked_equals_the_reference(segment_ids, chunk_size):
-  *tokens, state = inputs()
+def test_chunked_equals_the_reference(segment_ids, chunk_size, per_channel):
+  *tokens, state = inputs(per_channel=per_channel)
   want_out, want_state = reference(*tokens, initial_state=state, segment_ids=segment_ids)
   out, final = chunked(*tokens, initial_state=state, segment_ids=segment_ids, chunk_size=chunk_size)
   np.testing.assert_allclose(out, want_out, **TOL)
@@ -70,7 +75,7 @@ def test_a_packed_sequence_runs_as_if_alone():
     np.testing.assert_allclose(final[row:row + 1], want_state, **TOL)
 
 
-def _gradients(fn, segment_ids):
+def _gradients(fn, segment_ids, per_channel=False):
   """Gradients of a scalar of both results w.r.t. q, k, v, g, beta and the initial state."""
   rng = np.random.default_rng(2)
   out_weights = rng.normal(size=(BATCH, LENGTH, HEADS, VALUE_DIM)).astype(np.float32)
@@ -81,20 +86,22 @@ def _gradients(fn, segment_ids):
     out, final = fn(*tokens, initial_state=state, segment_ids=segment_ids)
     return jnp.sum(out * out_weights) + jnp.sum(final * state_weights)
 
-  return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*inputs(seed=3))
+  return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*inputs(seed=3, per_channel=per_channel))
 
 
+@PER_CHANNEL
 @pytest.mark.parametrize("segment_ids", [None, packed_segment_ids()], ids=["one_sequence", "packed"])
-def test_chunked_gradients_equal_the_reference(segment_ids):
-  want = _gradients(gated_delta_rule_reference, segment_ids)
-  got = _gradients(functools.partial(gated_delta_rule_chunked, chunk_size=CHUNK), segment_ids)
+def test_chunked_gradients_equal_the_reference(segment_ids, per_channel):
+  want = _gradients(gated_delta_rule_reference, segment_ids, per_channel)
+  got = _gradients(functools.partial(gated_delta_rule_chunked, chunk_size=CHUNK), segment_ids, per_channel)
   for name, grad, want_grad in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
     assert np.isfinite(grad).all(), name
     np.testing.assert_allclose(grad, want_grad, **TOL, err_msg=name)
 
 
-def test_the_decode_step_token_by_token_equals_the_reference():
-  *tokens, state = inputs(seed=4)
+@PER_CHANNEL
+def test_the_decode_step_token_by_token_equals_the_reference(per_channel):
+  *tokens, state = inputs(seed=4, per_channel=per_channel)
   want_out, want_state = reference(*tokens, initial_state=state)
   step = jax.jit(gated_delta_step)
   outs = []
@@ -115,17 +122,21 @@ def test_the_door_runs_the_chunked_form_and_refuses_bad_arguments():
   *three_heads, _ = inputs(key_heads=3)
   with pytest.raises(ValueError, match=r"value heads \(4\) must be a multiple of key heads \(3\)"):
     gated_delta_rule(*three_heads)
+  q, k, v, g, beta = tokens
+  with pytest.raises(ValueError, match=r"g must be \[batch, length, value heads\] = \(2, 37, 4\) .* or "
+                                       r"\(2, 37, 4, 8\) \(per key channel\), got shape \(2, 37, 4, 3\)"):
+    gated_delta_rule(q, k, v, np.zeros((2, 37, 4, 3), np.float32), beta)
 
 
-@pytest.mark.parametrize("zigzag", [False, True])
-def test_split_over_devices_equals_one_device(zigzag):
+@pytest.mark.parametrize("zigzag, per_channel", [(False, False), (True, False), (True, True)])
+def test_split_over_devices_equals_one_device(zigzag, per_channel):
   """LASP-2 over 4 devices (8 pieces zig-zagged): packed segments that start inside a piece
   and exactly at a piece's first token; outputs and gradients equal the one-device door."""
   from functools import partial
   from jax.sharding import PartitionSpec
   from jaxpar.pallas_kernels.attention.layout import unzigzag, zigzag as to_zigzag
   from jaxpar.pallas_kernels.linear_attention.sequence_parallel import gated_delta_rule_split
-  q, k, v, g, beta, _ = inputs(7, length=64)
+  q, k, v, g, beta, _ = inputs(7, length=64, per_channel=per_channel)
   segments = jnp.asarray([[0] * 13 + [1] * 19 + [2] * 32, [5] * 40 + [6] * 24], jnp.int32)  # starts at 13, 32, 40
   mesh = jax.make_mesh((4,), ("context",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,))
   rule = lambda q, k, v, g, b, s0, seg: gated_delta_rule(q, k, v, g, b, initial_state=s0, segment_ids=seg,  # noqa: E731

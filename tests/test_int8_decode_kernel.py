@@ -68,7 +68,7 @@ def test_on_a_tpu_the_kernel_reads_the_int8_pool_in_place():
   sds = lambda shape, dtype, spec=P(): jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))  # noqa: E731
   layers, heads, pages, page, dim, rows, per_row = 4, 8, 1024, 16, 128, 8, 64
   pool = {"k": {"q": sds((layers, heads, pages, page, dim), jnp.int8, P(None, "tensor")),
-                "scale": sds((layers, heads, pages, page, 1), jnp.bfloat16, P(None, "tensor"))},
+                "scale": sds((layers, heads, pages, 1, page), jnp.bfloat16, P(None, "tensor"))},
           "tail_k": sds((layers, heads, rows, page, dim), jnp.bfloat16, P(None, "tensor"))}
   pool["v"], pool["tail_v"] = pool["k"], pool["tail_k"]
   spec_q = kv_quant.KVQuantization("int8", page_size=page, window=0)

@@ -31,14 +31,16 @@ def test_round_trip_within_half_a_step_and_layout(mode):
   per_byte = 8 // bits
   assert stored["k"]["q"].shape == (HEADS, PAGES, PAGE, DIM // per_byte) == stored["v"]["q"].shape
   # int8: per token; KIVI: keys per channel (one scale per page and channel), values per token.
-  key_scale = (HEADS, PAGES, PAGE, 1) if mode == "int8" else (HEADS, PAGES, 1, DIM)
+  # Per-token scales are stored as a row per page (the TPU decode kernel reads them so).
+  key_scale = (HEADS, PAGES, 1, PAGE) if mode == "int8" else (HEADS, PAGES, 1, DIM)
   assert stored["k"]["scale"].shape == key_scale
-  assert stored["v"]["scale"].shape == (HEADS, PAGES, PAGE, 1)
+  assert stored["v"]["scale"].shape == (HEADS, PAGES, 1, PAGE)
   assert ("zero" in stored["k"]) == (mode != "int8")
   levels = 2 ** bits
-  for x, back, part in ((k, k_back, stored["k"]), (v, v_back, stored["v"])):
-    scale = part["scale"].astype(jnp.float32)
-    zero = jnp.abs(part.get("zero", jnp.zeros((), jnp.bfloat16)).astype(jnp.float32))
+  for x, back, part, per_token in ((k, k_back, stored["k"], mode == "int8"), (v, v_back, stored["v"], True)):
+    column = (lambda a: jnp.swapaxes(a, -1, -2)) if per_token else (lambda a: a)  # noqa: E731
+    scale = column(part["scale"].astype(jnp.float32))
+    zero = jnp.abs(column(part.get("zero", jnp.zeros((1, 1), jnp.bfloat16)).astype(jnp.float32)))
     # half a step, plus bf16 rounding (2^-9 relative) of the scale and the zero point
     bound = scale * (0.5 + 2.0 ** -8 * (levels + 2 * zero))
     assert bool(jnp.all(jnp.abs(back - x) <= bound))

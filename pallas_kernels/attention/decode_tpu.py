@@ -13,10 +13,10 @@ per query head, in SMEM) start each row's online softmax at (max = sink, sum = 1
 An int8 cache (`Int8Pages`: jaxpar's int8 KV pages, models/kv_quant.py) is read as stored:
 each page's int8 codes and per-token scales come into VMEM, the codes become the compute
 type there (exactly: |code| <= 127), and the scales, one per token, multiply the scores
-(keys) and the probabilities (values) instead of the pages: a row vector each, where a
-column of scales would need the [page_size, 1] block that Mosaic pads to 128 lanes (and
-XLA relayouts the whole pool to feed). A row's partial page (its newest, not yet
-quantized) comes from its float tail.
+(keys) and the probabilities (values) instead of the pages: the scales are a row
+[1, page_size] (kv_quant stores them so; a column block is another tiled layout, which XLA
+would copy the whole pool to provide). A row's partial page (its newest, not yet quantized)
+comes from its float tail.
 """
 
 import dataclasses
@@ -49,9 +49,8 @@ class _Static:
 class Int8Pages(NamedTuple):
   """An int8 paged cache as jaxpar stores it (models/kv_quant.py), stacked over layers: codes
   [layers, Hkv, num_pages, page_size, D] int8 holding q + 128 (q in [-127, 127]), scales
-  [.., 1, page_size] (one per token: the stored [.., page_size, 1] reshaped, a free
-  bitcast), and each row's partial page in float: tails [layers, Hkv, slots, page_size, D]
-  at slot tail_index[b]."""
+  [.., 1, page_size] (one per token, stored as a row), and each row's partial page in float:
+  tails [layers, Hkv, slots, page_size, D] at slot tail_index[b]."""
   k_scales: jax.Array
   v_scales: jax.Array
   k_tails: jax.Array

@@ -16,7 +16,7 @@ __all__ = ["IMPLEMENTATIONS", "gated_delta_rule", "gated_delta_rule_reference", 
 
 
 def _check_shapes(q, k, v, g, beta, initial_state, segment_ids):
-  for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
+  for name, x, rank in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("beta", beta, 3)):
     if x.ndim != rank:
       raise UserError(f"{name} must have {rank} dims ([batch, length, heads{', head_dim' if rank == 4 else ''}]), "
                       f"got shape {x.shape}")
@@ -28,9 +28,11 @@ def _check_shapes(q, k, v, g, beta, initial_state, segment_ids):
     raise UserError(f"v {v.shape} must agree with k {k.shape} on batch and length")
   if num_heads % num_k_heads:
     raise UserError(f"value heads ({num_heads}) must be a multiple of key heads ({num_k_heads})")
-  for name, x in (("g", g), ("beta", beta)):
-    if x.shape != v.shape[:3]:
-      raise UserError(f"{name} must be [batch, length, value heads] = {v.shape[:3]}, got shape {x.shape}")
+  if beta.shape != v.shape[:3]:
+    raise UserError(f"beta must be [batch, length, value heads] = {v.shape[:3]}, got shape {beta.shape}")
+  if g.shape not in (v.shape[:3], (*v.shape[:3], key_dim)):
+    raise UserError(f"g must be [batch, length, value heads] = {v.shape[:3]} (a decay per head) or "
+                    f"{(*v.shape[:3], key_dim)} (per key channel), got shape {g.shape}")
   if initial_state is not None and initial_state.shape != (batch, num_heads, key_dim, value_dim):
     raise UserError(f"initial_state must be [batch, value heads, key dim, value dim] = "
                     f"{(batch, num_heads, key_dim, value_dim)}, got shape {initial_state.shape}")
@@ -41,7 +43,8 @@ def _check_shapes(q, k, v, g, beta, initial_state, segment_ids):
 def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segment_ids=None, implementation="auto",
                      chunk_size=64):
   """The gated delta rule over a sequence (reference.py defines it): q, k [B, L, Hk, Dk]
-  (normalised and scaled by the caller); v [B, L, Hv, Dv]; g (log-decay) and beta [B, L, Hv];
+  (normalised and scaled by the caller); v [B, L, Hv, Dv]; g (log-decay) [B, L, Hv], or
+  [B, L, Hv, Dk] for a decay per key channel (Kimi Delta Attention); beta [B, L, Hv];
   initial_state [B, Hv, Dk, Dv] or None; segment_ids int [B, L] or None (packed sequences)
   -> (out [B, L, Hv, Dv] in v's dtype, final state [B, Hv, Dk, Dv] float32)."""
   if implementation not in IMPLEMENTATIONS:

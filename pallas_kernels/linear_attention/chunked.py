@@ -14,6 +14,12 @@ and the outputs and the next state are matmuls:
 
 Only S crosses chunks: a scan of L / C steps instead of L.
 
+With a decay per key channel (Kimi Delta Attention: g and G carry a last axis Dk), each
+exp(G_i - G_j) multiplies channel by channel inside the products over Dk, so the chunk's
+pairwise terms are sums over [C, C, Dk] rather than [C, C] matmuls scaled afterwards, and
+the decays applied to q, k and S0 are per channel. Every exponent is still a difference
+G_i - G_j with j <= i (or G_last - G_j, or G_i): <= 0, so nothing overflows.
+
 Packed sequences are masks, not a -inf decay (exp of differences of those is nan): tokens of
 different sequences in a chunk do not interact, a token reads S0 only when no sequence starts
 before it in the chunk, and S1 keeps S0 only when none starts in the chunk. Every exponent used
@@ -42,25 +48,37 @@ def _masked_exp(exponent, mask):
 
 def _chunk_terms(q, k, v, g, beta, starts):
   """The per-chunk quantities that do not depend on S0, for all chunks at once. Tokens: q, k
-  [n, B, Hk, 1, C, Dk]; v [.., G, C, Dv]; g, beta [n, B, Hk, G, C]; starts [n, B, C]."""
-  chunk = g.shape[-1]
+  [n, B, Hk, 1, C, Dk]; v [.., G, C, Dv]; g [n, B, Hk, G, C] or [.., C, Dk] (per channel),
+  beta [n, B, Hk, G, C]; starts [n, B, C]."""
+  chunk = beta.shape[-1]
+  per_channel = g.ndim == beta.ndim + 1
   # Which packed sequence of the chunk a token is in: 0 for the one running in from before.
   seq = jnp.cumsum(starts, axis=-1)[:, :, None, None]
   same = seq[..., :, None] == seq[..., None, :]
   pos = jnp.arange(chunk)
-  cum = jnp.cumsum(g, axis=-1)
-  gaps = cum[..., :, None] - cum[..., None, :]  # log-decay from token j to token i
-  system = beta[..., None] * (k @ k.mT) * _masked_exp(gaps, same & (pos[:, None] > pos))
-  attn = (q @ k.mT) * _masked_exp(gaps, same & (pos[:, None] >= pos))
-  read_decay = _masked_exp(cum, seq == 0)
+  earlier, upto = same & (pos[:, None] > pos), same & (pos[:, None] >= pos)
+  if per_channel:
+    cum = jnp.cumsum(g, axis=-2)  # [.., C, Dk]
+    gaps = cum[..., :, None, :] - cum[..., None, :, :]  # [.., C, C, Dk]: from token j to token i, per channel
+    pairs = lambda a, mask: jnp.einsum("...ic,...jc,...ijc->...ij", a, k, _masked_exp(gaps, mask[..., None]))  # noqa: E731
+    system, attn = beta[..., None] * pairs(k, earlier), pairs(q, upto)
+    read_decay = _masked_exp(cum, (seq == 0)[..., None])  # per channel
+    write_decay = _masked_exp(cum[..., -1:, :] - cum, (seq == seq[..., -1:])[..., None])
+    carry_decay = _masked_exp(cum[..., -1, :], (seq[..., -1] == 0)[..., None])[..., :, None]
+  else:
+    cum = jnp.cumsum(g, axis=-1)
+    gaps = cum[..., :, None] - cum[..., None, :]  # log-decay from token j to token i
+    system = beta[..., None] * (k @ k.mT) * _masked_exp(gaps, earlier)
+    attn = (q @ k.mT) * _masked_exp(gaps, upto)
+    read_decay = _masked_exp(cum, seq == 0)[..., None]
+    write_decay = _masked_exp(cum[..., -1:] - cum, seq == seq[..., -1:])[..., None]
+    carry_decay = _masked_exp(cum[..., -1], seq[..., -1] == 0)[..., None, None]
   # One solve for both right-hand sides: the writes without S0 and what S0 takes off them.
-  state_rhs = jnp.broadcast_to((beta * read_decay)[..., None] * k, v.shape[:-1] + k.shape[-1:])
+  state_rhs = jnp.broadcast_to(beta[..., None] * read_decay * k, v.shape[:-1] + k.shape[-1:])
   rhs = jnp.concatenate([beta[..., None] * v, state_rhs], axis=-1)
   solved = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
   writes, state_reads = jnp.split(solved, [v.shape[-1]], axis=-1)
-  write_keys = _masked_exp(cum[..., -1:] - cum, seq == seq[..., -1:])[..., None] * k
-  carry_decay = _masked_exp(cum[..., -1], seq[..., -1] == 0)
-  return writes, state_reads, read_decay[..., None] * q, attn, write_keys, carry_decay
+  return writes, state_reads, read_decay * q, attn, write_decay * k, carry_decay
 
 
 def _chunk_step(state, terms):
@@ -68,7 +86,7 @@ def _chunk_step(state, terms):
   writes, state_reads, read_queries, attn, write_keys, carry_decay = terms
   u = writes - state_reads @ state
   out = read_queries @ state + attn @ u
-  return carry_decay[..., None, None] * state + write_keys.mT @ u, out
+  return carry_decay * state + write_keys.mT @ u, out
 
 
 def gated_delta_rule_chunked(q, k, v, g, beta, *, initial_state=None, segment_ids=None, chunk_size=64):
