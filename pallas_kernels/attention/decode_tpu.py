@@ -174,7 +174,12 @@ def paged_decode_attention_tpu(q, k_pages, v_pages, lengths, page_table, spec: A
   prefetched = (layer, lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1))
   extra_specs, extra = [], []
   if int8 is not None:  # per-token scales beside each page; the row's tail slot, fetched once per row
-    scale_spec = pl.BlockSpec((None, None, None, 1, page_size), page_index)
+    # The layer's scales only, sliced out first: a few MiB, where handing the kernel the whole
+    # stack made XLA relayout all of it (every layer's) for every layer of the step.
+    int8 = int8._replace(**{name: lax.dynamic_index_in_dim(getattr(int8, name), layer[0], keepdims=True)
+                            for name in ("k_scales", "v_scales")})
+    scale_spec = pl.BlockSpec((None, None, None, 1, page_size),
+                              lambda *args: (0, *page_index(*args)[1:]))
     tail_spec = pl.BlockSpec((None, None, None, page_size, head_dim),
                              lambda b, h, j, layer_ref, lengths_ref, table_ref, tail_ref: (layer_ref[0], h, tail_ref[b], 0, 0))
     extra_specs, extra = [scale_spec, scale_spec, tail_spec, tail_spec], list(int8[:4])
