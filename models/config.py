@@ -198,7 +198,9 @@ class LayerKind(Frozen):
 class GatedDeltaNetConfig(Frozen):
   """The `gated_deltanet` token mixer (models/gated_deltanet.py): linear attention by the
   gated delta rule (Qwen3-Next, Qwen3.5). Value heads share key heads in groups, as query
-  heads share kv heads in GQA."""
+  heads share kv heads in GQA. variant kimi: Kimi Delta Attention (Kimi Linear), a decay per
+  key channel from a low-rank gate and a low-rank sigmoid output gate; one key head per
+  value head, key and value heads of one size."""
   num_key_heads: int = Field(2, ge=1)
   num_value_heads: int = Field(4, ge=1)
   key_head_dim: int = Field(32, ge=1)
@@ -206,12 +208,18 @@ class GatedDeltaNetConfig(Frozen):
   conv_kernel: int = Field(4, ge=1)  # the short causal convolution over q, k and v
   chunk_size: int = Field(64, ge=1)  # tokens per chunk of the chunked (training, prefill) form
   implementation: Literal["auto", "reference", "chunked"] = "auto"  # pallas_kernels.gated_delta_rule
+  variant: Literal["qwen", "kimi"] = "qwen"
 
   @model_validator(mode="after")
   def _groups(self):
     if self.num_value_heads % self.num_key_heads:
       raise ValueError(f"model.gated_deltanet.num_key_heads={self.num_key_heads} must divide "
                        f"num_value_heads={self.num_value_heads}")
+    if self.variant == "kimi" and (self.num_key_heads != self.num_value_heads
+                                   or self.key_head_dim != self.value_head_dim):
+      raise ValueError("model.gated_deltanet.variant=kimi has one key head per value head, of one size: set "
+                       f"num_key_heads = num_value_heads (got {self.num_key_heads}, {self.num_value_heads}) and "
+                       f"key_head_dim = value_head_dim (got {self.key_head_dim}, {self.value_head_dim})")
     return self
 
 

@@ -7,7 +7,10 @@ correction of what S already predicts for k), and the output reads S^T q. Before
 q, k and v each pass a short causal depthwise convolution and SiLU; q and k are
 L2-normalised (q also scaled by key_dim^-0.5); beta = sigmoid(b x) and
 g = -exp(a_log) softplus(a x + dt_bias). The output is RMS-normalised per head, gated by
-SiLU(z x) and projected back. The recurrence itself is `pallas_kernels.gated_delta_rule`
+SiLU(z x) and projected back. Kimi Delta Attention (`variant: kimi`, Kimi Linear) differs
+in its gates only: g = -exp(a_log) softplus(f_b f_a x + dt_bias) has one decay per key
+channel (low rank: f_a to head_dim, f_b back to every head's channels), and the output gate
+is sigmoid(g_b g_a x), low rank too. The recurrence itself is `pallas_kernels.gated_delta_rule`
 (chunked for training and prefill, a reference beside it). Under context parallelism each
 device keeps its pieces of the sequence (zig-zag order or not) and only fixed-size states and
 convolution tails cross devices (LASP-2; `_split_sequence`).
@@ -94,9 +97,17 @@ class GatedDeltaNet(nnx.Module):
     self.q = projection(heads_init, rngs.params(), (e, hk, dk), ("embed", "kv_heads", "head_dim"), **proj)
     self.k = projection(heads_init, rngs.params(), (e, hk, dk), ("embed", "kv_heads", "head_dim"), **proj)
     self.v = projection(heads_init, rngs.params(), (e, hv, dv), ("embed", "heads", "head_dim"), **proj)
-    self.z = projection(heads_init, rngs.params(), (e, hv, dv), ("embed", "heads", "head_dim"), **proj)
+    if g.variant == "qwen":
+      self.z = projection(heads_init, rngs.params(), (e, hv, dv), ("embed", "heads", "head_dim"), **proj)
     self.b = projection(fan_in(), rngs.params(), (e, hv), ("embed", "heads"), **proj)
-    self.a = projection(fan_in(), rngs.params(), (e, hv), ("embed", "heads"), **proj)
+    low_rank = lambda size: (  # noqa: E731  x -> [size] -> every head's [size] channels
+        projection(fan_in(), rngs.params(), (e, size), ("embed", "kv_lora"), **proj),
+        projection(fan_in(in_axis=0, out_axis=(1, 2)), rngs.params(), (size, hv, size),
+                   ("kv_lora", "heads", "head_dim"), **proj))
+    if g.variant == "kimi":  # a decay per key channel and a sigmoid output gate, both low rank
+      (self.f_a, self.f_b), (self.g_a, self.g_b) = low_rank(dk), low_rank(dv)
+    else:
+      self.a = projection(fan_in(), rngs.params(), (e, hv), ("embed", "heads"), **proj)
     conv_init = fan_in(in_axis=0, out_axis=(1, 2))  # each channel's taps: fan-in of the kernel length
     conv = lambda h, d: nnx.Param(conv_init(rngs.params(), (g.conv_kernel, h, d), param_dtype),  # noqa: E731
                                   out_sharding=(None, "kv_heads" if h == hk else "heads", "head_dim"))
@@ -104,7 +115,8 @@ class GatedDeltaNet(nnx.Module):
     # Decay rates exp(a_log) spread over [1, 16] and dt_bias at 1, as transformers initialises them.
     decay = jax.random.uniform(rngs.params(), (hv,), jnp.float32, 1.0, 16.0)
     self.a_log = nnx.Param(jnp.log(decay).astype(param_dtype), out_sharding=("heads",), weight_decay=False)
-    self.dt_bias = nnx.Param(jnp.ones((hv,), param_dtype), out_sharding=("heads",), weight_decay=False)
+    channels = ((hv, dk), ("heads", "head_dim")) if g.variant == "kimi" else ((hv,), ("heads",))
+    self.dt_bias = nnx.Param(jnp.ones(channels[0], param_dtype), out_sharding=channels[1], weight_decay=False)
     self.norm = RMSNorm(dv, eps=cfg.norm_eps, param_dtype=param_dtype, compute_dtype=jnp.float32,
                         names=("head_dim",))
     self.o = projection(fan_in(in_axis=(0, 1), out_axis=2), rngs.params(), (hv, dv, e),
@@ -121,13 +133,18 @@ class GatedDeltaNet(nnx.Module):
       raise ConfigError(f"a gated_deltanet layer keeps a recurrent state, not {type(cache).__name__}")
     dt, segments, positions = self.dtype, context.segment_ids, context.positions
 
-    def project(name):
-      return checkpoint_name(dense(x, getattr(self, name), dtype=dt, precision=self.precision), "qkv_proj")
+    def project(*names):  # x through one projection, or a low-rank pair
+      out = x
+      for name in names:
+        out = dense(out, getattr(self, name), dtype=dt, precision=self.precision)
+      return checkpoint_name(out, "qkv_proj")
+    kimi = self.options.variant == "kimi"
     inputs = {n: project(n) for n in ("q", "k", "v")}
     kernels = {n: getattr(self, f"conv_{n}")[...] for n in ("q", "k", "v")}
     beta = jax.nn.sigmoid(project("b").astype(jnp.float32))
-    decay = -jnp.exp(self.a_log[...].astype(jnp.float32)) * jax.nn.softplus(
-        project("a").astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+    rates = jnp.exp(self.a_log[...].astype(jnp.float32))
+    decay = -(rates[:, None] if kimi else rates) * jax.nn.softplus(
+        project(*(("f_a", "f_b") if kimi else ("a",))).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
     if generating:  # padding neither decays nor writes the state
       mixed, histories = {}, {}
       for n in ("q", "k", "v"):
@@ -135,7 +152,8 @@ class GatedDeltaNet(nnx.Module):
                                                      jnp.sum(positions >= 0, axis=1),
                                                      every_token=cache.speculating)
       valid = (positions >= 0)[..., None]
-      decay, beta = jnp.where(valid, decay, 0.0), jnp.where(valid, beta, 0.0)
+      decay = jnp.where(valid if decay.ndim == 3 else valid[..., None], decay, 0.0)
+      beta = jnp.where(valid, beta, 0.0)
       if cache.speculating:  # a speculative window: the states after each token, as candidates
         out, states = self._each_token(*self._activate(mixed), decay, beta, cache.read("delta", positions))
         cache = cache.write({f"{name}_at": value for name, value in {**histories, "delta": states}.items()},
@@ -151,7 +169,8 @@ class GatedDeltaNet(nnx.Module):
       k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
       v = constrain(v, ("batch", "length", "act_heads", "head_dim"))
       out, _ = self._rule(q, k, v, decay, beta, None, segments)
-    gate = jax.nn.silu(project("z").astype(jnp.float32))
+    gate = jax.nn.sigmoid(project("g_a", "g_b").astype(jnp.float32)) if kimi else \
+        jax.nn.silu(project("z").astype(jnp.float32))
     out = checkpoint_name((self.norm(out) * gate).astype(dt), "attention_out")
     return checkpoint_name(dense(out, self.o, contract=2, dtype=dt, precision=self.precision), "out_proj"), cache
 
@@ -225,6 +244,9 @@ class GatedDeltaNet(nnx.Module):
     """Parameters of its projections (what FLOP counting multiplies by tokens)."""
     g = cfg.gated_deltanet
     key, value = g.num_key_heads * g.key_head_dim, g.num_value_heads * g.value_head_dim
+    if g.variant == "kimi":  # q, k, v, o, b, and the two low-rank gates
+      gates = (cfg.embed_dim + key) * g.key_head_dim + (cfg.embed_dim + value) * g.value_head_dim
+      return cfg.embed_dim * (2 * key + 2 * value + g.num_value_heads) + gates
     return cfg.embed_dim * (2 * key + 3 * value + 2 * g.num_value_heads)
 
   @staticmethod
