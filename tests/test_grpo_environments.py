@@ -102,9 +102,9 @@ def test_turns_carry_loss_observations_do_not_and_the_first_ratio_is_one(tmp_pat
   assert [e.turns for e in rollouts.last_episodes] == [2] * 8
   assert [e.reward for e in rollouts.last_episodes] == [1.0] * 8  # 0.5 a turn: the last turn is scored too
   assert rollouts.host_metrics()["heldout_pass@1"] == 1.0 and rollouts.host_metrics()["heldout_reward"] == 1.0
-  for environment, message in ((Raising, r"environment .*:Endless raised KeyError: 'board' on row 0 of "
+  for environment, message in ((Raising, r"environment .*:Endless raised KeyError: 'board' on row \d+ of "
                                          r"data.source \(turn 1\)"),
-                               (Untyped, r"returned list .* on row 0 of data.source \(turn 1\): return "
+                               (Untyped, r"returned list .* on row \d+ of data.source \(turn 1\): return "
                                          r"\(observation, reward, done\)")):
     rollouts.environment = environment
     with pytest.raises(DataError, match=message) as error:

@@ -171,17 +171,17 @@ class Rollouts:
     greedy = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, stop=self.stop, constraint=self.constraint)
     metrics = {}
     count, where = len(self.eval_rows), "objective.eval_source"
-    scores = self._scores(self._play(self.eval_prompts, self.eval_rows, [greedy] * count, where),
+    scores = self._scores(self._play(self.eval_prompts, self.eval_rows, range(count), [greedy] * count, where),
                           self.eval_rows, range(count), where)
     passed = self.options.eval_reward
     metrics["heldout_pass@1"] = float(np.mean([s[passed] >= 1 for s in scores]))
     metrics["heldout_reward"] = float(np.mean([s["reward"] for s in scores]))
     k = self.options.eval_samples
     if k > 1:
-      rows = [row for row in self.eval_rows for _ in range(k)]
-      samples = self._play([p for p in self.eval_prompts for _ in range(k)], rows,
+      rows, numbers = [row for row in self.eval_rows for _ in range(k)], [n // k for n in range(count * k)]
+      samples = self._play([p for p in self.eval_prompts for _ in range(k)], rows, numbers,
                            [self.sampling(seed) for seed in range(len(rows))], where)
-      hits = [s[passed] >= 1 for s in self._scores(samples, rows, [n // k for n in range(len(rows))], where)]
+      hits = [s[passed] >= 1 for s in self._scores(samples, rows, numbers, where)]
       metrics[f"heldout_pass@{k}"] = float(np.mean(np.asarray(hits).reshape(-1, k).any(axis=1)))
     return metrics
 
@@ -197,9 +197,10 @@ class Rollouts:
 
   # -- episodes ------------------------------------------------------------------------
 
-  def _play(self, prompts, rows, settings, where) -> list[Episode]:
+  def _play(self, prompts, rows, numbers, settings, where) -> list[Episode]:
     """Each prompt sampled with its settings: one completion each, or with an environment a
-    multi-turn episode each, all of a turn's requests on the engine at once."""
+    multi-turn episode each, all of a turn's requests on the engine at once. `numbers`: each
+    row's number in `where`, for errors."""
     if self.environment is None:
       completions = self.engine.generate(prompts, settings)
       episodes = [Episode.start(c.prompt_tokens) for c in completions]
@@ -208,9 +209,9 @@ class Rollouts:
       return episodes
     name = self.options.environment
     episodes, environments, histories = [], [], []
-    for n, (prompt, row) in enumerate(zip(prompts, rows)):
+    for prompt, row, number in zip(prompts, rows, numbers):
       environment = self.environment()
-      self._call(environment.reset, (dict(row),), name, f"row {n} of {where} (reset)")
+      self._call(environment.reset, (dict(row),), name, f"row {number} of {where} (reset)")
       environments.append(environment)
       episodes.append(Episode.start(prompt))
       histories.append(first_messages(row["prompt"]))
@@ -226,8 +227,9 @@ class Rollouts:
         episode.add_turn(completion)
         if completion.finish_reason != "stop":  # cut at max_tokens: the environment sees whole turns only
           continue
-        step = self._call(environments[n].step, (completion.text,), name, f"row {n} of {where} (turn {turn + 1})")
-        observation, reward, done = checked_step(step, name, f"row {n} of {where} (turn {turn + 1})")
+        at = f"row {numbers[n]} of {where} (turn {turn + 1})"
+        observation, reward, done = checked_step(self._call(environments[n].step, (completion.text,), name, at),
+                                                 name, at)
         episode.reward += reward
         if done or turn + 1 == self.options.max_turns:
           continue
@@ -307,7 +309,7 @@ class Rollouts:
     settings = [self.sampling((first_seed + i) % (1 << 31)) for i in range(self.batch)]
     started, hits = time.perf_counter(), self.engine.stats["prefix_cache_hits"]
     numbers = [i for i in indices for _ in range(group)]
-    episodes = self._play([self.prompts[i] for i in numbers], [self.rows[i] for i in numbers], settings,
+    episodes = self._play([self.prompts[i] for i in numbers], [self.rows[i] for i in numbers], numbers, settings,
                           "data.source")
     rollout_s = time.perf_counter() - started
     self._drawn += 1
