@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-_STACKED = ("layers", "experts")
+from jaxpar.train.matrices import STACKED, hidden_matrix
 
 
 class GaloreState(NamedTuple):
@@ -35,10 +35,9 @@ class GaloreState(NamedTuple):
 
 
 def projected(names: tuple) -> bool:
-  """Whether GaLore projects a parameter with these logical axes: a hidden weight matrix (two
-  or more axes besides the stacked ones, no `vocab`) with one `embed` axis."""
-  matrix = [n for n in names if n not in _STACKED]
-  return "vocab" not in names and len(matrix) >= 2 and names.count("embed") == 1
+  """Whether GaLore projects a parameter with these logical axes: a hidden weight matrix with
+  one `embed` axis."""
+  return hidden_matrix(names) and names.count("embed") == 1
 
 
 class _Geometry:
@@ -46,7 +45,7 @@ class _Geometry:
 
   def __init__(self, names: tuple, shape, rank: int):
     self.shape, self.embed = tuple(shape), names.index("embed")
-    self.stacked = [i for i, n in enumerate(names) if n in _STACKED]
+    self.stacked = [i for i, n in enumerate(names) if n in STACKED]
     self.rest = [i for i in range(len(shape)) if i != self.embed and i not in self.stacked]
     self.m, self.n = shape[self.embed], math.prod(shape[i] for i in self.rest)
     self.rank = min(rank, self.m, self.n)

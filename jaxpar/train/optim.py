@@ -21,10 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from optax import contrib
 
 from jaxpar.train.galore import scale_by_galore
-
-# Parameter axes that stack independent matrices (scanned layers, experts): Muon
-# orthogonalises each matrix on its own.
-_STACKED = ("layers", "experts")
+from jaxpar.train.matrices import STACKED, hidden_matrix
 
 
 def learning_rate_schedule(train_cfg):
@@ -51,9 +48,9 @@ def muon_dimensions(axis_names: dict) -> dict:
   weight matrix, None for what AdamW takes (vocabulary tables, vectors). The input axes come
   first: `embed` when it leads (q, k, v, gate, up), otherwise everything before the output."""
   def dims(names):
-    axes = [i for i, n in enumerate(names) if n not in _STACKED]
-    if "vocab" in names or len(axes) < 2:
+    if not hidden_matrix(names):
       return None
+    axes = [i for i, n in enumerate(names) if n not in STACKED]  # each stacked matrix on its own
     if names[axes[-1]] == "embed" and names[axes[0]] != "embed":
       return contrib.MuonDimensionNumbers(tuple(axes[:-1]), axes[-1])
     return contrib.MuonDimensionNumbers(axes[0], tuple(axes[1:]))
