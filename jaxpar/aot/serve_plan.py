@@ -3,8 +3,10 @@
 Candidates: every split of the slice's chips into R replicas (`jaxpar serve --replicas R`,
 R dividing the chips) of one engine each, the engine's chips laid out as tensor x expert x
 data (rows), with every axis size the model's shapes accept (the runtime's own checks), and
-each KV cache dtype (bfloat16, int8). Disaggregated prefill and decode is not a candidate:
-the engine does not run it yet. FSDP is not either: it gathers every weight every step.
+each KV cache dtype (bfloat16, int8). Disaggregated prefill and decode (`--prefill-devices`)
+is not a candidate yet: ranked by decode tokens/s a split only gives decoding fewer chips, and
+what it buys (steadier inter-token latency under load) needs a load model this does not have.
+FSDP is not either: it gathers every weight every step.
 
 For each candidate, from the abstract sharded weights and cache (exact bytes, nothing
 allocated): weights per chip, KV bytes per cached token per chip, and so the most tokens a
