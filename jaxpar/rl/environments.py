@@ -32,7 +32,7 @@ import operator
 import re
 
 from jaxpar.errors import ConfigError, DataError
-from jaxpar.rl.rewards import final_answer
+from jaxpar.rl.rewards import expected_answer, final_answer
 
 PROTOCOL = "a class with reset(row) and step(text) -> (observation, reward, done)"
 
@@ -102,9 +102,7 @@ class Calculator:
   answer (rewards.final_answer) equals the row's `answer`, and ends the episode."""
 
   def reset(self, row: dict):
-    if "answer" not in row:
-      raise DataError(f"environment calculator needs an `answer` field in every data row; this row has {sorted(row)}")
-    self.answer = str(row["answer"]).strip().rstrip(".").strip().lower()
+    self.answer = expected_answer(row, "environment calculator")
 
   def step(self, text: str):
     call = _CALL.search(text)

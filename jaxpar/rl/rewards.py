@@ -34,15 +34,15 @@ def final_answer(text: str) -> str:
   return answer.strip().rstrip(".").strip().lower()
 
 
-def _expected(row: dict, name: str) -> str:
+def expected_answer(row: dict, name: str) -> str:
   if "answer" not in row:
-    raise DataError(f"reward {name} needs an `answer` field in every data row; this row has {sorted(row)}")
+    raise DataError(f"{name} needs an `answer` field in every data row; this row has {sorted(row)}")
   return str(row["answer"]).strip().rstrip(".").strip().lower()
 
 
 def exact_answer(completion: str, row: dict) -> float:
   """1 when the completion's final answer equals the row's `answer` (as text), else 0."""
-  return float(final_answer(completion) == _expected(row, "exact_answer"))
+  return float(final_answer(completion) == expected_answer(row, "reward exact_answer"))
 
 
 def math_equivalence(completion: str, row: dict) -> float:
@@ -53,7 +53,7 @@ def math_equivalence(completion: str, row: dict) -> float:
     from math_verify import parse, verify
   except ImportError:
     raise ConfigError("reward math_equivalence needs math-verify: pip install 'jaxpar[rl]'") from None
-  expected, given = parse(str(_expected(row, "math_equivalence"))), parse(completion)
+  expected, given = parse(str(expected_answer(row, "reward math_equivalence"))), parse(completion)
   return float(bool(expected) and bool(given) and verify(expected, given))
 
 
