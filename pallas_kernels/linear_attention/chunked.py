@@ -28,7 +28,6 @@ is <= 0; masked ones are replaced before exp, so their gradient is exactly zero.
 
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 from jaxpar.pallas_kernels import tiling
 from jaxpar.pallas_kernels.linear_attention.reference import segment_starts
@@ -44,6 +43,27 @@ def _chunks(x, chunk, num_k_heads):
 def _masked_exp(exponent, mask):
   """exp(exponent) where mask, else 0; a masked exponent (maybe large and positive) never reaches exp."""
   return jnp.exp(jnp.where(mask, exponent, -jnp.inf))
+
+
+def _forward_substitution(lower, b):
+  """x with (I + lower) x = b: `lower` [.., C, C] strictly lower-triangular, b [.., C, D]; one
+  row per step (rows not yet solved are zero, so a whole row of `lower` may multiply x)."""
+  def row(i, x):
+    return x.at[..., i, :].set(b[..., i, :] - jnp.einsum("...j,...jd->...d", lower[..., i, :], x))
+  return lax.fori_loop(0, b.shape[-2], row, jnp.zeros_like(b))
+
+
+def solve_unit_lower(lower, b):
+  """x with (I + lower) x = b, differentiable in both (lax.custom_linear_solve: the gradient
+  solves the transposed system, reversed into lower-triangular form). Not LAPACK's trsm,
+  which jax.scipy's solve_triangular calls on CPU: jaxlib's kernel splits a batch over the
+  pool it runs on and waits for the pieces, so two solves at once on a two-thread pool wait
+  for each other forever (seen on this 2-core host at 32 rows x 4 heads)."""
+  reverse = lambda x: jnp.flip(x, axis=-2)  # noqa: E731
+  upper_reversed = jnp.flip(lower.mT, axis=(-2, -1))  # (I + lower^T) reversed: unit lower
+  return lax.custom_linear_solve(
+      lambda x: x + lower @ x, b, solve=lambda _, rhs: _forward_substitution(lower, rhs),
+      transpose_solve=lambda _, rhs: reverse(_forward_substitution(upper_reversed, reverse(rhs))))
 
 
 def _chunk_terms(q, k, v, g, beta, starts):
@@ -76,7 +96,7 @@ def _chunk_terms(q, k, v, g, beta, starts):
   # One solve for both right-hand sides: the writes without S0 and what S0 takes off them.
   state_rhs = jnp.broadcast_to(beta[..., None] * read_decay * k, v.shape[:-1] + k.shape[-1:])
   rhs = jnp.concatenate([beta[..., None] * v, state_rhs], axis=-1)
-  solved = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+  solved = solve_unit_lower(system, rhs)
   writes, state_reads = jnp.split(solved, [v.shape[-1]], axis=-1)
   return writes, state_reads, read_decay * q, attn, write_decay * k, carry_decay
 
