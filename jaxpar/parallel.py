@@ -262,7 +262,7 @@ class ParallelPlan:
       raise ConfigError(f"model.num_layers={model.num_layers}: {count} pipelined layers{dense} do not split "
                         f"into {what} groups; pipeline {' or '.join(map(str, near))} layers, or use "
                         f"mesh.stage in {stages or [1]}")
-    period = len(unit_options(model, model.first_dense_layers))
+    period = len(unit_options(model, model.first_dense_layers, count))
     if (count // groups) % period:
       raise ConfigError(f"{what} gives each stage {count // groups} layers per repeat, not a whole "
                         f"number of model.layer_pattern's {period}-layer units: every stage must run the "

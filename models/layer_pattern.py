@@ -62,16 +62,16 @@ def layer_mixer(cfg: ModelConfig, index: int) -> str:
   return (entry and entry.mixer) or cfg.attention_block
 
 
-def unit_options(cfg: ModelConfig, start: int) -> list[LayerOptions]:
-  """The options of one scan unit of a run whose first layer is `start`: the shortest
-  run of layers whose repetition gives every layer's options and mixer (length 1 when all
-  agree)."""
-  period = max(len(cfg.layer_pattern), 1)
-  kinds = [(layer_options(cfg, start + i), layer_mixer(cfg, start + i)) for i in range(period)]
-  for length in range(1, period + 1):
-    if period % length == 0 and all(kinds[i] == kinds[i % length] for i in range(period)):
+def unit_options(cfg: ModelConfig, start: int, count: int) -> list[LayerOptions]:
+  """The options of one scan unit of a run of `count` layers whose first is `start`: the
+  shortest run of layers whose repetition gives every layer's options and mixer (length 1
+  when all agree). The run need not hold whole units: Kimi Linear's first MoE layers repeat
+  (linear x 3, full) and end two layers into a unit, which the scan runs as its tail."""
+  kinds = [(layer_options(cfg, start + i), layer_mixer(cfg, start + i)) for i in range(count)]
+  for length in range(1, count + 1):
+    if all(kinds[i] == kinds[i % length] for i in range(count)):
       return [options for options, _ in kinds[:length]]
-  raise AssertionError("unreachable: the whole period always repeats")
+  raise AssertionError("unreachable: the whole run always repeats")
 
 
 def sliding_windows(cfg: ModelConfig, indices=None) -> tuple:

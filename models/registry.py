@@ -39,6 +39,8 @@ class HFMapping:
   export only (a family that writes another's layout, as a toy family writing Llama's).
   `groups`: (layer group, entries) pairs for groups of their own (a hybrid's
   `gated_deltanet_layers`).
+  `alternative_names`: (part, other part) pairs: a tensor missing from a checkpoint under its
+  name is read under the name with `part` replaced, another writer's spelling (import only).
   """
   config_to_hf: Callable[[ModelConfig, str], dict]
   top: tuple[tuple[tuple[str, ...], str, str], ...]
@@ -47,6 +49,7 @@ class HFMapping:
   config_from_hf: Callable[[dict], ModelConfig] | None = None
   dense_layer: tuple[tuple[tuple[str, ...], str, str], ...] | None = None
   groups: tuple[tuple[str, tuple], ...] = ()
+  alternative_names: tuple[tuple[str, str], ...] = ()
 
   def entries(self, group: str) -> tuple:
     """The layer entries of layer group `group` (models/transformer.py layer_groups)."""

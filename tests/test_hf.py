@@ -80,6 +80,36 @@ def import_random_hf(hf_config, directory):
   return model, hf_to_jaxpar(directory / "hf", directory / "jaxpar")
 
 
+def assert_round_trip_near_float64(model, config, directory, layer_types, renamed=()):
+  """f32 logits as close to transformers' float64 ones as its own f32 logits are (within 3x,
+  or 1e-5 of the largest); the export holds every HF tensor bit for bit (under the name
+  with each (part, other) of `renamed` replaced: the export's spelling) and transformers
+  reloads it, with `layer_types`, to the same logits."""
+  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (2, 40))
+  # The delta rule's f32 rounding differs between any two orders of the same sums (transformers'
+  # own f32 logits are 1-2e-5 from its float64 ones here): both are held to the exact answer.
+  with torch.no_grad():
+    exact = model.double()(torch.tensor(tokens)).logits.numpy()
+  model.float()
+  theirs = np.abs(_hf_logits(model, tokens) - exact).max()
+  ours = np.abs(_our_logits(directory / "jaxpar", config, tokens) - exact).max()
+  # The ratio moves with the host's vector units: qwen3_5_moe was 2.6x on an AMD EPYC host.
+  assert ours <= max(3 * theirs, 1e-5 * np.abs(exact).max()), (ours, theirs)
+  jaxpar_to_hf(directory / "jaxpar", directory / "back")
+  original, exported = (load_file(directory / d / "model.safetensors") for d in ("hf", "back"))
+  for part, other in renamed:
+    original = {name.replace(part, other) if name.replace(part, other) in exported else name: tensor
+                for name, tensor in original.items()}
+  assert sorted(exported) == sorted(original)
+  for name, tensor in exported.items():
+    np.testing.assert_array_equal(tensor, original[name], err_msg=name)
+  # The same experts' implementation as `model`: another sums in another order.
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+      directory / "back", experts_implementation=model.config._experts_implementation).eval()
+  assert reloaded.config.layer_types == layer_types
+  np.testing.assert_array_equal(_hf_logits(reloaded, tokens), _hf_logits(model, tokens))
+
+
 def assert_generates_like_transformers(model, directory, max_tokens=40, page_size=4):
   """The import in directory/jaxpar, through the engine's paged cache (one device, one slot,
   prefill chunks of 8), generates greedily what model.generate does for `max_tokens`

@@ -143,7 +143,9 @@ def test_layer_pattern_resolves_per_layer_and_saves_as_given():
   assert local.attention.sliding_window == 6 and local.rope == Rope(1e4, None)
   assert full.attention.sliding_window is None and full.rope == Rope(1e6, cfg.rope_scaling)
   assert layer_options(cfg, 10) == local and layer_options(cfg, 11) == full
-  assert unit_options(cfg, 0) == [local] * 5 + [full] and unit_options(cfg, 2)[3] == full
+  assert unit_options(cfg, 0, 12) == [local] * 5 + [full] and unit_options(cfg, 2, 10)[3] == full
+  # A run that ends inside a unit keeps the unit (the scan's tail runs its start); one layer is its own.
+  assert unit_options(cfg, 0, 8) == [local] * 5 + [full] and unit_options(cfg, 0, 1) == [local]
   assert kv_reach(cfg) is None and kv_reach(ModelConfig(**SMALL_MODEL, sliding_window=9)) == 9
   dumped = cfg.model_dump(mode="json")  # keys left out stay left out: `{}` is the model's layer
   assert dumped["layer_pattern"][0] == {"sliding_window": 6, "rope_theta": 1e4, "rope_scaling": None}

@@ -17,6 +17,7 @@ from jaxpar.objectives.lm import lm_loss
 from jaxpar.runtime import Runtime
 from jaxpar.train.step import make_gradients
 from tests.helpers import small_config, synthetic_batch
+from tests.test_hf import assert_round_trip_near_float64
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -57,40 +58,13 @@ def imported_moe(request, tmp_path_factory):
   return _import(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def _assert_round_trip(model, config, directory):
-  """f32 logits as close to transformers' float64 ones as its own f32 logits are (within 3x,
-  or 1e-5 of the largest); the export holds every HF tensor bit for bit and transformers
-  reloads it to the same logits."""
-  from safetensors.numpy import load_file
-  from jaxpar.convert.hf import jaxpar_to_hf
-  from tests.test_hf import _hf_logits, _our_logits
-  tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (2, 40))
-  # The delta rule's f32 rounding differs between any two orders of the same sums (transformers'
-  # own f32 logits are 1-2e-5 from its float64 ones here): both are held to the exact answer.
-  with torch.no_grad():
-    exact = model.double()(torch.tensor(tokens)).logits.numpy()
-  model.float()
-  theirs = np.abs(_hf_logits(model, tokens) - exact).max()
-  ours = np.abs(_our_logits(directory / "jaxpar", config, tokens) - exact).max()
-  # The ratio moves with the host's vector units: qwen3_5_moe was 2.6x on an AMD EPYC host.
-  assert ours <= max(3 * theirs, 1e-5 * np.abs(exact).max()), (ours, theirs)
-  jaxpar_to_hf(directory / "jaxpar", directory / "back")
-  original, exported = (load_file(directory / d / "model.safetensors") for d in ("hf", "back"))
-  assert sorted(exported) == sorted(original)
-  for name, tensor in exported.items():
-    np.testing.assert_array_equal(tensor, original[name], err_msg=name)
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(directory / "back").eval()
-  assert reloaded.config.layer_types == TYPES
-  np.testing.assert_array_equal(_hf_logits(reloaded, tokens), _hf_logits(model, tokens))
-
-
 def test_imports_with_logits_parity_and_exports_exactly(imported):
   model, config, directory = imported
   m = config.model
   assert [k.mixer for k in m.layer_pattern] == ["gated_deltanet"] * 3 + [None]  # cycled: layer 4 is linear
   assert (m.family, m.rope_fraction, m.gated_deltanet.num_value_heads, m.gated_deltanet.key_head_dim) == \
       ("qwen3_5", 0.25, 4, 16)
-  _assert_round_trip(model, config, directory)
+  assert_round_trip_near_float64(model, config, directory, TYPES)
 
 
 def test_moe_variants_import_with_logits_parity_and_export_exactly(imported_moe):
@@ -99,7 +73,7 @@ def test_moe_variants_import_with_logits_parity_and_export_exactly(imported_moe)
   model, config, directory = imported_moe
   m = config.model
   assert (m.mlp, m.moe.num_experts, m.moe.shared_mlp_dim, m.moe.shared_gate) == ("moe", 4, 20, True)
-  _assert_round_trip(model, config, directory)
+  assert_round_trip_near_float64(model, config, directory, TYPES)
 
 
 def test_generates_like_transformers(imported):

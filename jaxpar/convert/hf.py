@@ -139,6 +139,8 @@ def _read_shard(layout, tensor, shape: tuple, index: tuple) -> np.ndarray:
     return tensor[index[:-1] + (slice(2 * start + _INTERLEAVED.index(layout), 2 * stop, 2),)]
   if layout == "transpose":
     return tensor[index[1], index[0]].T
+  if layout == "per_head_4d":  # ours [H] <- HF [1, 1, H, 1] (Kimi's A_log)
+    return np.asarray(tensor[:, :, index[0], :]).reshape(-1)
   if layout == "conv":  # ours [K, H, D] <- HF [H*D, 1, K] (a depthwise conv1d's weight)
     head_dim = shape[2]
     start, stop = _span(index[1], shape[1])
@@ -167,6 +169,8 @@ def _to_hf(layout, x: np.ndarray) -> np.ndarray:
     x = x.reshape(-1, x.shape[-1]).T
   elif layout == "heads_bias":
     x = x.reshape(-1)
+  elif layout == "per_head_4d":
+    x = x.reshape(1, 1, -1, 1)
   return np.ascontiguousarray(x)
 
 
@@ -289,9 +293,9 @@ def hf_to_jaxpar(hf_dir, out, *, mesh: MeshConfig = MeshConfig(), param_dtype: s
 def _import_tree(source, abstract: dict, shardings: dict, cfg: ModelConfig, hf: dict, hf_dir: Path, dtype):
   """The arrays of `abstract` (params or model state) that the HF mapping names, read from
   `source` onto their shardings, in `dtype` (None: the abstract array's own)."""
-  names = {}
+  names, alternatives = {}, _mapping_for_family(cfg).alternative_names
   for path, name, layout, index in _entries(abstract, cfg):
-    names.setdefault(path, (layout, {}))[1][index] = name
+    names.setdefault(path, (layout, {}))[1][index] = _name_in(source, name, alternatives)
   tree = {}
   for path, (layout, by_index) in names.items():
     missing = [n for n in by_index.values() if n not in source]
@@ -305,6 +309,15 @@ def _import_tree(source, abstract: dict, shardings: dict, cfg: ModelConfig, hf: 
     _set(tree, path, _import_param(source, hf_names, layout, _get(shardings, path), target.shape,
                                    dtype or target.dtype))
   return tree
+
+
+def _name_in(source, name: str, alternatives) -> str:
+  """`name`, or the first of its alternative spellings (HFMapping.alternative_names) that
+  `source` holds; `name` when none does."""
+  for part, other in alternatives:
+    if name not in source and part in name and name.replace(part, other) in source:
+      return name.replace(part, other)
+  return name
 
 
 def _tokenizer_json(path: Path) -> Path:
