@@ -1,4 +1,4 @@
-"""Linear-attention hybrids (Qwen3.5, Qwen3-Next) against softmax attention: three tables.
+"""Linear-attention hybrids (Qwen3.5, Qwen3-Next, Kimi Linear) against softmax attention: three tables.
 
     python benchmarks/families.py --linear      (or python benchmarks/linear_attention.py)
 
@@ -40,12 +40,13 @@ def cache_bytes_per_sequence(name: str, seq_len: int) -> dict:
                                                       windows=sliding_windows(m, g.indices), mixer=g.mixer)
                                   for g in layer_groups(m)})
   held = caches.cache_bytes(cache)
-  return {"model": name, "layers": m.num_layers, "attention": sum(g.count for g in layer_groups(m) if g.mixer == "gqa"),
+  return {"model": name, "layers": m.num_layers, "attention": sum(g.count for g in layer_groups(m) if g.mixer != "gated_deltanet"),
           "pages": held["pool"], "states": held["states"]}
 
 
 def print_cache_bytes(seq_len: int = 32768):
-  rows = [cache_bytes_per_sequence(n, seq_len) for n in ("llama3-8b", "qwen3.5-9b", "qwen3-next-80b-a3b")]
+  rows = [cache_bytes_per_sequence(n, seq_len) for n in ("llama3-8b", "qwen3.5-9b", "qwen3-next-80b-a3b",
+                                                          "kimi-linear-48b-a3b")]
   base = (rows[0]["pages"] + rows[0]["states"]) / seq_len
   print(f"Cache of one {seq_len:,}-token sequence (bf16 KV pages of {PAGE}; linear layers' delta-rule state f32, "
         "convolution inputs bf16)\n")
