@@ -132,3 +132,38 @@ def test_train_step_on_8_devices_equals_one_device():
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     assert np.abs(w).max() > 0, jax.tree_util.keystr(path)
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=5e-5 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
+
+
+def test_batched_preempted_and_speculative_requests_get_their_own_tokens():
+  """The tiny hybrid through the engine: latent pages for the attention layers, a state per slot
+  for the linear ones. Six requests over 4 reused slots with a pool small enough to preempt get
+  the tokens each gets alone; greedy n-gram speculation (drafts kept and rejected, the states
+  rolled back) gives plain decoding's tokens."""
+  import jax
+  from jaxpar.config import MeshConfig, load_config
+  from jaxpar.data import ByteTokenizer
+  from jaxpar.inference import Engine, SamplingParams
+  from jaxpar.inference.speculative import NgramDraft
+  from jaxpar.runtime import Runtime
+  model = load_config("tiny-kimi-linear", ["model.max_seq_len=64", "data.seq_len=32"]).model
+  runtime = Runtime(model, MeshConfig(fsdp=1), jax.devices()[:1], seed=0)
+  params, model_state = runtime.init()
+
+  def engine(**options):
+    return Engine(runtime, params, ByteTokenizer(), model_state=model_state, page_size=4, prefill_chunks=(8,),
+                  **options)
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(0, 256, n).tolist() for n in (3, 9, 14, 5, 11, 7)]
+  settings = [SamplingParams(max_tokens=12, temperature=t, seed=i, stop_token_ids=())
+              for i, t in enumerate((0.0, 0.8, 0.0, 0.8, 0.0, 0.8))]
+  pooled = engine(slots=4, num_pages=16)
+  together = pooled.generate(prompts, settings)
+  assert pooled.stats["preemptions"] > 0
+  assert [r.tokens for r in together] == [pooled.generate([p], s)[0].tokens for p, s in zip(prompts, settings)]
+
+  repeating = [[5, 6, 7, 8] * 4, [9, 1] * 6]
+  greedy = SamplingParams(max_tokens=20, stop_token_ids=())
+  want = [r.tokens for r in engine(slots=2).generate(repeating, greedy)]
+  drafted = engine(slots=2, speculative=NgramDraft(k=3))
+  assert [r.tokens for r in drafted.generate(repeating, greedy)] == want
+  assert drafted.stats["speculative_proposed"] > 0

@@ -43,6 +43,17 @@ EXPERTS = (
 )
 
 
+def moe_from_hf(hf: dict) -> MoEConfig:
+  """DeepSeek-V3's experts from its HF fields (n_routed_experts, n_shared_experts, n_group, ...)."""
+  return MoEConfig(num_experts=hf["n_routed_experts"], experts_per_token=hf["num_experts_per_tok"],
+                   expert_mlp_dim=hf["moe_intermediate_size"],
+                   shared_mlp_dim=hf["moe_intermediate_size"] * hf.get("n_shared_experts", 0),
+                   router="sigmoid", normalize_weights=bool(hf.get("norm_topk_prob", True)),
+                   routed_scale=hf.get("routed_scaling_factor", 1.0), num_groups=hf.get("n_group") or 1,
+                   groups_per_token=hf.get("topk_group") or 1, balance_loss=0.0, router_z_loss=0.0,
+                   bias_update_rate=BIAS_UPDATE_RATE)
+
+
 def config_from_hf(hf: dict) -> DeepSeekConfig:
   activations.from_hf(hf, "deepseek_v3", ("silu",))
   if hf.get("attention_bias"):
@@ -52,23 +63,17 @@ def config_from_hf(hf: dict) -> DeepSeekConfig:
                       f"{hf.get('scoring_func')!r} is not supported: jaxpar implements DeepSeek-V3's "
                       "noaux_tc sigmoid routing")
   theta, scaling = rope_from_hf(hf)
-  heads, routed = hf["num_attention_heads"], hf["n_routed_experts"]
+  heads = hf["num_attention_heads"]
   mla = MLAConfig(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
                   qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                   v_head_dim=hf["v_head_dim"], rope_interleave=bool(hf.get("rope_interleave", True)))
-  moe = MoEConfig(num_experts=routed, experts_per_token=hf["num_experts_per_tok"],
-                  expert_mlp_dim=hf["moe_intermediate_size"],
-                  shared_mlp_dim=hf["moe_intermediate_size"] * hf.get("n_shared_experts", 0),
-                  router="sigmoid", normalize_weights=bool(hf.get("norm_topk_prob", True)),
-                  routed_scale=hf.get("routed_scaling_factor", 1.0), num_groups=hf.get("n_group") or 1,
-                  groups_per_token=hf.get("topk_group") or 1, balance_loss=0.0, router_z_loss=0.0,
-                  bias_update_rate=BIAS_UPDATE_RATE)
   return DeepSeekConfig(
       family="deepseek", attention_block="mla", vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
       num_layers=hf["num_hidden_layers"], first_dense_layers=hf.get("first_k_dense_replace") or 0,
       num_heads=heads, num_kv_heads=heads, head_dim=hf["v_head_dim"], mlp_dim=hf["intermediate_size"],
       max_seq_len=hf["max_position_embeddings"], rope_theta=theta, rope_scaling=scaling,
-      norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)), mla=mla, moe=moe)
+      norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", False)), mla=mla,
+      moe=moe_from_hf(hf))
 
 
 def config_to_hf(cfg, dtype: str) -> dict:

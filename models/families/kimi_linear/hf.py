@@ -15,12 +15,11 @@ The layer kinds come from HF's `layer_types`, or the checkpoints' `linear_attn_c
 
 from jaxpar.errors import ConfigError
 from jaxpar.models import activations
-from jaxpar.models.families.deepseek.hf import BIAS_UPDATE_RATE, MLA
+from jaxpar.models.families.deepseek.hf import MLA, moe_from_hf
 from jaxpar.models.families.kimi_linear.config import KDA, NOPE, KimiLinearConfig
 from jaxpar.models.hf_layout import LAYER, TOP, check_values, expert_entries, repeating_prefix
 from jaxpar.models.layer_pattern import layer_mixer, layer_options
 from jaxpar.models.mla_config import MLAConfig
-from jaxpar.models.moe_config import MoEConfig
 from jaxpar.models.registry import HFMapping
 
 _KDA = tuple((("attn", p), f"self_attn.{p}_proj.weight", "heads_in") for p in "qkv") + tuple(
@@ -43,6 +42,10 @@ _EXPERTS = expert_entries("block_sparse_moe", "w1", "w3", "w2") + (
     (("mlp", "shared", "up"), "block_sparse_moe.shared_experts.up_proj.weight", "transpose"),
     (("mlp", "shared", "down"), "block_sparse_moe.shared_experts.down_proj.weight", "transpose"),
 )
+# Kimi's names for DeepSeek-V3's expert fields (transformers' attribute_map).
+_DEEPSEEK_NAMES = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok",
+                   "num_shared_experts": "n_shared_experts", "moe_renormalize": "norm_topk_prob",
+                   "num_expert_group": "n_group"}
 # Kimi's default token ids: an export of a smaller vocabulary must not name ids it lacks
 # (transformers builds its embedding with pad_token_id as the padding row).
 _TOKEN_IDS = {"pad_token_id": 163839, "bos_token_id": 163584, "eos_token_id": 163586}
@@ -81,17 +84,9 @@ def config_from_hf(hf: dict) -> KimiLinearConfig:
   linear = hf.get("linear_attn_config") or {}
   heads = linear.get("num_heads", hf.get("linear_num_heads", 32))
   head_dim = linear.get("head_dim", hf.get("linear_head_dim", 128))
-  experts = hf["num_experts"]
   mla = MLAConfig(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
                   qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                   v_head_dim=hf["v_head_dim"])
-  moe = MoEConfig(num_experts=experts, experts_per_token=hf["num_experts_per_token"],
-                  expert_mlp_dim=hf["moe_intermediate_size"],
-                  shared_mlp_dim=hf["moe_intermediate_size"] * hf.get("num_shared_experts", 0),
-                  router="sigmoid", normalize_weights=bool(hf.get("moe_renormalize", True)),
-                  routed_scale=hf.get("routed_scaling_factor", 1.0), num_groups=hf.get("num_expert_group") or 1,
-                  groups_per_token=hf.get("topk_group") or 1, balance_loss=0.0, router_z_loss=0.0,
-                  bias_update_rate=BIAS_UPDATE_RATE)
   return KimiLinearConfig(
       vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
       first_dense_layers=_first_dense_layers(hf), num_heads=hf["num_attention_heads"],
@@ -102,7 +97,7 @@ def config_from_hf(hf: dict) -> KimiLinearConfig:
       gated_deltanet={"num_key_heads": heads, "num_value_heads": heads, "key_head_dim": head_dim,
                       "value_head_dim": head_dim, "conv_kernel": linear.get(
                           "short_conv_kernel_size", hf.get("linear_conv_kernel_dim", 4)), "variant": "kimi"},
-      mla=mla, moe=moe)
+      mla=mla, moe=moe_from_hf({_DEEPSEEK_NAMES.get(key, key): value for key, value in hf.items()}))
 
 
 def config_to_hf(cfg, dtype: str) -> dict:
