@@ -287,9 +287,10 @@ class ModelConfig(Frozen):
                                AfterValidator(_check_attention_options)] = HashableDict()
   quantization: QuantizationConfig | None = None  # None: float projections
   # The projections' matmuls while training (models/low_precision.py): fp8 (per-tensor
-  # scales), fp8_blockwise (DeepSeek-V3's 128-wide tiles) or int8 (per row), quantized on
-  # the fly over float weights; compute_dtype: no quantization.
-  train_precision: Literal["compute_dtype", "fp8", "fp8_blockwise", "int8"] = "compute_dtype"
+  # scales), fp8_blockwise (DeepSeek-V3's 128-wide tiles) or int8 (per row; int8_stochastic:
+  # gradients rounded stochastically), quantized on the fly over float weights;
+  # compute_dtype: no quantization.
+  train_precision: Literal["compute_dtype", "fp8", "fp8_blockwise", "int8", "int8_stochastic"] = "compute_dtype"
   lora: LoRAConfig | None = None  # None: no adapters
   medusa: MedusaConfig | None = None  # None: no draft heads
 

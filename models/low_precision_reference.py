@@ -10,8 +10,11 @@ the operands' scales. A scale is absmax / the type's bound (448 for e4m3, 57344 
 | fp8 | per tensor (e4m3) | g * s_w per tensor (e5m2), w's forward values | g * s_x per tensor (e5m2), x's forward values |
 | fp8_blockwise | 1 x T tiles per row, T x 1 per column (e4m3) | g 1 x T (e5m2), w requantized T x 1 per row | x T x 1 per column, g T x 1 (e5m2) |
 | int8 | per row of x, per column of w | g * s_w per row | g * s_x per column |
+| int8_stochastic | as int8 | as int8, g rounded with noise | as int8, g rounded with noise |
 
-T is 128 where it divides the contracted axis, else the whole axis. Where a backward matmul
+T is 128 where it divides the contracted axis, else the whole axis. Stochastic rounding adds
+uniform noise in [-0.5, 0.5) to the scaled gradient before rounding it to the nearest
+integer, drawn for dx and dw from `keys` (jax.random.uniform). Where a backward matmul
 reuses an operand's forward values, the operand's scales are folded into the gradient before
 it is quantized (they lie along the backward's contracted axis, so they cannot multiply the
 result). The tests hold models/low_precision.py to these definitions.
@@ -27,9 +30,10 @@ def _bound(qtype) -> float:
   return float(jnp.finfo(qtype).max) if jnp.issubdtype(qtype, jnp.floating) else 127.5
 
 
-def quantize(a, qtype, axes):
-  """a quantized to qtype with one scale per group that reduces `axes` (None: whole tensor).
-  -> (values, scales shaped to broadcast against a)."""
+def quantize(a, qtype, axes, noise=None):
+  """a quantized to qtype with one scale per group that reduces `axes` (None: whole tensor),
+  `noise` (int8) added to the scaled values before they round. -> (values, scales shaped to
+  broadcast against a)."""
   absmax = jnp.max(jnp.abs(a), axis=axes, keepdims=True)
   scale = absmax / _bound(qtype)
   scale = jnp.where(scale < jnp.sqrt(jnp.finfo(scale.dtype).tiny), 1, scale).astype(a.dtype)
@@ -37,6 +41,8 @@ def quantize(a, qtype, axes):
   if jnp.issubdtype(qtype, jnp.floating):
     info = jnp.finfo(qtype)
     return scaled.clip(info.min.astype(a.dtype), info.max.astype(a.dtype)).astype(qtype), scale
+  if noise is not None:
+    scaled = scaled.astype(jnp.float32) + noise
   return jnp.round(scaled).astype(qtype), scale
 
 
@@ -67,8 +73,12 @@ def _per_axes(scheme):
   return (None, None) if scheme == "fp8" else (1, 0)
 
 
-def reference_matmul(x, w, scheme: str):
-  """x [M, K] @ w [K, N] under `scheme`, with the backward pass its table row defines."""
+def reference_matmul(x, w, scheme: str, keys=None):
+  """x [M, K] @ w [K, N] under `scheme`, with the backward pass its table row defines
+  (int8_stochastic: `keys`, the noise keys of dx's and dw's gradient rounding)."""
+
+  def noise(i, shape):  # dx's (0) or dw's (1) rounding noise; none: round to nearest
+    return None if keys is None else jax.random.uniform(keys[i], shape, jnp.float32, -0.5, 0.5)
 
   @jax.custom_vjp
   def matmul(x, w):
@@ -92,10 +102,10 @@ def reference_matmul(x, w, scheme: str):
     qtype = E5M2 if scheme == "fp8" else jnp.int8
     x_axes, w_axes = _per_axes(scheme)
     # dx: g's columns meet w's columns, whose scales fold into g; g then scales per row.
-    vg, sg = quantize(g * sw, qtype, x_axes)
+    vg, sg = quantize(g * sw, qtype, x_axes, noise(0, g.shape))
     dx = _f32_dot(vg, vw.T) * sg
     # dw: g's rows meet x's rows, whose scales fold into g; g then scales per column.
-    vg, sg = quantize(g * sx, qtype, w_axes)
+    vg, sg = quantize(g * sx, qtype, w_axes, noise(1, g.shape))
     dw = _f32_dot(vx.T, vg) * sg
     return dx.astype(sx.dtype), dw.astype(sw.dtype)
 

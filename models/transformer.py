@@ -9,6 +9,7 @@ gives some layers another token mixer (a hybrid's linear-attention layers) stack
 layers apart, and the groups of one run interleave in the scan (stack.run_stacks).
 """
 
+import zlib
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from flax import nnx
 from jaxpar import pallas_kernels
 from jaxpar.errors import ConfigError
 from jaxpar.mesh import constrain, num_shards
-from jaxpar.models import caches
+from jaxpar.models import caches, low_precision
 from jaxpar.models.decoder import RESIDUAL, LayerContext
 from jaxpar.models.embedding import embed_lookup
 from jaxpar.models.init import embedding_init, fan_in
@@ -248,8 +249,11 @@ class Transformer(nnx.Module):
     """The per-layer function of `group`'s layers with these static options (stack.run_stacks)."""
     block = with_remat(lambda layer, x, context, cache: layer(x, context, cache, options), self.cfg.remat)
 
+    salt = zlib.crc32(group.encode()) % 2**31  # the groups' layers count from 0 each
+
     def layer_fn(layer, carry, index):
       x, context, group_caches = carry
-      x, aux, cache = block(layer, x, context, group_caches[group].at(index))
+      with low_precision.noise_scope(salt, index):  # each layer its own gradient rounding noise
+        x, aux, cache = block(layer, x, context, group_caches[group].at(index))
       return (x, context, {**group_caches, group: cache}), aux
     return layer_fn

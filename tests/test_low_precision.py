@@ -6,6 +6,7 @@ The door (models/low_precision.py, through qwix) equals the plain-jnp definition
 exactly the projections' matmuls are low-precision, and a few steps of training stay beside
 the float run."""
 
+import functools
 import logging
 
 import jax
@@ -27,6 +28,7 @@ KEYS = jax.random.split(jax.random.key(0), 3)
 X = jax.random.normal(KEYS[0], (256, 384))
 W = jax.random.normal(KEYS[1], (384, 192)) * 0.05
 G = jax.random.normal(KEYS[2], (256, 192))
+NOISE = jax.random.key(42)  # int8_stochastic's rounding noise
 
 
 def _value_and_grads(matmul, scheme, dtype, cast, x, w, g):
@@ -41,9 +43,12 @@ def test_door_equals_the_schemes_definition(scheme):
   rounding, its tiles are summed in another order). bf16 operands: the door quantizes them as
   f32 (qwix would otherwise accumulate in bf16), so it equals the reference on their f32 values."""
   door = jax.jit(_value_and_grads, static_argnums=(0, 1, 2, 3))
+  # int8_stochastic: a scope's first projection draws dx's and dw's noise from split(fold_in(key, 0)).
+  keys = tuple(jax.random.split(jax.random.fold_in(NOISE, 0))) if scheme == "int8_stochastic" else None
   for dtype in (jnp.float32, jnp.bfloat16):
-    ours = door(low_precision_matmul, scheme, dtype, dtype, X, W, G)
-    reference = door(reference_matmul, scheme, dtype, jnp.float32, X, W, G)
+    with low_precision.rounding_noise(NOISE):
+      ours = door(low_precision_matmul, scheme, dtype, dtype, X, W, G)
+    reference = door(functools.partial(reference_matmul, keys=keys), scheme, dtype, jnp.float32, X, W, G)
     for name, a, b in zip(("y", "dx", "dw"), ours, reference):
       a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
       if scheme == "fp8_blockwise":  # one bf16 step where two f32 sums round across it
@@ -55,7 +60,28 @@ def test_door_equals_the_schemes_definition(scheme):
 
 # Relative error of each scheme's gradients against the float layer's, on these operands:
 # e5m2 keeps 2 mantissa bits (fp8 gradients ~7%), int8 ~1.5%.
-ROUNDING = {"fp8": 0.1, "fp8_blockwise": 0.1, "int8": 0.03}
+ROUNDING = {"fp8": 0.1, "fp8_blockwise": 0.1, "int8": 0.03, "int8_stochastic": 0.05}
+
+
+def test_stochastic_rounding_is_unbiased_and_keyed_by_step():
+  """Averaged over 64 keys, int8_stochastic's weight gradient comes within half of nearest
+  rounding's error of the gradient the unrounded incoming gradient gives (x as the forward
+  quantized it): nearest rounding's error is a bias, stochastic rounding's averages away. One key
+  gives one answer every time; another key another."""
+  from jaxpar.models.low_precision_reference import quantize
+  vx, sx = quantize(X, jnp.int8, 1)
+  unrounded = (vx.astype(jnp.float32) * sx).T @ G
+
+  def dw(scheme, key):
+    with low_precision.rounding_noise(key):
+      return jax.vjp(lambda w: low_precision_matmul(X, w, scheme), W)[1](G)[0]
+  nearest = jax.jit(lambda: dw("int8", NOISE))()
+  stochastic = jax.jit(jax.vmap(lambda key: dw("int8_stochastic", key)))(jax.random.split(NOISE, 64))
+  error = lambda a: float(jnp.linalg.norm(a - unrounded))  # noqa: E731
+  assert error(stochastic.mean(axis=0)) < 0.5 * error(nearest), (error(stochastic.mean(axis=0)), error(nearest))
+  again = jax.jit(lambda key: dw("int8_stochastic", key))
+  np.testing.assert_array_equal(again(NOISE), again(NOISE))
+  assert not np.array_equal(again(NOISE), again(jax.random.key(1)))
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -192,3 +218,31 @@ def test_tpu_programs_keep_the_low_precision_operands(topology, scheme, low, cap
   # The report's count (jaxpar/aot/hlo.py), which `jaxpar compile` prints.
   narrow = {f"{low} x {low}", f"f8e5m2 x {low}", f"{low} x f8e5m2"}  # fp8's gradients are e5m2
   assert sum(n for types, n in hlo.matmul_types(hlo.Module(text)).items() if types in narrow) == 2 * 21
+
+
+def test_each_train_step_rounds_with_noise_of_its_own():
+  """Through the train step's update (two microbatches, scanned layers): the same step gives the
+  same parameters every time, the next step's noise others, and both differ from nearest
+  rounding's."""
+  import optax
+  from jaxpar.config import MeshConfig
+  from jaxpar.objectives.lm import lm_loss
+  from jaxpar.runtime import Runtime
+  from jaxpar.train.step import make_update
+  from tests.helpers import small_config, synthetic_batch
+
+  def updated(scheme, step):
+    runtime = Runtime(ModelConfig(**SMALL_MODEL, train_precision=scheme), MeshConfig(fsdp=1), jax.devices()[:1])
+    params, model_state = runtime.init()
+    optimizer = optax.sgd(1.0)
+    update = make_update(lm_loss(runtime.graphdef, z_loss=0.0, logits_chunk_len=0), optimizer, lambda s: 1.0,
+                         microbatches=2)
+    batch = synthetic_batch(small_config(data={"global_batch_size": 4}))
+    with runtime.context():
+      new = jax.jit(update)(params, optimizer.init(params), model_state, None, jnp.asarray(step), batch)[0]
+    return np.asarray(new["layers"]["mlp"]["down"])
+
+  first = updated("int8_stochastic", 0)
+  np.testing.assert_array_equal(updated("int8_stochastic", 0), first)
+  assert not np.array_equal(updated("int8_stochastic", 1), first)
+  assert not np.array_equal(updated("int8", 0), first)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.models import low_precision
 from jaxpar.train.state import TrainState
 
 
@@ -30,16 +31,18 @@ def make_gradients(loss, *, microbatches: int):
       grads, (sums, model_state) = grad_fn(params, model_state, batch, frozen)
       return grads, sums, model_state
 
-    def accumulate(carry, microbatch):
+    def accumulate(carry, numbered):
       grads, sums, model_state = carry
-      g, (s, model_state) = grad_fn(params, model_state, microbatch, frozen)
+      number, microbatch = numbered
+      with low_precision.noise_scope(number):  # each microbatch its own gradient rounding noise
+        g, (s, model_state) = grad_fn(params, model_state, microbatch, frozen)
       return (jax.tree.map(jnp.add, grads, g), jax.tree.map(jnp.add, sums, s), model_state), None
 
     micro = _split_microbatches(batch, microbatches)
     first = jax.tree.map(lambda x: x[0], micro)
     shapes = jax.eval_shape(grad_fn, params, model_state, first, frozen)[1][0]
     zeros = (jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, shapes), model_state)
-    (grads, sums, model_state), _ = jax.lax.scan(accumulate, zeros, micro)
+    (grads, sums, model_state), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(microbatches), micro))
     return grads, sums, model_state
 
   return gradients
@@ -52,7 +55,9 @@ def make_update(loss, optimizer, schedule, *, microbatches: int):
   gradients = make_gradients(loss, microbatches=microbatches)
 
   def update(params, opt_state, model_state, frozen, step, batch):
-    grads, sums, model_state = gradients(params, batch, model_state, frozen)
+    # model.train_precision=int8_stochastic rounds gradients with noise of this step's own.
+    with low_precision.rounding_noise(jax.random.fold_in(jax.random.key(0), step)):
+      grads, sums, model_state = gradients(params, batch, model_state, frozen)
     tokens = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / tokens, grads)
     updates, opt_state = optimizer.update(grads, opt_state, params)
