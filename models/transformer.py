@@ -226,8 +226,8 @@ class Transformer(nnx.Module):
     for run in layer_runs(cfg):
       start = min(g.indices[0] for g in run)
       group_of = {g.mixer: g.name for g in run}
-      options = unit_options(cfg, start, sum(g.count for g in run))
-      unit = [(group_of[layer_mixer(cfg, start + i)], layer_options) for i, layer_options in enumerate(options)]
+      kinds = unit_options(cfg, start, sum(g.count for g in run))
+      unit = [(group_of[layer_mixer(cfg, start + i)], options) for i, options in enumerate(kinds)]
       layer_fns = [(name, self._layer_fn(options, name)) for name, options in unit]
       # The context rides in the carry: a pipeline streams each microbatch's with it.
       carry = (x, context, {g.name: group_caches[g.name] for g in run})
