@@ -17,22 +17,28 @@ from jaxpar.errors import ConfigError
 from jaxpar.mesh.rules import PRESETS, resolve_rules
 
 DEFAULT_RULES = "fsdp_tp"
-_VMA_CHECKED = contextvars.ContextVar("vma_checked", default=True)
+_VMAPPED = contextvars.ContextVar("vmapped_mesh_axes", default=())
 
 
 @contextlib.contextmanager
-def vmapped_over_mesh_axis():
+def vmapped_over_mesh_axis(axis: str):
   """Kernels traced inside `jax.vmap(..., spmd_axis_name=A)` (train.sync's replicas, one
   per `data` device group) run their shard_maps without check_vma: JAX's per-value tracking
   marks every value of a shard_map under such a vmap as varying over A, so an output the
   vmap leaves unbatched (a gradient of the kernel's replicated input, say) fails the check
   although it is replicated over A. vmap's own batching places those outputs; the replicas'
   tests compare every parameter with all-reduce training."""
-  token = _VMA_CHECKED.set(False)
+  token = _VMAPPED.set(_VMAPPED.get() + (axis,))
   try:
     yield
   finally:
-    _VMA_CHECKED.reset(token)
+    _VMAPPED.reset(token)
+
+
+def vmapped_mesh_axes() -> tuple[str, ...]:
+  """The mesh axes an enclosing `vmapped_over_mesh_axis` maps over: a shard_map manual over
+  only some axes must make these manual too, since vmap splits its batched inputs over them."""
+  return _VMAPPED.get()
 
 
 def current_rules():
@@ -137,5 +143,5 @@ def logical_shard_map(fn, in_names, out_names, *, sum_over=(), check_vma=True):
 
     in_specs = tuple(_spec(in_names[i], chosen) for i in present)
     return jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=check_vma and _VMA_CHECKED.get())(*(args[i] for i in present))
+                         check_vma=check_vma and not _VMAPPED.get())(*(args[i] for i in present))
   return wrapped

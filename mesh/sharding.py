@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.errors import ConfigError
 from jaxpar.mesh.rules import resolve_rules
+from jaxpar.mesh.shard_map import vmapped_mesh_axes
 
 log = logging.getLogger(__name__)
 
@@ -65,5 +66,10 @@ def constrain(x, names):
   mesh = jax.sharding.get_abstract_mesh()
   rules = resolve_rules(core_spmd.get_logical_axis_rules())
   if mesh.empty or not rules:
+    return x
+  if set(vmapped_mesh_axes()) & set(mesh.manual_axes):
+    # Inside a shard_map manual over a replica vmap's axis (a pipeline's stages under
+    # train.sync), vmap would add that manual axis to the spec, which JAX refuses: the
+    # stages' layouts are left to the partitioner there.
     return x
   return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh, rules))

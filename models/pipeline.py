@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxpar.mesh import current_execution_options
+from jaxpar.mesh.shard_map import vmapped_mesh_axes
 from jaxpar.models.stack import run_layers
 
 _WEIGHTS = "pipeline_stage_weights"  # the weights of one repeat, cut from the stage's stack
@@ -185,7 +186,7 @@ def run_pipelined(layers, layer_fns, carry, inputs, options, *, unroll: int = 1)
   # exact without it (the tests compare every gradient).
   done, outputs, new_others = jax.shard_map(
       per_stage, in_specs=(stacked, stacked, stacked, PartitionSpec()),
-      out_specs=(PartitionSpec(), stacked, stacked), axis_names={axis}, check_vma=False)(
+      out_specs=(PartitionSpec(), stacked, stacked), axis_names={axis, *vmapped_mesh_axes()}, check_vma=False)(
           params, others, inputs, streams)
   nnx.update(layers, new_others)
   return jax.tree.map(_merge_microbatches, done), outputs

@@ -19,6 +19,7 @@ from jaxpar.aot.compile import abstract_batch, compile_step, data_sync_traffic
 from jaxpar.config import load_config
 from jaxpar.errors import ConfigError
 from jaxpar.train.replicas import compress
+from jaxpar.train.replicas.fragments import Fragments, put, take
 from jaxpar.train.trainer import Trainer
 
 pytestmark = [pytest.mark.xdist_group("replicas")]
@@ -73,13 +74,15 @@ def _losses_and_params(config, steps):
 
 @pytest.mark.parametrize("name, layout", [
     ("tiny", []), ("tiny", ["mesh.data=2", "mesh.tensor=2"]), ("tiny", ["model.lora.rank=4"]),
-    ("tiny-moe", ["mesh.data=2", "mesh.fsdp=1", "mesh.context=2", "mesh.expert=2"])],
-    ids=["data4-fsdp2", "data2-fsdp2-tensor2", "lora", "moe-data2-context2-expert2"])
+    ("tiny-moe", ["mesh.data=2", "mesh.fsdp=1", "mesh.context=2", "mesh.expert=2"]),
+    ("tiny", ["mesh.data=2", "mesh.stage=2"])],
+    ids=["data4-fsdp2", "data2-fsdp2-tensor2", "lora", "moe-data2-context2-expert2", "pipeline-data2-stage2-fsdp2"])
 def test_diloco_every_step_with_outer_lr_1_is_allreduce_training(name, layout):
   """H=1, outer learning rate 1, no momentum: the anchor becomes the replicas' mean after one
   SGD step each, which is one SGD step on the mean gradient (equal tokens per replica); with
-  tensor parallelism inside each replica, with adapters over a frozen base, and with ring
-  attention and expert-parallel dispatch (their shard_maps under the replicas' vmap)."""
+  tensor parallelism inside each replica, with adapters over a frozen base, with ring
+  attention and expert-parallel dispatch, and with a pipeline inside each replica (their
+  shard_maps under the replicas' vmap)."""
   plain = ["train.optimizer=sgd", "train.grad_clip=null", "train.weight_decay=0.0", *layout]
   losses, params = _losses_and_params(_config(*plain, name=name), 3)
   synced, synced_params = _losses_and_params(_config(*plain, "train.sync=diloco", "train.diloco.every=1",
@@ -131,6 +134,36 @@ def test_traffic_over_data_read_from_the_compiled_programs():
   reduced = sum(c.bytes for c in found if c.kind == "all-reduce")
   assert dense.replicas.sent_bytes(0) <= reduced <= dense.replicas.sent_bytes(0) + 64
   assert not [c for c in found if c.kind != "all-reduce"]
+
+
+def test_fragments_over_a_pipeline_take_a_block_of_every_stages_layers():
+  """Layers split over 2 stages (rows 0-3 on one, 4-7 on the other), 2 fragments: fragment 1
+  holds rows 2-3 and 6-7, so each stage syncs its own layers in place; put undoes take."""
+  fragments = Fragments([("layers", "embed"), ("embed",)], [(8, 3), (3,)], 2, [2, 1])
+  stack = jnp.arange(24.0).reshape(8, 3)
+  part, whole = fragments.parts(1, [(8, 3), (3,)])
+  assert whole is None  # the embeddings travel with fragment 0
+  np.testing.assert_array_equal(take(stack, part), stack[jnp.array([2, 3, 6, 7])])
+  np.testing.assert_array_equal(put(stack, -take(stack, part), part)[jnp.array([0, 1, 4, 5])],
+                                stack[jnp.array([0, 1, 4, 5])])
+  np.testing.assert_array_equal(put(stack, -take(stack, part), part)[jnp.array([2, 3, 6, 7])],
+                                -stack[jnp.array([2, 3, 6, 7])])
+  stacked = jnp.stack([stack, stack + 100])  # [replicas, layers, ...]: the layer axis second
+  np.testing.assert_array_equal(take(stacked, part, axis=1)[1], stack[jnp.array([2, 3, 6, 7])] + 100)
+
+
+def test_streaming_over_a_pipeline_sends_the_hand_count_and_nothing_between_syncs():
+  """Streaming DiLoCo with a 2-stage pipeline inside each of 2 replicas: the inner step sends
+  nothing over `data`, and each sync all-gathers exactly every replica's 4-bit codes."""
+  trainer = Trainer(_config("train.sync=streaming_diloco", "train.diloco.fragments=2", "train.diloco.every=32",
+                            "model.num_layers=4", "model.scan_unroll=1", "mesh.data=2", "mesh.stage=2"))
+  replicas = trainer.replicas
+  assert _crossing_data(trainer, replicas.program(None)) == []
+  for fragment in range(2):
+    found = _crossing_data(trainer, replicas.program(fragment))
+    gathered = sum(c.bytes for c in found if c.kind == "all-gather")
+    assert gathered == replicas.replicas * replicas.sent_bytes(fragment) > 0
+    assert sum(c.bytes for c in found if c.kind != "all-gather") <= 64  # the drift's scalars
 
 
 @pytest.mark.tpu
@@ -200,7 +233,8 @@ def test_sigterm_mid_period_then_the_same_command_continues_bit_for_bit(tmp_path
      "fragments=4 does not divide a stack of 2 layers"),
     (["train.sync=sparseloco", "train.diloco.density=0.01"], "keeps 1 of each 128-value chunk"),
     (["train.sync=diloco", "train.diloco.fragments=2"], "fragments=2 splits the layers"),
-    (["mesh.data=2", "mesh.stage=2", "train.sync=diloco"], "with a pipeline \\(mesh.stage > 1\\) is not built"),
+    (["mesh.data=2", "mesh.stage=2", "model.num_layers=4", "train.sync=streaming_diloco", "train.diloco.fragments=4",
+      "train.diloco.every=8"], "fragments=4 does not divide a stack of 2 layers per pipeline stage"),
 ])
 def test_bad_sync_settings_are_one_line_errors(overrides, message):
   with pytest.raises((ConfigError, ValueError), match=message) as error:

@@ -1,34 +1,53 @@
 """Streaming DiLoCo's fragments: which part of each parameter a fragment syncs.
 
-The layers split into `count` contiguous blocks (fragment p holds layers [p n / count,
-(p + 1) n / count) of every stacked layer group of n); the parameters outside the stacks
-(embeddings, the final norm) travel with fragment 0. One fragment holds everything.
+The layers split into `count` blocks (fragment p holds layers [p n / count, (p + 1) n / count)
+of every stacked layer group of n); the parameters outside the stacks (embeddings, the
+final norm) travel with fragment 0. One fragment holds everything. Where the layer axis is
+itself split over devices (a pipeline's `stage`), the blocks are taken inside each device's
+share: fragment p holds the p-th block of every stage's layers, so a piece stays split as its
+parameter is (each stage syncs its own layers, in place) and every stage sends at every sync.
 """
+
+from dataclasses import dataclass
 
 from jaxpar.errors import ConfigError
 
 
+@dataclass(frozen=True)
+class Part:
+  """Rows [start, stop) of each of `shards` equal runs along a leaf's layer axis; the whole
+  leaf when start == stop."""
+  start: int
+  stop: int
+  shards: int = 1
+
+  def size(self, rows: int) -> int:
+    return rows if self.start == self.stop else self.shards * (self.stop - self.start)
+
+
 class Fragments:
-  """axis_names: the trained parameters' logical axis names as a flat list (one tuple per leaf)."""
+  """axis_names: the trained parameters' logical axis names as a flat list (one tuple per leaf);
+  layer_shards: per leaf, how many devices its first axis is split over."""
 
-  def __init__(self, axis_names: list[tuple], shapes: list[tuple], count: int):
+  def __init__(self, axis_names: list[tuple], shapes: list[tuple], count: int, layer_shards: list[int]):
     self.count = count
-    for names, shape in zip(axis_names, shapes):
-      if names and names[0] == "layers" and shape[0] % count:
-        raise ConfigError(f"train.diloco.fragments={count} does not divide a stack of {shape[0]} layers: "
-                          "pick a divisor of the model's layer count")
     self._stacked = [bool(names) and names[0] == "layers" for names in axis_names]
+    self._shards = layer_shards
+    for stacked, shape, shards in zip(self._stacked, shapes, layer_shards):
+      if stacked and (shape[0] // shards) % count:
+        where = f" per pipeline stage ({shards} stages)" if shards > 1 else ""
+        raise ConfigError(f"train.diloco.fragments={count} does not divide a stack of {shape[0] // shards} "
+                          f"layers{where}: pick a divisor of that layer count")
 
-  def parts(self, fragment: int, shapes: list[tuple]) -> list[tuple[int, int] | None]:
-    """Per leaf: (start, stop) along its layer axis, (0, 0) for the whole leaf, None when
-    the fragment does not hold it."""
+  def parts(self, fragment: int, shapes: list[tuple]) -> list[Part | None]:
+    """Per leaf: its Part, or None when the fragment does not hold it."""
     out = []
-    for stacked, shape in zip(self._stacked, shapes):
+    for stacked, shape, shards in zip(self._stacked, shapes, self._shards):
       if stacked:
-        size = shape[0] // self.count
-        out.append((fragment * size, (fragment + 1) * size))
+        size = shape[0] // shards // self.count
+        out.append(Part(fragment * size, (fragment + 1) * size, shards))
       else:
-        out.append((0, 0) if fragment == 0 else None)
+        out.append(Part(0, 0) if fragment == 0 else None)
     return out
 
   def due(self, step: int, every: int) -> int | None:
@@ -41,16 +60,24 @@ class Fragments:
     return (offset // gap - 1) % self.count
 
 
-def take(leaf, part, axis: int = 0):
+def _runs(leaf, part: Part, axis: int):
+  """The leaf with its layer axis viewed as [shards, rows per shard]."""
+  shape = leaf.shape
+  return leaf.reshape(*shape[:axis], part.shards, shape[axis] // part.shards, *shape[axis + 1:])
+
+
+def take(leaf, part: Part, axis: int = 0):
   """The fragment's piece of a leaf (`axis`: where its layer axis is)."""
-  start, stop = part
-  if start == stop:
+  if part.start == part.stop:
     return leaf
-  return leaf[(slice(None),) * axis + (slice(start, stop),)]
+  piece = _runs(leaf, part, axis)[(slice(None),) * (axis + 1) + (slice(part.start, part.stop),)]
+  return piece.reshape(*leaf.shape[:axis], part.size(leaf.shape[axis]), *leaf.shape[axis + 1:])
 
 
-def put(leaf, piece, part, axis: int = 0):
-  start, stop = part
-  if start == stop:
+def put(leaf, piece, part: Part, axis: int = 0):
+  if part.start == part.stop:
     return piece.astype(leaf.dtype)
-  return leaf.at[(slice(None),) * axis + (slice(start, stop),)].set(piece.astype(leaf.dtype))
+  runs = _runs(leaf, part, axis)
+  piece = piece.reshape(*runs.shape[:axis + 1], part.stop - part.start, *runs.shape[axis + 2:])
+  runs = runs.at[(slice(None),) * (axis + 1) + (slice(part.start, part.stop),)].set(piece.astype(leaf.dtype))
+  return runs.reshape(leaf.shape)

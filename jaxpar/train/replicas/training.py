@@ -4,9 +4,10 @@ Each of the `data` axis's R replicas takes inner steps on its share of the batch
 usual optimizer (its own state), and nothing crosses `data` between syncs: the inner step
 is the plain train step under `jax.vmap(..., spmd_axis_name="data")` over parameters
 stacked [R, ...] and split over `data`, with `batch` no longer mapped to `data` inside it,
-so XLA's partitioner places each replica's work on its own devices (FSDP, tensor, context
-and expert still split inside a replica; their kernels' shard_maps batch under the vmap). Every `every` steps a fragment (everything, for diloco
-and sparseloco) syncs, in the same program as that step's inner update:
+so XLA's partitioner places each replica's work on its own devices (FSDP, tensor, context,
+expert and pipeline stages still split inside a replica; their shard_maps batch under the
+vmap). Every `every` steps a fragment (everything, for diloco and sparseloco) syncs, in the
+same program as that step's inner update:
 
   delta_r   = anchor - replica_r          the pseudo-gradient, from the parameters before
                                           this step's inner update with `overlap` 1 (so the
@@ -47,6 +48,14 @@ def _stacked(sharding):
   return NamedSharding(sharding.mesh, PartitionSpec(AXIS, *sharding.spec))
 
 
+def _first_axis_shards(sharding) -> int:
+  """How many devices a parameter's first axis (a stack's layers) is split over."""
+  spec = tuple(sharding.spec)
+  axes = spec[0] if spec and spec[0] else ()
+  axes = (axes,) if isinstance(axes, str) else axes
+  return int(np.prod([sharding.mesh.shape[a] for a in axes]))
+
+
 def _without_data(rules):
   """The rules inside a replica: nothing maps to `data` (vmap's spmd_axis_name holds it)."""
   return tuple((name, tuple(a for a in axes if a != AXIS)) for name, axes in rules)
@@ -70,10 +79,6 @@ class ReplicaTraining:
     if self.replicas == 1:
       raise ConfigError(f"train.sync={train.sync} syncs replicas over the `data` mesh axis, which has 1 device: "
                         "set mesh.data to the number of replicas (e.g. mesh.data=4)")
-    if runtime.plan.pipelined:  # JAX 0.10.2 fails to lower the pipeline's shard_map under the vmap
-      raise ConfigError(f"train.sync={train.sync} with a pipeline (mesh.stage > 1) is not built: "
-                        "use train.sync=allreduce, or FSDP, tensor, context or expert parallelism inside "
-                        "each replica")
     if jax.tree.leaves(runtime.abstract_model_state):
       raise ConfigError(f"train.sync={train.sync}: this model keeps non-parameter state (router biases) that the "
                         "replicas would update apart: use train.sync=allreduce")
@@ -86,7 +91,8 @@ class ReplicaTraining:
     self.base = shardings
     self.shapes = [tuple(a.shape) for a in jax.tree.leaves(abstract_params)]
     names = jax.tree.leaves(axis_names, is_leaf=lambda x: isinstance(x, tuple))
-    self.fragments = Fragments(names, self.shapes, self.settings.fragments)
+    self.fragments = Fragments(names, self.shapes, self.settings.fragments,
+                               [_first_axis_shards(sh) for sh in jax.tree.leaves(shardings.params)])
     self._programs, self._used = {}, set()
 
   # -- state ------------------------------------------------------------------------
@@ -152,7 +158,7 @@ class ReplicaTraining:
     split = jax.tree.map(lambda x: x.reshape(self.replicas, x.shape[0] // self.replicas, *x.shape[1:]), batch)
     inner = jax.vmap(self.update, in_axes=(0, 0, None, None, None, 0), out_axes=(0, 0, None, 0),
                      spmd_axis_name=AXIS)
-    with nnx.logical_axis_rules(self.rules), vmapped_over_mesh_axis():
+    with nnx.logical_axis_rules(self.rules), vmapped_over_mesh_axis(AXIS):
       replicas, inner_state, model_state, metrics = inner(opt["replicas"], opt["inner"], state.model_state,
                                                           state.frozen, state.step, split)
     opt = {**opt, "inner": inner_state, "replicas": replicas}
@@ -254,7 +260,7 @@ class ReplicaTraining:
     for part, shape, sharding in zip(self.fragments.parts(fragment, self.shapes), self.shapes, shardings):
       if part is None:
         continue
-      piece = shape if part[0] == part[1] else (part[1] - part[0], *shape[1:])
+      piece = (part.size(shape[0]), *shape[1:])
       size = int(np.prod(sharding.shard_shape(piece)))
       total += compress.payload_bytes(size, bits=s.bits, chunk=s.chunk, kept=kept)
     return total
