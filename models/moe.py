@@ -6,6 +6,7 @@ compute (sorting, grouped matmuls, the all-to-all of expert parallelism) happens
 `jaxpar.pallas_kernels.moe.routed_experts`.
 """
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +17,11 @@ from jaxpar.models import lora, router
 from jaxpar.models.dense import dense
 from jaxpar.models.activations import gated
 from jaxpar.models.init import fan_in
+from jaxpar.models.low_precision import low_precision_matmul
 from jaxpar.models.mlp import MLP
 from jaxpar.models.registry import register_block
 from jaxpar.pallas_kernels.moe import routed_experts
+from jaxpar.pallas_kernels.moe.grouped import RAGGED_IS_FLOAT_ONLY
 
 
 class RouterBias(nnx.Variable):
@@ -41,10 +44,10 @@ class MoE(nnx.Module):
   """
 
   def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
-    if cfg.train_precision != "compute_dtype":
-      raise ConfigError(f"model.train_precision={cfg.train_precision} does not reach the experts' grouped "
-                        "matmuls yet: train MoE models with model.train_precision=compute_dtype")
     m = self.moe = cfg.moe
+    if cfg.train_precision != "compute_dtype" and m.implementation == "ragged":
+      raise ConfigError(RAGGED_IS_FLOAT_ONLY)
+    self.precision = cfg.train_precision
     e, d, f = m.num_experts, cfg.embed_dim, m.expert_mlp_dim
     self.router = nnx.Param(fan_in()(rngs.params(), (d, e), param_dtype), out_sharding=("embed", None))
     expert_init = fan_in(in_axis=1, out_axis=2)  # each expert's own fan-in
@@ -55,7 +58,7 @@ class MoE(nnx.Module):
     self.down = nnx.Param(expert_init(rngs.params(), (e, f, d), param_dtype),
                           out_sharding=("experts", "mlp", "embed"))
     self.shared = (MLP(d, m.shared_mlp_dim, param_dtype=param_dtype, compute_dtype=compute_dtype,
-                       rngs=rngs, adapters=cfg.lora) if m.shared_mlp_dim else None)
+                       rngs=rngs, adapters=cfg.lora, precision=cfg.train_precision) if m.shared_mlp_dim else None)
     self.shared_gate = (nnx.Param(fan_in()(rngs.params(), (d, 1), param_dtype), out_sharding=("embed", None))
                         if m.shared_gate else None)
     self.lora = lora.expert_adapters(cfg.lora, rngs, gate=self.gate, up=self.up, down=self.down)
@@ -82,7 +85,7 @@ class MoE(nnx.Module):
     biases = (self.gate_bias[...].astype(dt), self.up_bias[...].astype(dt)) if self.expert_bias else None
     y, kept = routed_experts(x, ids, weights, gate, up, down, biases=biases, glu=self.glu,
                              capacity_factor=m.capacity_factor, ep_buffer_factor=m.ep_buffer_factor,
-                             implementation=m.implementation)
+                             implementation=m.implementation, matmul=self._matmul())
     if self.expert_bias:  # each kept expert's down bias, weighted as its output
       used = (weights * kept).astype(dt)
       y = y + jnp.einsum("blk,blkd->bld", used, self.down_bias[...].astype(dt)[ids])
@@ -102,6 +105,13 @@ class MoE(nnx.Module):
     metrics = {"moe/load": load, "moe/imbalance": jnp.max(load) * m.num_experts,
                "moe/dropped": 1.0 - jnp.mean(kept.astype(jnp.float32))}
     return y, {"losses": losses, "metrics": metrics}
+
+
+  def _matmul(self):
+    """The experts' projection matmul: None (the compute dtype) or model.train_precision's door."""
+    if self.precision == "compute_dtype":
+      return None
+    return functools.partial(low_precision_matmul, scheme=self.precision)
 
 
 register_block("feed_forward", "moe", MoE)

@@ -56,7 +56,7 @@ def _send_plan(ids, num_local: int, ep_size: int, capacity_factor, ep_buffer_fac
 
 
 def _per_device(x, expert_ids, weights, gate, up, down, *biases, axes, ep_size, capacity_factor,
-                ep_buffer_factor, implementation, glu):
+                ep_buffer_factor, implementation, glu, matmul):
   ep, tp, fsdp, replicated = axes["ep"], axes["tp"], axes["fsdp"], axes["replicated"]
   shared = axes["shared"]
   if fsdp:
@@ -83,12 +83,13 @@ def _per_device(x, expert_ids, weights, gate, up, down, *biases, axes, ep_size, 
       and every_expert_is_cheaper(tokens, num_local, block, tokens * k)):
     # Decode's few tokens: every expert on each token once (not once per choice), one
     # batched matmul and no loop; dropless, as this path is.
-    y = routed_experts_reference(x, expert_ids, weights, gate, up, down, biases or None, glu).reshape(tokens, dim)
+    y = routed_experts_reference(x, expert_ids, weights, gate, up, down, biases or None, glu,
+                                 matmul).reshape(tokens, dim)
     kept = jnp.ones((b, length, k), bool)
   else:
     y, kept = _through_buffers(x, expert_ids, weights, gate, up, down, biases, ep=ep, ep_size=ep_size,
                                capacity_factor=capacity_factor, ep_buffer_factor=ep_buffer_factor,
-                               implementation=implementation, glu=glu, block=block)
+                               implementation=implementation, glu=glu, block=block, matmul=matmul)
   if tp:
     y = jax.lax.psum(y, tp)
   if shared:  # the same tokens on these devices, so the same results: say so
@@ -97,7 +98,7 @@ def _per_device(x, expert_ids, weights, gate, up, down, *biases, axes, ep_size, 
 
 
 def _through_buffers(x, expert_ids, weights, gate, up, down, biases, *, ep, ep_size, capacity_factor,
-                     ep_buffer_factor, implementation, glu, block):
+                     ep_buffer_factor, implementation, glu, block, matmul):
   """Each assignment sent to its expert's device (if ep) in the send buffer, the local
   experts' grouped SwiGLU over what arrived, the results brought home and weighted ->
   (y [T, D] partial over tp, kept bool [B, L, k])."""
@@ -120,7 +121,7 @@ def _through_buffers(x, expert_ids, weights, gate, up, down, biases, *, ep, ep_s
   if ep:
     rows, row_expert = exchange(rows), exchange(row_expert)
   out = grouped_ffn(rows, row_expert, gate, up, down, biases=biases or None, glu=glu,
-                    implementation=implementation, block=block)
+                    implementation=implementation, block=block, matmul=matmul)
   if ep:
     out = exchange(out)
   mine = take_rows(out, index, owner).reshape(k, tokens, dim)
@@ -131,7 +132,7 @@ def _through_buffers(x, expert_ids, weights, gate, up, down, biases, *, ep, ep_s
 
 
 def routed_experts(x, expert_ids, weights, gate, up, down, *, biases=None, glu=silu_glu, capacity_factor=None,
-                   ep_buffer_factor=None, implementation="auto"):
+                   ep_buffer_factor=None, implementation="auto", matmul=None):
   """x [B, L, D]; expert_ids int [B, L, k]; weights [B, L, k]; gate, up [E, D, F];
   down [E, F, D] -> (y [B, L, D], kept bool [B, L, k]).
 
@@ -142,6 +143,7 @@ def routed_experts(x, expert_ids, weights, gate, up, down, *, biases=None, glu=s
     a device's T tokens' assignments: first choices first, each choice in token order.
   ep_buffer_factor: with expert parallelism n and no capacity, rows each device reserves
     per destination as a multiple of its balanced share T x k / n (None: T x k, never full).
+  matmul: each expert projection's matmul(x, w) (None: x @ w; a model's train-precision door).
   """
   num_experts, dim, ffn = gate.shape
   ep, tp = mesh_axes("experts", num_experts), mesh_axes("mlp", ffn)
@@ -155,7 +157,7 @@ def routed_experts(x, expert_ids, weights, gate, up, down, *, biases=None, glu=s
   mesh = jax.sharding.get_abstract_mesh()
   fn = functools.partial(_per_device, axes=axes, ep_size=math.prod(mesh.shape[a] for a in ep),
                          capacity_factor=capacity_factor, ep_buffer_factor=ep_buffer_factor,
-                         implementation=implementation, glu=glu)
+                         implementation=implementation, glu=glu, matmul=matmul)
   biases = tuple(biases or ())
   return logical_shard_map(fn, (_TOKENS, _TOKENS, _TOKENS, _IN, _IN, _OUT) + (_BIAS,) * len(biases),
                            [_TOKENS, _TOKENS])(x, expert_ids, weights, gate, up, down, *biases)

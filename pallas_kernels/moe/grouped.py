@@ -1,5 +1,10 @@
 """Grouped SwiGLU: each row through the expert its group names. Every path takes optional
-per-expert gate/up biases and the gated activation `glu(gate, up)` (default silu(gate) * up).
+per-expert gate/up biases, the gated activation `glu(gate, up)` (default silu(gate) * up) and
+the matmul each expert projection runs (`matmul(x [R, D], w [D, F])`, default x @ w; a model
+passes its train-precision door, models/low_precision.py). With a low-precision matmul, the
+blocked path quantizes each block of rows with its expert's weight (a scale never spans two
+experts or two blocks); the every-expert path quantizes all of a device's rows against each
+expert's weight (rows routed elsewhere carry no gradient). ragged has no such form.
 
 implementation:
   auto       `blocked`, or `reference` where every expert on every row is no more work than
@@ -43,7 +48,7 @@ def _biased(y, biases, which, groups):
   return y if biases is None else y + biases[which][groups]
 
 
-def _blocked_ffn(rows, groups, gate, up, down, biases, glu, block):
+def _blocked_ffn(rows, groups, gate, up, down, biases, glu, block, matmul):
   num_rows, dim = rows.shape
   num_groups = gate.shape[0]
   num_blocks = -(-num_rows // block) + num_groups  # room for every group's last partial block
@@ -59,9 +64,9 @@ def _blocked_ffn(rows, groups, gate, up, down, biases, glu, block):
   block_group = jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right")
 
   def expert(x, e):
-    hidden = glu(checkpoint_name(_biased(x @ gate[e], biases, 0, e), "moe_gate"),
-                 checkpoint_name(_biased(x @ up[e], biases, 1, e), "moe_up"))
-    return hidden @ down[e]
+    hidden = glu(checkpoint_name(_biased(matmul(x, gate[e]), biases, 0, e), "moe_gate"),
+                 checkpoint_name(_biased(matmul(x, up[e]), biases, 1, e), "moe_up"))
+    return matmul(hidden, down[e])
 
   # For the backward pass keep each block's two hidden activations (as a dense MLP does)
   # and nothing else: saving the weight slices would store a [D, F] copy per block.
@@ -98,11 +103,13 @@ def _ragged_ffn(rows, groups, gate, up, down, biases, glu):
   return jnp.zeros_like(rows).at[order].set(jax.lax.ragged_dot(hidden, down, sizes))
 
 
-def grouped_ffn(rows, groups, gate, up, down, *, biases=None, glu=silu_glu, implementation="auto", block=None):
+def grouped_ffn(rows, groups, gate, up, down, *, biases=None, glu=silu_glu, implementation="auto", block=None,
+                matmul=None):
   """rows [R, D]; groups int [R] in [0, G] -> [R, D]: row r through expert groups[r]
   (gate, up [G, D, F]; down [G, F, D]; biases None or (gate_bias, up_bias) [G, F]; glu the
   gated activation); rows of group G (no expert) come out as zeros.
-  block: rows per block of the blocked path (default from R and G)."""
+  block: rows per block of the blocked path (default from R and G).
+  matmul: each projection's matmul (None: x @ w in float)."""
   if implementation not in IMPLEMENTATIONS:
     raise ConfigError(f"moe.implementation={implementation!r} is not one of {IMPLEMENTATIONS}")
   groups = groups.astype(jnp.int32)
@@ -110,10 +117,16 @@ def grouped_ffn(rows, groups, gate, up, down, *, biases=None, glu=silu_glu, impl
   if implementation == "auto" and every_expert_is_cheaper(rows.shape[0], gate.shape[0], block):
     implementation = "reference"
   if implementation == "reference":
-    return grouped_ffn_reference(rows, groups, gate, up, down, biases, glu)
+    return grouped_ffn_reference(rows, groups, gate, up, down, biases, glu, matmul)
   if implementation == "ragged":
+    if matmul is not None:
+      raise ConfigError(RAGGED_IS_FLOAT_ONLY)
     return _ragged_ffn(rows, groups, gate, up, down, biases, glu)
-  return _blocked_ffn(rows, groups, gate, up, down, biases, glu, block)
+  return _blocked_ffn(rows, groups, gate, up, down, biases, glu, block, matmul or jnp.matmul)
+
+
+RAGGED_IS_FLOAT_ONLY = ("moe.implementation=ragged multiplies in the compute dtype only (lax.ragged_dot takes no "
+                        "quantized operands): use moe.implementation=auto or blocked with model.train_precision")
 
 
 def every_expert_is_cheaper(num_rows: int, num_groups: int, block: int, assignments: int | None = None) -> bool:
