@@ -81,3 +81,13 @@ def test_a_cache_written_in_place_by_scatter_counts_only_the_rows_written():
   cost = roofline.program_cost(hlo.Module(write.lower(cache, rows, new).compile().as_text()), 1e12, 1e9)
   whole = 4096 * 8 * 128 * 2
   assert 8 * 8 * 128 * 2 <= cost.bytes < whole / 16
+
+
+def test_a_scalar_copied_to_host_memory_counts_its_own_bytes():
+  """An optimizer's step count moved to pinned host memory (a 4-byte copy-start, whose context
+  is a 4-byte scalar too) counts 4 bytes; it crashed the estimate when scalars were dropped."""
+  scalar = hlo.Instruction("copy-start.1", "(s32[]{:S(5)}, s32[], u32[])", "copy-start", ["count"], "count", "")
+  array = hlo.Instruction("copy-start.2", "(f32[8,128]{1,0:S(5)}, f32[8,128]{1,0}, u32[])", "copy-start",
+                          ["mu"], "mu", "")
+  assert roofline.host_transfer_bytes(scalar) == 4
+  assert roofline.host_transfer_bytes(array) == 8 * 128 * 4

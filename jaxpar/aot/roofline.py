@@ -95,9 +95,9 @@ def host_transfer_bytes(inst: hlo.Instruction) -> float:
   array (copy), or one layer's slice written to / read from a host buffer stacked over layers."""
   if f"S({_HOST})" not in inst.shape or not inst.op.endswith("-start"):
     return 0.0
+  if inst.op == "copy-start":  # (destination, source, context): a scalar (a step count) too
+    return hlo.array_bytes(inst.shape)[0]
   sizes = [size for size in hlo.array_bytes(inst.shape) if size > 4]  # not indices, context
-  if inst.op == "copy-start":  # (destination, source, context)
-    return sizes[0]
   if inst.op == "dynamic-update-slice-start":  # ((buffer, update, indices...), result, context)
     return sizes[1]
   if inst.op == "dynamic-slice-start":  # ((buffer, indices...), slice, context)
