@@ -220,6 +220,9 @@ class TrainConfig(_Frozen):
   # How the optimizer's parameter-shaped moments are stored between steps (jaxpar/train/moments.py):
   # float32 (8 bytes per parameter for AdamW), bfloat16 (4) or int8_blockwise (about 2).
   optimizer_state_dtype: Literal["float32", "bfloat16", "int8_blockwise"] = "float32"
+  # Where the optimizer state lives and updates (jaxpar/train/offload.py): on the device, or in
+  # pinned host memory with the update run by the host (ZeRO-Offload), off the device's peak.
+  offload_optimizer: Literal["none", "host"] = "none"
   z_loss: float = 0.0
   # How the `data` replicas agree (jaxpar/train/replicas/): allreduce (the gradients, every step),
   # diloco, streaming_diloco, sparseloco (local steps, then a sync of the parameters' drift: train.diloco).
@@ -252,6 +255,14 @@ class TrainConfig(_Frozen):
                        f"SGD's moments; {self.optimizer}'s keep float32: set train.optimizer_state_dtype=float32 "
                        "or another train.optimizer")
     self.diloco.check(self.sync)
+    if self.offload_optimizer != "none" and self.sync != "allreduce":
+      raise ValueError(f"train.offload_optimizer={self.offload_optimizer} keeps the one optimizer state in host "
+                       f"memory; train.sync={self.sync} keeps a state per replica beside its parameters: set "
+                       "train.offload_optimizer=none or train.sync=allreduce")
+    if self.offload_optimizer != "none" and self.optimizer_state_dtype != "float32":
+      raise ValueError(f"train.offload_optimizer={self.offload_optimizer} keeps float32 moments in host memory, "
+                       "where room is plenty; narrower moments are for the device: set "
+                       "train.optimizer_state_dtype=float32 or train.offload_optimizer=none")
     return self
 
   @field_validator("loggers")

@@ -114,7 +114,8 @@ def build_report(trainer, compiled, oom, chip, topology, num_slices) -> dict:
     "hbm_bytes": chip.hbm_bytes,
     "state_bytes": {"params": per_device_bytes(state.params),
                     "opt_state": per_device_bytes(state.opt_state),
-                    "frozen": per_device_bytes(state.frozen)},  # a LoRA base, an RL reference
+                    "frozen": per_device_bytes(state.frozen),  # a LoRA base, an RL reference
+                    "opt_state_on_host": cfg.train.offload_optimizer == "host"},
     "xla_flags": {"options": trainer.xla_options, "notes": trainer.xla_notes},
     "fits": compiled is not None, "oom": oom,
   }

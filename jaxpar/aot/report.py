@@ -79,7 +79,8 @@ def format_report(r: dict) -> str:
            f"mesh {mesh}; remat={r['remat']}, microbatches={r['microbatches']}, "
            f"{r['num_layers']} layers, {count(r['params'])} params",
            f"per device, by hand: params {gib(r['state_bytes']['params'])}, "
-           f"optimizer state {gib(r['state_bytes']['opt_state'])}"]
+           f"optimizer state {gib(r['state_bytes']['opt_state'])}"
+           + (" (in host memory, updated by the host)" if r["state_bytes"].get("opt_state_on_host") else "")]
   if r["oom"] is not None:
     lines += [f"DOES NOT FIT in {gib(r['hbm_bytes'])} HBM per chip: the compiler ran out of memory",
               f"  {r['oom']}", fit_hints(r)]
@@ -88,7 +89,7 @@ def format_report(r: dict) -> str:
   lines.append("per device, compiler: " + ", ".join(
       f"{k} {gib(m[k])}" for k in ("arguments", "outputs", "aliased", "temporaries", "code")))
   verdict = "FITS" if r["fits"] else "DOES NOT FIT"
-  host = f"; host memory {gib(m['host_total'])} (offloaded activations)" if m.get("host_total") else ""
+  host = f"; host memory {gib(m['host_total'])} (offloaded)" if m.get("host_total") else ""
   lines.append(f"{verdict}: {gib(m['total'])} of {gib(r['hbm_bytes'])} HBM per chip "
                f"({100 * m['total'] / r['hbm_bytes']:.0f}%){host}")
   if not r["fits"]:

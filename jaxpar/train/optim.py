@@ -60,7 +60,15 @@ def muon_dimensions(axis_names: dict) -> dict:
 def make_optimizer(train_cfg, decay_mask, axis_names=None) -> optax.GradientTransformation:
   """decay_mask: a params-shaped tree of bools, from each parameter's declared `weight_decay`
   (Runtime.decay_mask); axis_names: the params' logical axis names (Runtime.axis_names),
-  which Muon needs to tell matrices from the rest."""
+  which Muon needs to tell matrices from the rest. The global-norm clip, then update_rule's."""
+  update = update_rule(train_cfg, decay_mask, axis_names)
+  if train_cfg.grad_clip is None:
+    return update
+  return optax.chain(optax.clip_by_global_norm(train_cfg.grad_clip), update)
+
+
+def update_rule(train_cfg, decay_mask, axis_names=None) -> optax.GradientTransformation:
+  """train.optimizer's transformation of the clipped gradients into updates."""
   t, lr = train_cfg, learning_rate_schedule(train_cfg)
   if t.optimizer == "adamw":
     update = optax.adamw(lr, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay, mask=decay_mask)
@@ -80,9 +88,7 @@ def make_optimizer(train_cfg, decay_mask, axis_names=None) -> optax.GradientTran
     update = contrib.muon(lr, beta=t.momentum if t.momentum is not None else 0.95, eps=t.eps,
                           weight_decay=t.weight_decay, adam_b1=t.b1, adam_b2=t.b2,
                           muon_weight_dimension_numbers=muon_dimensions(axis_names), consistent_rms=0.2)
-  if t.grad_clip is None:
-    return update
-  return optax.chain(optax.clip_by_global_norm(t.grad_clip), update)
+  return update
 
 
 def path_names(path) -> tuple:

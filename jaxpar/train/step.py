@@ -48,10 +48,11 @@ def make_gradients(loss, *, microbatches: int):
   return gradients
 
 
-def make_update(loss, optimizer, schedule, *, microbatches: int):
+def make_update(loss, optimizer, schedule, *, microbatches: int, host_optimizer=None):
   """(params, opt_state, model_state, frozen, step, batch) -> (params, opt_state, model_state,
   metrics): one optimizer step on one batch, the body of every train step (a replica's too:
-  jaxpar/train/replicas/)."""
+  jaxpar/train/replicas/). host_optimizer: a train/offload.py HostOptimizer that runs the
+  update on the host (train.offload_optimizer=host), or None."""
   gradients = make_gradients(loss, microbatches=microbatches)
 
   def update(params, opt_state, model_state, frozen, step, batch):
@@ -60,7 +61,10 @@ def make_update(loss, optimizer, schedule, *, microbatches: int):
       grads, sums, model_state = gradients(params, batch, model_state, frozen)
     tokens = jnp.maximum(sums["tokens"], 1.0)
     grads = jax.tree.map(lambda g: g / tokens, grads)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+    if host_optimizer is None:
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+    else:
+      updates, opt_state = host_optimizer.update(grads, opt_state, params)
     metrics = {"loss": sums["ce_sum"] / tokens, "z_loss": sums["z_sum"] / tokens,
                "grad_norm": optax.tree.norm(grads), "lr": schedule(step),
                "tokens": sums["tokens"]}
@@ -71,8 +75,8 @@ def make_update(loss, optimizer, schedule, *, microbatches: int):
   return update
 
 
-def make_train_step(loss, optimizer, schedule, *, microbatches: int):
-  update = make_update(loss, optimizer, schedule, microbatches=microbatches)
+def make_train_step(loss, optimizer, schedule, *, microbatches: int, host_optimizer=None):
+  update = make_update(loss, optimizer, schedule, microbatches=microbatches, host_optimizer=host_optimizer)
 
   def train_step(state: TrainState, batch):
     params, opt_state, model_state, metrics = update(state.params, state.opt_state, state.model_state,

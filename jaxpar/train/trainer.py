@@ -18,7 +18,7 @@ from jaxpar.mesh import logical_to_sharding
 from jaxpar.train.evaluator import Evaluator, flat_metrics, jit_eval_step
 from jaxpar.train.metrics import PROGRESS_EXTRAS, MetricsLogger, StepClock, scalars
 from jaxpar.train.moments import narrow_moments
-from jaxpar.train.optim import (learning_rate_schedule, make_optimizer, opt_state_shardings,
+from jaxpar.train.optim import (learning_rate_schedule, make_optimizer, opt_state_shardings, update_rule,
                                 state_bytes_per_param)
 from jaxpar.cluster.preemption import stop_on_signals
 from jaxpar.cluster.run_lock import hold_run_dirs
@@ -31,6 +31,7 @@ from jaxpar.train.state import TrainState
 from jaxpar.train.trackers import check_installed
 from jaxpar.weights import SavedRun
 from jaxpar.train.replicas import ReplicaTraining
+from jaxpar.train.offload import HostOptimizer, in_host_memory
 from jaxpar.train.step import make_train_step, make_update
 from jaxpar.cluster.xla_flags import compiler_options
 
@@ -63,8 +64,8 @@ class Trainer:
     self.frozen = FrozenWeights(self.runtime, self.objective)
     self.console = console or Console()
     # Under model.lora the optimizer sees the adapters only: the base is TrainState.frozen.
-    optimizer = make_optimizer(config.train, self.frozen.trainable(self.runtime.decay_mask),
-                               self.frozen.trainable(self.runtime.axis_names))
+    rule_args = (self.frozen.trainable(self.runtime.decay_mask), self.frozen.trainable(self.runtime.axis_names))
+    optimizer = make_optimizer(config.train, *rule_args)
     self.optimizer = narrow_moments(optimizer, config.train.optimizer_state_dtype,
                                     self.frozen.trainable(self.runtime.abstract_params),
                                     self.frozen.trainable(self.runtime.axis_names))
@@ -84,7 +85,12 @@ class Trainer:
       self.state_shardings = self.state_shardings.replace(opt_state=self.replicas.opt_state_shardings())
       self.train_step = self.replicas.program(None)  # the inner step; `step` picks a sync's program when due
     else:
-      self.train_step = jax.jit(make_train_step(loss, self.optimizer, self.schedule, microbatches=micro),
+      host = None
+      if config.train.offload_optimizer == "host":
+        host = HostOptimizer(update_rule(config.train, *rule_args), config.train.grad_clip,
+                             self.state_shardings.params)
+      self.train_step = jax.jit(make_train_step(loss, self.optimizer, self.schedule, microbatches=micro,
+                                                host_optimizer=host),
                                 in_shardings=(self.state_shardings, batch_shardings),
                                 out_shardings=(self.state_shardings, None), donate_argnums=0,
                                 compiler_options=self.xla_options or None)
@@ -113,6 +119,8 @@ class Trainer:
     params, frozen = self.frozen.split(self.runtime.param_shardings)
     abstract = self.frozen.trainable(self.runtime.abstract_params)
     opt = opt_state_shardings(jax.eval_shape(self.optimizer.init, abstract), abstract, params, self.mesh)
+    if self.config.train.offload_optimizer == "host":
+      opt = in_host_memory(opt)
     return TrainState(step=NamedSharding(self.mesh, PartitionSpec()), params=params, opt_state=opt,
                       model_state=self.runtime.model_state_shardings, frozen=frozen)
 
