@@ -281,16 +281,19 @@ def test_native_table():
 
 
 @pytest.mark.tpu
-@pytest.mark.parametrize("topology,scheme,low", [("v6e:2x2", "int8", "s8"), ("v5p:2x2x1", "fp8", "f8e4m3fn")])
-def test_tpu_programs_keep_the_low_precision_operands(topology, scheme, low, caplog):
+@pytest.mark.parametrize("topology,scheme,low,build,dots", [
+    ("v6e:2x2", "int8", "s8", _model, 21), ("v5p:2x2x1", "fp8", "f8e4m3fn", _model, 21),
+    ("v6e:2x2", "int8", "s8", _moe_model, 30)], ids=["v6e-int8", "v5p-fp8", "v6e-int8-moe"])
+def test_tpu_programs_keep_the_low_precision_operands(topology, scheme, low, build, dots, caplog):
   """Compiled for a TPU topology (libtpu, no chip), the gradient step's projection dots (21 a
-  layer, 2 layers) take their operands in the scheme's type: libtpu does not widen them first."""
+  layer, 2 layers; an MoE layer: attention's 12, the experts' 9 and the shared expert's 9)
+  take their operands in the scheme's type: libtpu does not widen them first."""
   from jax.experimental import topologies
 
   from jaxpar.aot import hlo
   device = topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
   sharding = jax.sharding.SingleDeviceSharding(device)
-  graph, state = nnx.split(nnx.eval_shape(lambda: _model(train_precision=scheme, compute_dtype="bfloat16")))
+  graph, state = nnx.split(nnx.eval_shape(lambda: build(train_precision=scheme, compute_dtype="bfloat16")))
   abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
   grad = jax.jit(jax.grad(lambda state: _loss(nnx.merge(graph, state))))
   mesh = jax.sharding.Mesh(np.array([device]), ("data",))
@@ -303,7 +306,7 @@ def test_tpu_programs_keep_the_low_precision_operands(topology, scheme, low, cap
       [] if scheme == "int8" else [caplog.records[0].getMessage()])
   # The report's count (jaxpar/aot/hlo.py), which `jaxpar compile` prints.
   narrow = {f"{low} x {low}", f"f8e5m2 x {low}", f"{low} x f8e5m2"}  # fp8's gradients are e5m2
-  assert sum(n for types, n in hlo.matmul_types(hlo.Module(text)).items() if types in narrow) == 2 * 21
+  assert sum(n for types, n in hlo.matmul_types(hlo.Module(text)).items() if types in narrow) == 2 * dots
 
 
 def test_each_train_step_rounds_with_noise_of_its_own():
