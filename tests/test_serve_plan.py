@@ -7,7 +7,8 @@ import math
 import pytest
 import yaml
 
-from jaxpar.aot.serve_plan import ServeCandidate, active_parameters, candidates, meshes, plan_serving
+from jaxpar.aot.serve_plan import (ServeCandidate, Workload, active_parameters, candidates, hands_over_pages,
+                                   meshes, plan_serving)
 from jaxpar.cli import main
 from jaxpar.config import load_config
 
@@ -81,3 +82,52 @@ def test_the_serve_command_names_every_choice():
   candidate = ServeCandidate(2, {"data": 1, "expert": 1, "tensor": 4}, "int8", slots=48)
   assert candidate.command("runs/big") == "jaxpar serve runs/big mesh.tensor=4 mesh.fsdp=1 --replicas 2 --slots 48 " \
                                           "--kv-cache int8"
+
+
+def test_a_workload_adds_disaggregated_candidates_and_ranks_by_what_they_serve():
+  """Long prompts, short completions: co-located, each replica's ITL is its decode step plus
+  its prefills' share (slots / O x prefill); disaggregated, the decode step alone, and the
+  slice serves the lesser of decode's and prefill's rates. With an ITL bound that only
+  disaggregation keeps, its candidates rank first; without a workload there are none."""
+  config = load_config("tiny", ["model.max_seq_len=4096"])
+  plain, _, _ = candidates(config, "v5e-4", context=4096, max_slots=64, page_size=128)
+  assert not any(c.prefill_devices for c in plain)
+  loose = Workload(prompt_tokens=3072, output_tokens=16)
+  kept, _, _ = candidates(config, "v5e-4", context=4096, max_slots=64, page_size=128, workload=loose)
+  split = [c for c in kept if c.prefill_devices]
+  assert split and all(c.prefill_devices == 2 and c.replicas == 1 for c in split)
+  for c in kept:
+    decode_s = c.replicas * c.slots / c.decode_tokens_s
+    if c.prefill_devices:
+      assert c.itl_s == decode_s
+      assert c.served_tokens_s == min(c.slots / decode_s, 16 / c.prefill_s)
+    else:
+      assert math.isclose(c.itl_s, decode_s + c.slots / 16 * c.prefill_s)
+      assert math.isclose(c.served_tokens_s, c.replicas * c.slots / c.itl_s)
+  assert [c.served_tokens_s for c in kept] == sorted((c.served_tokens_s for c in kept), reverse=True)
+  bound = min(c.itl_s for c in split) * 1.01
+  assert all(c.itl_s > bound for c in kept if not c.prefill_devices)  # prefills push every co-located ITL past it
+  tight = Workload(prompt_tokens=3072, output_tokens=16, itl_slo_s=bound)
+  ranked, _, _ = candidates(config, "v5e-4", context=4096, max_slots=64, page_size=128, workload=tight)
+  assert ranked[0].prefill_devices == 2
+  assert f"--prefill-devices 2 --slots {ranked[0].slots}" in ranked[0].command("r")
+
+
+def test_models_whose_caches_are_not_all_pages_get_no_disaggregated_candidates():
+  """Local layers' window rings (Gemma 3) and linear attention's states (Qwen3.5) stay where
+  they were written: the engine refuses to disaggregate them, so the planner offers no split."""
+  assert hands_over_pages(load_config("tiny").model) and hands_over_pages(load_config("tiny-deepseek").model)
+  assert not hands_over_pages(load_config("tiny-gemma3").model)
+  assert not hands_over_pages(load_config("tiny-qwen3.5").model)
+
+
+def test_plan_serve_with_a_workload_compiles_and_writes_its_rates(tmp_path, capsys):
+  output = tmp_path / "serve.yaml"
+  assert main(["plan", "--serve", "tiny", "model.max_seq_len=2048", "--topology", "v6e-4", "--context", "2048",
+               "--max-slots", "16", "--top", "2", "--output-tokens", "64", "--output", str(output)]) == 0
+  written = yaml.safe_load(output.read_text())
+  assert written["workload"] == {"prompt_tokens": 1024, "output_tokens": 64, "itl_slo_s": None}
+  assert written["estimate"]["served_tokens_s"] > 0 and written["estimate"]["itl_s"] > 0
+  assert "1024-token prompts, 64-token completions" in capsys.readouterr().out
+  assert main(["plan", "--serve", "tiny", "--topology", "v6e-4", "--itl-slo", "50"]) == 2
+  assert "add --output-tokens" in capsys.readouterr().err

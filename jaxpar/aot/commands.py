@@ -55,16 +55,24 @@ def _cmd_compile(ns):
 def _cmd_plan(ns):
   if ns.serve and not ns.topology:
     raise UserError("plan --serve sizes serving for a TPU slice: add --topology (e.g. v6e-8)")
+  if (ns.prompt_tokens or ns.itl_slo) and not ns.output_tokens:
+    raise UserError("--prompt-tokens and --itl-slo describe a workload: add --output-tokens N (its completions' "
+                    "length)")
   if ns.topology:
     _compile_on_this_host()
   from jaxpar.aot.phases import Phases
   from jaxpar.aot.plan import run_plan
   from jaxpar.config import load_config_args
   if ns.serve:
-    from jaxpar.aot.serve_plan import run_serve_plan
+    from jaxpar.aot.serve_plan import Workload, run_serve_plan
+    workload = None
+    if ns.output_tokens:
+      workload = Workload(ns.prompt_tokens or ns.context // 2, ns.output_tokens,
+                          ns.itl_slo / 1e3 if ns.itl_slo else None)
     run_serve_plan(load_config_args(ns.args), ns.topology, context=ns.context, max_slots=ns.max_slots,
                    page_size=ns.page_size, top=ns.top, output=ns.output or "serve-plan.yaml",
-                   echo=lambda text: console.print(text, markup=False, highlight=False), phase=Phases(console))
+                   echo=lambda text: console.print(text, markup=False, highlight=False), phase=Phases(console),
+                   workload=workload)
     return
   run_plan(load_config_args(ns.args), topology=ns.topology, top=ns.top, measure=ns.measure,
            output=ns.output or "plan.yaml", echo=lambda text: console.print(text, markup=False, highlight=False),
@@ -118,4 +126,10 @@ def add_parsers(commands):
   serving.add_argument("--context", type=int, default=8192, help="tokens per sequence to size for (default 8192)")
   serving.add_argument("--max-slots", type=int, default=256, help="most sequences one replica decodes (default 256)")
   serving.add_argument("--page-size", type=int, default=128, help="KV cache page size (default 128)")
+  serving.add_argument("--output-tokens", type=int, metavar="N",
+                       help="a workload: completions of N tokens; candidates then include disaggregated prefill "
+                       "and decode and rank by the tokens/s served while every prompt is prefilled")
+  serving.add_argument("--prompt-tokens", type=int, metavar="N", help="the workload's prompts (default --context / 2)")
+  serving.add_argument("--itl-slo", type=float, metavar="MS",
+                       help="the workload's bound on inter-token latency: candidates within it rank first")
   plan.set_defaults(func=_cmd_plan)
