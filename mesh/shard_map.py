@@ -27,7 +27,8 @@ def vmapped_over_mesh_axis(axis: str):
   marks every value of a shard_map under such a vmap as varying over A, so an output the
   vmap leaves unbatched (a gradient of the kernel's replicated input, say) fails the check
   although it is replicated over A. vmap's own batching places those outputs; the replicas'
-  tests compare every parameter with all-reduce training."""
+  tests compare every parameter with all-reduce training. A shard_map manual over some axes
+  only (a pipeline's) reads `vmapped_mesh_axes` to make A manual as well."""
   token = _VMAPPED.set(_VMAPPED.get() + (axis,))
   try:
     yield

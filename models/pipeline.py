@@ -183,7 +183,8 @@ def run_pipelined(layers, layer_fns, carry, inputs, options, *, unroll: int = 1)
   # which Shardy rejects ("manual axis fsdp after free axis stage"). Off here, the nested
   # shard_maps track only their own axes. Nothing in the stages needs it: the only
   # collectives on `stage` are the ppermute hand-off and the final psum, whose transposes are
-  # exact without it (the tests compare every gradient).
+  # exact without it (the tests compare every gradient). Under train.sync's replica vmap the
+  # replicas' axis is manual here too: vmap splits the batched inputs over it.
   done, outputs, new_others = jax.shard_map(
       per_stage, in_specs=(stacked, stacked, stacked, PartitionSpec()),
       out_specs=(PartitionSpec(), stacked, stacked), axis_names={axis, *vmapped_mesh_axes()}, check_vma=False)(
