@@ -22,10 +22,14 @@ class Attention(nnx.Module):
   model.lora, their adapters in `lora`, models/lora.py); optional q/k/v biases (Qwen2),
   an o bias [embed] (GPT-OSS), q/k RMSNorms (Qwen3), sinks [heads] (GPT-OSS) and an output
   gate [embed, heads, head_dim] (Qwen3-Next, Qwen3.5: the attention output times its sigmoid).
+  A subclass with `values_are_keys` has no v: the values are the keys as projected, before
+  any norm or RoPE (Gemma 4's global layers).
   The layer's options (layer_pattern.LayerOptions) give its RoPE and its attention options;
   the cache object (models/caches.py) decides where keys and values come from: the same
   call trains, measures KV quantization, prefills and decodes.
   """
+
+  values_are_keys = False
 
   def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
     e, h, kv, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -33,10 +37,12 @@ class Attention(nnx.Module):
     proj = dict(param_dtype=param_dtype, quantization=cfg.quantization)
     self.q = projection(proj_init, rngs.params(), (e, h, d), ("embed", "heads", "head_dim"), **proj)
     self.k = projection(proj_init, rngs.params(), (e, kv, d), ("embed", "kv_heads", "head_dim"), **proj)
-    self.v = projection(proj_init, rngs.params(), (e, kv, d), ("embed", "kv_heads", "head_dim"), **proj)
+    self.v = (None if self.values_are_keys else
+              projection(proj_init, rngs.params(), (e, kv, d), ("embed", "kv_heads", "head_dim"), **proj))
     self.o = projection(fan_in(in_axis=(0, 1), out_axis=2), rngs.params(), (h, d, e),
                         ("heads", "head_dim", "embed"), contract=2, **proj)
-    self.lora = lora.adapters(cfg.lora, rngs, q=self.q, k=self.k, v=self.v, o=self.o)
+    kernels = dict(q=self.q, k=self.k, v=self.v, o=self.o)
+    self.lora = lora.adapters(cfg.lora, rngs, **{n: p for n, p in kernels.items() if p is not None})
     self.gate = (projection(proj_init, rngs.params(), (e, h, d), ("embed", "heads", "head_dim"), **proj)
                  if cfg.attention_output_gate else None)
     if cfg.attention_bias:
@@ -60,14 +66,7 @@ class Attention(nnx.Module):
   def __call__(self, x, context, cache, options):
     """x [B, L, embed] -> ([B, L, embed], cache)."""
     dt = self.dtype
-    q, k, v = (checkpoint_name(dense(x, getattr(self, n), dtype=dt, adapter=lora.adapter(self.lora, n),
-                                     precision=self.precision), "qkv_proj")
-               for n in ("q", "k", "v"))
-    if self.use_bias:
-      q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
-                 v + self.v_bias[...].astype(dt))
-    if self.q_norm is not None:
-      q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = self.project_qkv(x)
     q, k = self.embed_positions(q, k, context.sequence_positions, options.rope)
     q = constrain(q, ("batch", "length", "act_heads", "head_dim"))
     k = constrain(k, ("batch", "length", "act_kv_heads", "head_dim"))
@@ -81,6 +80,23 @@ class Attention(nnx.Module):
     if self.o_bias is not None:
       o = o + self.o_bias[...].astype(dt)
     return checkpoint_name(o, "out_proj"), cache
+
+  def project(self, x, name: str):
+    """x [B, L, embed] through projection `name` (q, k or v) -> [B, L, heads, head_dim]."""
+    return checkpoint_name(dense(x, getattr(self, name), dtype=self.dtype, adapter=lora.adapter(self.lora, name),
+                                 precision=self.precision), "qkv_proj")
+
+  def project_qkv(self, x):
+    """q, k, v [B, L, heads, head_dim] before RoPE: projected, biased and normed."""
+    q, k = self.project(x, "q"), self.project(x, "k")
+    v = k if self.v is None else self.project(x, "v")
+    if self.use_bias:
+      dt = self.dtype
+      q, k, v = (q + self.q_bias[...].astype(dt), k + self.k_bias[...].astype(dt),
+                 v + self.v_bias[...].astype(dt))
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    return q, k, v
 
   @staticmethod
   def matmul_params(cfg) -> int:

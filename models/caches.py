@@ -86,12 +86,13 @@ def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail
     return RecurrentState(pages, jnp.arange(page_table.shape[0]) if tail_index is None else tail_index, layer)
   if "windowed" in pages:
     slots = jnp.arange(page_table.shape[0]) if tail_index is None else tail_index
-    ring = kv_cache_windowed.ring_pages(max(w for w in windows if w), kv_cache_windowed.page_size(pages["full"]))
+    ring = kv_cache_windowed.ring_pages(max(w for w in windows if w), kv_cache_windowed.page_size(pages["windowed"]))
     part = lambda p, table: for_generation(p, table, layer, kv_quantization=kv_quantization,  # noqa: E731
                                            tail_index=slots)
-    return kv_cache_windowed.LocalGlobalCache(
-        part(pages["full"], page_table), part(pages["windowed"], kv_cache_windowed.ring_table(
-            slots, page_table.shape[1], ring)), windows)
+    rings = part(pages["windowed"], kv_cache_windowed.ring_table(slots, page_table.shape[1], ring))
+    if "full" not in pages:  # a group of local layers only
+      return kv_cache_windowed.RingsOnly(rings)
+    return kv_cache_windowed.LocalGlobalCache(part(pages["full"], page_table), rings, windows)
   if "latent" in pages:
     return kv_cache_latent.LatentPagedCache(pages, page_table, layer)
   if kv_quantization is None:
@@ -100,22 +101,25 @@ def for_generation(pages: dict, page_table, layer, *, kv_quantization=None, tail
 
 
 def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quantization=None,
-         slots: int = 1, windows=None, mixer: str | None = None, kv_repeat: int = 1) -> dict:
+         slots: int = 1, windows=None, mixer: str | None = None, kv_repeat: int = 1, rings: bool = False) -> dict:
   """Zeroed pages for a group of `num_layers` layers, of the kind its attention block keeps
   (`init_cache`: float, or quantized with a float tail page per slot; multi-head latent
   attention's latent cache); `mixer`: the group's attention block (None: the model's). `windows`: the
   group's per-layer sliding windows; when local and global layers mix, the local layers get
-  rings of their window's pages per slot instead of pool pages (kv_cache_windowed.py).
+  rings of their window's pages per slot instead of pool pages (kv_cache_windowed.py); so do
+  a group of local layers only with `rings` (the model's global layers are another group:
+  Gemma 4's).
   `kv_repeat`: copies of each KV head the pages hold (kv_cache.head_repeat), laid out as for
   a model with that many times the KV heads."""
   if kv_repeat > 1:
     cfg = cfg.model_copy(update={"num_kv_heads": cfg.num_kv_heads * kv_repeat})
-  if kv_cache_windowed.is_mixed(windows):
+  if kv_cache_windowed.is_mixed(windows) or rings and windows and all(windows):
     full = sum(w is None for w in windows)
     ring = kv_cache_windowed.ring_pages(max(w for w in windows if w), page_size)
     part = lambda layers, pages: init(cfg, layers, pages, page_size, dtype,  # noqa: E731
                                       kv_quantization=kv_quantization, slots=slots, mixer=mixer)
-    return {"full": part(full, num_pages), "windowed": part(num_layers - full, slots * ring)}
+    local = {"windowed": part(num_layers - full, slots * ring)}
+    return {"full": part(full, num_pages), **local} if full else local
   return get_block("attention", mixer or cfg.attention_block).init_cache(
       cfg, num_layers, num_pages, page_size, dtype, kv_quantization=kv_quantization, slots=slots)
 

@@ -27,8 +27,10 @@ class RopeScaling(Frozen):
   as Gemma 3's global layers) or yarn (YaRN, GPT-OSS: frequencies that turn fewer than
   `beta_slow` times over `original_max_position` divided by `factor`, more than `beta_fast`
   kept, a linear ramp between; q and k scaled by `attention_factor`, by default
-  0.1 ln(factor) + 1). Each type reads only its own fields."""
-  rope_type: Literal["llama3", "linear", "yarn"] = "llama3"
+  0.1 ln(factor) + 1) or proportional (Gemma 4's global layers: the first `fraction` of
+  head_dim's frequency pairs turn, at the frequencies of the whole head_dim, each divided by
+  `factor`; the other pairs keep still). Each type reads only its own fields."""
+  rope_type: Literal["llama3", "linear", "yarn", "proportional"] = "llama3"
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
@@ -40,6 +42,7 @@ class RopeScaling(Frozen):
   # yarn in multi-head latent attention (DeepSeek-V3): the softmax scale is multiplied by
   # (0.1 mscale_all_dim ln(factor) + 1)^2; 0: not. Other attention blocks ignore it, as transformers does.
   mscale_all_dim: float = Field(0.0, ge=0)
+  fraction: float = Field(1.0, gt=0, le=1)  # proportional: of head_dim's frequency pairs that turn
 
 
 class QuantizationConfig(Frozen):
@@ -267,6 +270,12 @@ class ModelConfig(Frozen):
   # channel, before the o projection (Qwen3-Next, Qwen3.5).
   attention_output_gate: bool = False
   gated_deltanet: GatedDeltaNetConfig | None = None  # the `gated_deltanet` mixer's shape
+  # Per-layer input embeddings (Gemma 4's PLE; models/per_layer_inputs.py): each layer adds a
+  # gated projection of its own [per_layer_input_dim] slice of a second token embedding
+  # (of per_layer_vocab_size rows; None: vocab_size) mixed with a projection of the first.
+  # 0: none.
+  per_layer_input_dim: int = Field(0, ge=0)
+  per_layer_vocab_size: int | None = Field(None, ge=1)
   param_dtype: Literal["float32", "bfloat16"] = "float32"
   compute_dtype: Literal["float32", "bfloat16"] = "float32"
   scan_layers: bool = True

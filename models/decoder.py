@@ -40,6 +40,14 @@ class LayerContext:
   zigzag: bool = struct.field(pytree_node=False, default=False)
   rope_positions: jnp.ndarray | None = None
   tree: TreeMask | None = struct.field(pytree_node=False, default=None)
+  # Per-layer inputs [B, L, layers, dim] (models/per_layer_inputs.py), and the index over
+  # the whole stack of the layer this context is handed to (set by the stack's layer function).
+  layer_inputs: jnp.ndarray | None = None
+  layer_index: jnp.ndarray | None = None
+
+  def layer_input(self):
+    """This layer's per-layer input [B, L, dim]."""
+    return self.layer_inputs[:, :, self.layer_index]
 
   @property
   def sequence_positions(self):

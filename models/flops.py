@@ -31,9 +31,16 @@ def causal_attention_flops(cfg, seq_len: int) -> float:
   return total
 
 
+def per_layer_input_params(cfg) -> int:
+  """Matmul parameters of per-layer inputs (Gemma 4): the [embed, layers x dim] projection,
+  and each layer's gate and up projection (the table is a lookup)."""
+  return 3 * cfg.num_layers * cfg.embed_dim * cfg.per_layer_input_dim
+
+
 def dense_matmul_params(cfg) -> int:
   """Parameters that take part in matmuls: every projection plus the output head."""
-  return mixer_params(cfg) + cfg.num_layers * 3 * cfg.embed_dim * cfg.mlp_dim + cfg.embed_dim * cfg.vocab_size
+  return (mixer_params(cfg) + cfg.num_layers * 3 * cfg.embed_dim * cfg.mlp_dim + cfg.embed_dim * cfg.vocab_size
+          + per_layer_input_params(cfg))
 
 
 def dense_train_flops_per_token(cfg, seq_len: int) -> float:

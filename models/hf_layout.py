@@ -85,9 +85,12 @@ def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
                                                        hf.get("max_position_embeddings")),
                    "attention_factor": attention_factor,
                    **({"mscale_all_dim": mscale_all_dim} if mscale_all_dim else {})}
+  if kind == "proportional":
+    return theta, {"rope_type": "proportional", "factor": params.get("factor", 1.0),
+                   "fraction": params.get("partial_rotary_factor", 1.0)}
   if kind != "llama3":
-    raise ConfigError(f"rope type {kind!r} is not supported: jaxpar implements default, linear, llama3 and "
-                      "yarn RoPE")
+    raise ConfigError(f"rope type {kind!r} is not supported: jaxpar implements default, linear, llama3, "
+                      "yarn and proportional RoPE")
   return theta, {"factor": params["factor"], "low_freq_factor": params["low_freq_factor"],
                  "high_freq_factor": params["high_freq_factor"],
                  "original_max_position": params["original_max_position_embeddings"]}
@@ -172,6 +175,8 @@ def rope_scaling_to_hf(s) -> dict:
             "truncate": s.truncate, "original_max_position_embeddings": s.original_max_position,
             **({"mscale_all_dim": s.mscale_all_dim} if s.mscale_all_dim else {})}
     return yarn if s.attention_factor is None else {**yarn, "attention_factor": s.attention_factor}
+  if s.rope_type == "proportional":
+    return {"rope_type": "proportional", "partial_rotary_factor": s.fraction, "factor": s.factor}
   return {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
           "high_freq_factor": s.high_freq_factor, "original_max_position_embeddings": s.original_max_position}
 

@@ -12,7 +12,8 @@ anyway, so the decode door and the engine's page table (the global layers') are 
 
 Cache per layer group: {"full": the global layers' pages, "windowed": the local layers'}
 each in a plain cache kind's layout (float or quantized), the local ones with slots x
-ring_pages pages. `LocalGlobalCache` is this layout as a cache kind (models/caches.py): it
+ring_pages pages; a group of local layers only (Gemma 4's, whose global layers are a group
+of their own) has no "full" part. `LocalGlobalCache` is this layout as a cache kind (models/caches.py): it
 hands each attention call to the part its layer's attention spec says.
 
 Ring pages belong to one slot and are overwritten, so they are never shared: a request
@@ -71,3 +72,22 @@ class LocalGlobalCache:
   @property
   def pages(self) -> dict:
     return {"full": self.full.pages, "windowed": self.windowed.pages}
+
+
+@struct.dataclass
+class RingsOnly:
+  """A group of local layers only: its `windowed` view (a plain cache kind over the rings),
+  in the layout a mixed group's cache has."""
+  stores_latent = False
+  windowed: object
+
+  def at(self, layer) -> "RingsOnly":
+    return self.replace(windowed=self.windowed.at(layer))
+
+  def update_and_attend(self, q, k, v, context, spec, sinks=None):
+    out, windowed = self.windowed.update_and_attend(q, k, v, context, spec, sinks)
+    return out, self.replace(windowed=windowed)
+
+  @property
+  def pages(self) -> dict:
+    return {"windowed": self.windowed.pages}

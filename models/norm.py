@@ -18,8 +18,12 @@ class RMSNorm(nnx.Module):
     self.compute_dtype = compute_dtype
 
   def __call__(self, x):
-    # Normalise in float32: bf16 sums of squares lose too much precision.
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     scale = self.scale[...].astype(jnp.float32)
-    return (x32 * (1.0 + scale if self.unit_offset else scale)).astype(self.compute_dtype)
+    return (normalize(x, self.eps) * (1.0 + scale if self.unit_offset else scale)).astype(self.compute_dtype)
+
+
+def normalize(x, eps: float):
+  """x / rms(x) over the last axis, in float32 (bf16 sums of squares lose too much
+  precision): an RMSNorm without a scale (Gemma 4's value norm)."""
+  x32 = x.astype(jnp.float32)
+  return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)

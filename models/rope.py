@@ -1,4 +1,5 @@
-"""Rotary position embeddings (Su et al., 2021), with Llama-3, linear or YaRN frequency scaling."""
+"""Rotary position embeddings (Su et al., 2021), with Llama-3, linear, YaRN or proportional
+frequency scaling."""
 
 import math
 
@@ -15,6 +16,11 @@ def rope_frequencies(head_dim: int, theta: float, scaling=None):
     return inv_freq / scaling.factor
   if scaling.rope_type == "yarn":
     return _yarn(inv_freq, head_dim, theta, scaling)
+  if scaling.rope_type == "proportional":
+    # Zero frequencies past the turning pairs: those pairs rotate by nothing, so the
+    # rotation still pairs entry i with i + head_dim / 2, as the whole head_dim's does.
+    turning = int(scaling.fraction * head_dim // 2)
+    return jnp.where(jnp.arange(head_dim // 2) < turning, inv_freq / scaling.factor, 0.0)
   low_wavelen = scaling.original_max_position / scaling.low_freq_factor
   high_wavelen = scaling.original_max_position / scaling.high_freq_factor
   wavelen = 2 * math.pi / inv_freq

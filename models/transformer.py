@@ -22,9 +22,10 @@ from jaxpar.models import caches, low_precision
 from jaxpar.models.decoder import RESIDUAL, LayerContext
 from jaxpar.models.embedding import embed_lookup
 from jaxpar.models.init import embedding_init, fan_in
-from jaxpar.models.layer_pattern import layer_mixer, sliding_windows, unit_options
+from jaxpar.models.layer_pattern import layer_mixer, local_window, sliding_windows, unit_options
 from jaxpar.models.medusa import MedusaHeads
 from jaxpar.models.norm import RMSNorm
+from jaxpar.models.per_layer_inputs import PerLayerInputs
 from jaxpar.models.registry import get_block
 from jaxpar.models.pipeline import run_group
 from jaxpar.models.stack import create_layers, run_stacks, with_remat
@@ -85,6 +86,20 @@ def reduce_aux(per_group: list[dict]) -> dict:
   return {"losses": losses, "metrics": {k: v / counts[k] for k, v in metrics.items()}}
 
 
+def init_cache(cfg, num_pages: int, page_size: int, dtype, *, kv_quantization=None, slots: int = 1,
+               kv_repeat: int = 1) -> dict:
+  """A zeroed paged KV cache for every layer group of model section `cfg`; with
+  `kv_quantization`, the quantized layout (pages in the pool quantized, one float tail page
+  per slot). A group that mixes local and global layers keeps `num_pages` for its global
+  layers and a ring of the window's pages per slot for its local ones (kv_cache_windowed.py),
+  as does a group of local layers only in a model with global layers. `kv_repeat`: copies of
+  each KV head kept (kv_cache.head_repeat)."""
+  return {g.name: caches.init(cfg, g.count, num_pages, page_size, dtype, kv_quantization=kv_quantization,
+                              slots=slots, windows=sliding_windows(cfg, g.indices), mixer=g.mixer,
+                              kv_repeat=kv_repeat, rings=local_window(cfg) is not None)
+          for g in layer_groups(cfg)}
+
+
 class Transformer(nnx.Module):
   """tokens int [B, L] ("batch", "length") -> logits [B, L, vocab] plus auxiliary outputs.
 
@@ -106,6 +121,8 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.unembed = nnx.Param(fan_in()(rngs.params(), (cfg.embed_dim, cfg.vocab_size), param_dtype),
                                out_sharding=("embed", "vocab"))
+    if cfg.per_layer_input_dim:
+      self.per_layer_inputs = PerLayerInputs(cfg, rngs)
     if cfg.medusa is not None:  # draft heads over the final hidden state (speculative decoding)
       self.medusa = MedusaHeads(cfg, rngs)
 
@@ -145,9 +162,10 @@ class Transformer(nnx.Module):
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
       if zigzag:
         positions = pallas_kernels.zigzag(positions, num_shards("length"))
-    context = LayerContext(positions, segment_ids, zigzag=zigzag)
+    x = self._embed(tokens)
+    context = self._with_layer_inputs(LayerContext(positions, segment_ids, zigzag=zigzag), tokens, x)
     cache = caches.for_forward(kv_quantization)
-    x, aux, _ = self._run_stack(self._embed(tokens), context, {g.name: cache for g in layer_groups(self.cfg)})
+    x, aux, _ = self._run_stack(x, context, {g.name: cache for g in layer_groups(self.cfg)})
     return x, aux, context
 
   def decode(self, tokens, positions, cache: dict, page_table, logits_index=None, *,
@@ -190,22 +208,16 @@ class Transformer(nnx.Module):
     views = {name: caches.for_generation(pages, page_table, first, kv_quantization=kv_quantization,
                                          tail_index=tail_index, windows=windows[name])
              for name, pages in cache.items() if name in windows}
-    context = LayerContext(positions, rope_positions=rope_positions, tree=tree)
-    x, _, views = self._run_stack(self._embed(tokens), context, views)
+    x = self._embed(tokens)
+    context = self._with_layer_inputs(LayerContext(positions, rope_positions=rope_positions, tree=tree), tokens, x)
+    x, _, views = self._run_stack(x, context, views)
     return x, {**cache, **{name: view.pages for name, view in views.items()}}
 
   def init_cache(self, num_pages: int, page_size: int, dtype=None, *, kv_quantization=None,
                  slots: int = 1, kv_repeat: int = 1) -> dict:
-    """A zeroed paged KV cache for every layer group; with `kv_quantization`, the quantized
-    layout (pages in the pool quantized, one float tail page per slot). A group that mixes
-    local and global layers keeps `num_pages` for its global layers and a ring of the
-    window's pages per slot for its local ones (kv_cache_windowed.py). `kv_repeat`: copies of
-    each KV head kept (kv_cache.head_repeat)."""
-    dtype = dtype or jnp.dtype(self.cfg.compute_dtype)
-    return {g.name: caches.init(self.cfg, g.count, num_pages, page_size, dtype, kv_quantization=kv_quantization,
-                                slots=slots, windows=sliding_windows(self.cfg, g.indices), mixer=g.mixer,
-                                kv_repeat=kv_repeat)
-            for g in layer_groups(self.cfg)}
+    """A zeroed paged KV cache for every layer group (`init_cache`)."""
+    return init_cache(self.cfg, num_pages, page_size, dtype or jnp.dtype(self.cfg.compute_dtype),
+                      kv_quantization=kv_quantization, slots=slots, kv_repeat=kv_repeat)
 
   def _embed(self, tokens):
     table = self.embed[...].astype(jnp.dtype(self.cfg.compute_dtype))
@@ -213,6 +225,12 @@ class Transformer(nnx.Module):
     if self.cfg.scale_embeddings:  # the factor rounded to the parameters' dtype, as Gemma does
       x = x * jnp.asarray(self.cfg.embed_dim ** 0.5, self.embed.dtype).astype(x.dtype)
     return constrain(x, RESIDUAL)
+
+  def _with_layer_inputs(self, context, tokens, x):
+    """The context with every layer's per-layer input, when the model has them."""
+    if not self.cfg.per_layer_input_dim:
+      return context
+    return context.replace(layer_inputs=self.per_layer_inputs(tokens, x))
 
   def _run_stack(self, x, context, group_caches: dict):
     """Every layer group in order -> (x, reduced aux, the groups' caches).
@@ -250,10 +268,12 @@ class Transformer(nnx.Module):
     block = with_remat(lambda layer, x, context, cache: layer(x, context, cache, options), self.cfg.remat)
 
     salt = zlib.crc32(group.encode()) % 2**31  # the groups' layers count from 0 each
+    indices = next(g.indices for g in layer_groups(self.cfg) if g.name == group)
 
     def layer_fn(layer, carry, index):
       x, context, group_caches = carry
+      own = context if context.layer_inputs is None else context.replace(layer_index=jnp.asarray(indices)[index])
       with low_precision.noise_scope(salt, index):  # each layer its own gradient rounding noise
-        x, aux, cache = block(layer, x, context, group_caches[group].at(index))
+        x, aux, cache = block(layer, x, own, group_caches[group].at(index))
       return (x, context, {**group_caches, group: cache}), aux
     return layer_fn

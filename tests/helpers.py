@@ -199,3 +199,23 @@ class Job:
         os.kill(pid, signal.SIGKILL)
       except ProcessLookupError:
         pass
+
+
+def gradients_on_8_devices_and_one(model, mesh, logits_chunk_len=16):
+  """The LM loss's gradients and sums of one 8-sequence batch from the same initial
+  parameters: ((gradients, sums) on one device with plain logits, the same on `mesh` (a
+  MeshConfig over 8 devices) with the fused loss over chunks of `logits_chunk_len`)."""
+  import jax
+  from jaxpar.config import MeshConfig
+  from jaxpar.objectives.lm import lm_loss
+  from jaxpar.runtime import Runtime
+  from jaxpar.train.step import make_gradients
+  batch = synthetic_batch(small_config(data={"global_batch_size": 8}))
+  wide, one = Runtime(model, mesh), Runtime(model, MeshConfig(fsdp=1), jax.devices()[:1])
+  params, _ = wide.init()
+
+  def gradients(runtime, chunk):
+    step = jax.jit(make_gradients(lm_loss(runtime.graphdef, z_loss=1e-4, logits_chunk_len=chunk), microbatches=1))
+    with runtime.context():
+      return jax.device_get(step(jax.device_put(jax.device_get(params), runtime.param_shardings), batch)[:2])
+  return gradients(one, 0), gradients(wide, logits_chunk_len)

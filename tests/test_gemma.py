@@ -10,10 +10,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import MeshConfig
-from jaxpar.runtime import Runtime
-from jaxpar.objectives.lm import lm_loss
-from jaxpar.train.step import make_gradients
-from tests.helpers import synthetic_batch, small_config
+from tests.helpers import gradients_on_8_devices_and_one
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -68,17 +65,7 @@ def test_train_step_on_8_devices_equals_one_device():
                        mlp_dim=96, max_seq_len=32, tie_embeddings=False, qk_norm=True, attention_sinks=True,
                        query_pre_attn_scalar=24, attn_logit_soft_cap=4.0, final_logit_soft_cap=3.0,
                        layer_pattern=[{"sliding_window": WINDOW, "rope_theta": 100.0}, {}])
-  batch = synthetic_batch(small_config(data={"global_batch_size": 8}))
-  wide = Runtime(model, MeshConfig(fsdp=4, tensor=2))
-  one = Runtime(model, MeshConfig(fsdp=1), jax.devices()[:1])
-  params, _ = wide.init()
-
-  def gradients(runtime, chunk):
-    step = jax.jit(make_gradients(lm_loss(runtime.graphdef, z_loss=1e-4, logits_chunk_len=chunk), microbatches=1))
-    with runtime.context():
-      return jax.device_get(step(jax.device_put(jax.device_get(params), runtime.param_shardings), batch)[:2])
-
-  (want, want_sums), (got, got_sums) = gradients(one, 0), gradients(wide, 16)  # plain logits, fused loss
+  (want, want_sums), (got, got_sums) = gradients_on_8_devices_and_one(model, MeshConfig(fsdp=4, tensor=2))
   np.testing.assert_allclose(got_sums["ce_sum"], want_sums["ce_sum"], rtol=1e-5)
   assert np.abs(want["layers"]["attn"]["sinks"]).min() > 0, "every sink gets a gradient"
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):

@@ -17,9 +17,8 @@ from jaxpar.aot.phases import silent
 from jaxpar.aot.report import gib
 from jaxpar.inference.programs import Programs
 from jaxpar.mesh import logical_to_sharding, num_shards
-from jaxpar.models import caches, kv_cache
-from jaxpar.models.layer_pattern import sliding_windows
-from jaxpar.models.transformer import layer_groups
+from jaxpar.models import kv_cache
+from jaxpar.models.transformer import init_cache
 from jaxpar.runtime import Runtime
 
 
@@ -29,10 +28,8 @@ def abstract_cache(runtime, num_pages: int, page_size: int, dtype, slots: int = 
   and a float tail page per slot with `kv_quantization`)."""
   cfg = runtime.model_config
   repeat = kv_cache.head_repeat(cfg, num_shards("cache_kv_heads", runtime.mesh, runtime.rules))
-  shapes = jax.eval_shape(lambda: {g.name: caches.init(cfg, g.count, num_pages, page_size, jnp.dtype(dtype), slots=slots,
-                                                       windows=sliding_windows(cfg, g.indices), mixer=g.mixer,
-                                                       kv_quantization=kv_quantization, kv_repeat=repeat)
-                                   for g in layer_groups(cfg)})
+  shapes = jax.eval_shape(lambda: init_cache(cfg, num_pages, page_size, jnp.dtype(dtype), slots=slots,
+                                             kv_quantization=kv_quantization, kv_repeat=repeat))
   return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=logical_to_sharding(
       kv_cache.STACKED_NAMES, s.shape, runtime.mesh, runtime.rules)), shapes)
 

@@ -1,4 +1,4 @@
-"""The Gemma families: Gemma 2 and Gemma 3 (text).
+"""The Gemma families: Gemma 2, Gemma 3 and Gemma 4 (text).
 
 Both are the generic `Transformer` with the `sandwich_norm` decoder layer (a norm before
 and after each block), GeGLU, embeddings scaled by sqrt(embed_dim), RMSNorms that multiply
@@ -9,14 +9,19 @@ apart is a config default:
   soft-capped at 50 and the output logits at 30.
 - gemma3: five local layers (1024 keys, RoPE base 10k) to one global (base 1M, linear
   scaling x8), QK-norm, no soft-capping.
+- gemma4: Gemma 3's 5:1 pattern with global layers of their own head width and KV heads
+  (and values equal to keys), v-norm, unscaled scores, proportional global RoPE, a learned
+  scalar per layer and per-layer input embeddings (gemma4.py; config.Gemma4Config).
 """
 
-from jaxpar.models.families.gemma import hf, layer  # noqa: F401  (layer registers `sandwich_norm`)
-from jaxpar.models.families.gemma.config import Gemma2Config, Gemma3Config
+# layer and gemma4 register their blocks (`sandwich_norm`; `gemma4`, `gemma4_global`).
+from jaxpar.models.families.gemma import gemma4, hf, hf_gemma4, layer  # noqa: F401
+from jaxpar.models.families.gemma.config import Gemma2Config, Gemma3Config, Gemma4Config
 from jaxpar.models.flops import dense_train_flops_per_token
 from jaxpar.models.registry import ModelFamily, register_family
 from jaxpar.models.transformer import Transformer
 
-for _name, _config, _hf in (("gemma2", Gemma2Config, hf.GEMMA2), ("gemma3", Gemma3Config, hf.GEMMA3)):
+for _name, _config, _hf in (("gemma2", Gemma2Config, hf.GEMMA2), ("gemma3", Gemma3Config, hf.GEMMA3),
+                            ("gemma4", Gemma4Config, hf_gemma4.GEMMA4)):
   register_family(ModelFamily(name=_name, module=Transformer, flops_per_token=dense_train_flops_per_token,
                               config=_config, rules="fsdp_tp", hf=_hf))

@@ -1,4 +1,6 @@
-"""The Gemma families' `model` sections: what Gemma 2 and 3 share, and what tells them apart."""
+"""The Gemma families' `model` sections: what Gemma 2, 3 and 4 share, and what tells them apart."""
+
+from pydantic import Field, model_validator
 
 from jaxpar.models.config import LayerKind, ModelConfig, RopeScaling
 
@@ -28,3 +30,37 @@ class Gemma3Config(GemmaConfig):
   rope_scaling: RopeScaling | None = RopeScaling(rope_type="linear", factor=8.0)
   layer_pattern: tuple[LayerKind, ...] = (
       (LayerKind(sliding_window=1024, rope_theta=10_000.0, rope_scaling=None),) * 5 + (LayerKind(),))
+
+
+class Gemma4Config(GemmaConfig):
+  """Gemma 4 (text): five local layers to one global, as Gemma 3, but the global layers are
+  the `gemma4_global` mixer, with heads of their own width (`global_head_dim`), their own
+  KV head count, and (`keys_as_values`) values that are their keys. Norms multiply by their
+  scale (no unit offset); q, k and v are RMS-normed (v without a scale) and the scores are
+  not scaled (query_pre_attn_scalar 1). Global RoPE is proportional: a quarter of the pairs
+  turn. Each layer ends with a learned scalar (`gemma4` layer) and, with
+  per_layer_input_dim, adds its per-layer input."""
+  family: str = "gemma4"
+  attention_block: str = "gemma4"
+  layer_block: str = "gemma4"
+  norm_unit_offset: bool = False
+  qk_norm: bool = True
+  query_pre_attn_scalar: int | None = 1
+  rope_theta: float = 1_000_000.0
+  rope_scaling: RopeScaling | None = RopeScaling(rope_type="proportional", factor=1.0, fraction=0.25)
+  layer_pattern: tuple[LayerKind, ...] = (
+      (LayerKind(sliding_window=512, rope_theta=10_000.0, rope_scaling=None),) * 5 + (LayerKind(mixer="gemma4_global"),))
+  global_head_dim: int = Field(64, ge=1)
+  global_kv_heads: int | None = Field(None, ge=1)  # None: num_kv_heads
+  keys_as_values: bool = False  # the global layers' values are their keys (HF attention_k_eq_v)
+
+  @model_validator(mode="after")
+  def _global_heads(self):
+    if self.num_heads % (self.global_kv_heads or self.num_kv_heads):
+      raise ValueError(f"model.global_kv_heads={self.global_kv_heads} must divide model.num_heads={self.num_heads}")
+    return self
+
+  def global_layers(self) -> "Gemma4Config":
+    """This section as the global layers see it: their head width and KV heads."""
+    return self.model_copy(update={"head_dim": self.global_head_dim,
+                                   "num_kv_heads": self.global_kv_heads or self.num_kv_heads})

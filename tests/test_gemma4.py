@@ -1,0 +1,135 @@
+"""Gemma 4 (text) from random-weight `transformers` models at small, unusual shapes: local
+layers of 16-wide heads beside global ones of 32 with their own KV heads and values equal
+to keys, learned layer scalars,
+proportional RoPE, the final soft cap and an untied head. Import with f32 logits as near
+transformers' float64 ones as its own, export back exactly, greedy generation through the
+paged cache equal to transformers.generate past the window and across a preemption; a
+train step on 8 devices equal to one device's; the published 31B's parameter count; and
+what jaxpar does not build yet is a one-line error at import."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxpar.config import MeshConfig
+from tests.helpers import gradients_on_8_devices_and_one
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+WINDOW, PAGE = 8, 4
+TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+SHAPES = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+              attention_k_eq_v=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=320,
+              layer_types=TYPES, sliding_window=WINDOW, final_logit_softcapping=3.0, tie_word_embeddings=False,
+              max_position_embeddings=96, eos_token_id=None, pad_token_id=None)  # any token may come: none stops or pads
+
+
+def _random_gemma4(directory, **overrides):
+  """Every weight random, norms and the layer scalars (a buffer HF saves) near 1."""
+  torch.manual_seed(0)
+  model = transformers.AutoModelForCausalLM.from_config(transformers.Gemma4TextConfig(**{**SHAPES, **overrides}))
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    for name, b in model.named_buffers():
+      if name.endswith("layer_scalar"):
+        b.copy_(1 + 0.1 * torch.randn_like(b))
+  model.eval().save_pretrained(directory)
+  return model
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+  from jaxpar.convert.hf import hf_to_jaxpar
+  directory = tmp_path_factory.mktemp("gemma4")
+  model = _random_gemma4(directory / "hf")
+  return model, hf_to_jaxpar(directory / "hf", directory / "jaxpar"), directory
+
+
+def test_imports_near_float64_and_exports_exactly(gemma4):
+  from tests.test_hf import assert_round_trip_near_float64
+  model, config, directory = gemma4
+  m = config.model
+  assert (m.family, m.global_head_dim, m.global_kv_heads, m.keys_as_values, m.per_layer_input_dim) == (
+      "gemma4", 32, 1, True, 8)
+  assert [k.mixer for k in m.layer_pattern] == [None, None, "gemma4_global", None, "gemma4_global"]
+  assert_round_trip_near_float64(model, config, directory, TYPES)
+
+
+def test_generates_like_transformers_past_the_window(gemma4):
+  from tests.test_hf import assert_generates_like_transformers
+  model, _, directory = gemma4
+  engine = assert_generates_like_transformers(model, directory, max_tokens=48, page_size=PAGE)
+  # Both groups keep only their window's rings or the pool: the local layers hold no pool pages.
+  assert set(engine.cache["layers"]) == {"windowed"} and "k" in engine.cache["gemma4_global_layers"]
+
+
+def test_two_requests_across_a_preemption_get_transformers_tokens(gemma4):
+  """Two rows over a pool of 24 pages where each needs 15 (the global layers'; the local
+  layers' rings are apart): one is preempted and recomputed, and each still gets what
+  transformers.generate gives it alone."""
+  from jaxpar.data import ByteTokenizer
+  from jaxpar.inference import Engine, SamplingParams
+  model, _, directory = gemma4
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(0, 320, n).tolist() for n in (10, 7)]
+  with torch.no_grad():
+    want = [model.generate(torch.tensor([p]), max_new_tokens=48, min_new_tokens=48, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+  engine = Engine.from_checkpoint(directory / "jaxpar", mesh={"data": 1, "fsdp": 1}, devices=jax.devices()[:1],
+                                  tokenizer=ByteTokenizer(), slots=2, page_size=PAGE, num_pages=24,
+                                  prefill_chunks=(8,))
+  got = engine.generate(prompts, SamplingParams(max_tokens=48, stop_token_ids=()))
+  assert engine.stats["preemptions"] > 0
+  assert [r.tokens for r in got] == want
+
+
+def test_train_step_on_8_devices_equals_one_device():
+  """The tiny config (per-layer inputs, wide global heads whose values are their keys) on
+  fsdp=4 x tensor=2 with the fused loss through the final soft cap, against one device."""
+  from jaxpar.config import load_config
+  model = load_config("tiny-gemma4", ["model.final_logit_soft_cap=3.0", "model.max_seq_len=32", "data.seq_len=32",
+                                      "model.tie_embeddings=false"]).model
+  (want, want_sums), (got, got_sums) = gradients_on_8_devices_and_one(model, MeshConfig(fsdp=4, tensor=2))
+  np.testing.assert_allclose(got_sums["ce_sum"], want_sums["ce_sum"], rtol=1e-5)
+  assert np.abs(want["per_layer_inputs"]["table"]).max() > 0 and np.abs(want["layers"]["layer_scalar"]).min() > 1
+  # The last layer's scalar only scales what the final RMSNorm divides back out: its gradient
+  # is 0 up to rounding (1.7e-5 against the others' 4 to 29), on both meshes.
+  last = [np.abs(g["gemma4_global_layers"]["layer_scalar"]).max() for g in (want, got)]
+  assert max(last) < 1e-4 * np.abs(want["layers"]["layer_scalar"]).max()
+  # Unscaled scores (q and k normed to ~unit entries, then dotted whole) make the softmax
+  # sharp: the two meshes' sums in other orders land up to 5.4e-5 of each leaf's largest
+  # entry apart (2.6e-6 with the scores scaled by 64 ** -0.5).
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    if "layer_scalar" in jax.tree_util.keystr(path) and "global" in jax.tree_util.keystr(path):
+      continue
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_31b_config_has_the_published_models_parameters():
+  """Our parameter count at real size equals transformers' for the config we export (on the
+  meta device: no memory), and the model card's 30.7B."""
+  from jaxpar.config import load_config
+  from jaxpar.convert.hf import hf_config_from_model
+  from jaxpar.runtime import abstract_model, count_params
+  model = load_config("gemma4-31b").model
+  with torch.device("meta"):
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**hf_config_from_model(model, "bfloat16")))
+  ours = count_params(abstract_model(model)[1])
+  assert ours == sum(p.numel() for p in hf_model.parameters()) + sum(
+      b.numel() for n, b in hf_model.named_buffers() if n.endswith("layer_scalar"))
+  assert round(ours / 1e9, 1) == 30.7
+
+
+@pytest.mark.parametrize("key, value, what", [("num_kv_shared_layers", 2, "keys and values"),
+                                              ("enable_moe_block", True, "mixture-of-experts")])
+def test_what_jaxpar_does_not_build_yet_is_a_one_line_error(tmp_path, key, value, what):
+  from jaxpar.errors import ConfigError
+  from jaxpar.models.families.gemma.hf_gemma4 import config_from_hf
+  hf = transformers.Gemma4TextConfig(**{**SHAPES, key: value, "num_experts": 4, "top_k_experts": 2,
+                                        "moe_intermediate_size": 32}).to_dict()
+  with pytest.raises(ConfigError, match=f"{key}={value!r} is not supported yet: .*{what}"):
+    config_from_hf(hf)
