@@ -2,7 +2,7 @@
 
     python benchmarks/families.py [--v5p] [--v6e] [--linear] [--tiny [CONFIG ...]]
 
-Local/global part (Gemma 2, Gemma 3, GPT-OSS): a layer with a
+Local/global part (Gemma 2, 3 and 4, GPT-OSS): a layer with a
 sliding window never reads keys further back than its window, so over a long sequence its
 cache costs window / seq_len of a global layer's per token. The table gives, per model,
 the bytes one token adds to every layer's cache, the cache a `seq_len`-token sequence
@@ -30,7 +30,7 @@ to 32k on CPU, and collective bytes per layer under context parallelism by lengt
 
 With --v6e: the shipped local/global configs' full train steps, every layer, compiled
 (libtpu, on this host) for the TPU slice their files name, with the per-chip HBM the
-compiler's memory analysis gives (Gemma 3 12B and GPT-OSS 20B).
+compiler's memory analysis gives (Gemma 3 12B, Gemma 4 31B and GPT-OSS 20B).
 """
 
 import os
@@ -45,24 +45,31 @@ from jaxpar.config import load_config, shipped_configs  # noqa: E402
 import jax  # noqa: E402
 
 from jaxpar.models import caches, kv_cache, kv_cache_latent, layer_options  # noqa: E402
+from jaxpar.models.transformer import init_cache, layer_groups  # noqa: E402
 
-LOCAL_GLOBAL = ("gemma2-9b", "gemma3-12b", "gpt-oss-20b")
+LOCAL_GLOBAL = ("gemma2-9b", "gemma3-12b", "gemma4-31b", "gpt-oss-20b")
 ENGINE_PAGE = 16  # the engine's default page size
 
 
 def local_global_kv_cache_bytes(seq_len: int = 32768, dtype: str = "bfloat16") -> list[dict]:
-  """One row per shipped model (and llama3-8b, the baseline) with its cache bytes."""
+  """One row per shipped model (and llama3-8b, the baseline) with its cache bytes. A layer's
+  bytes per token come from the cache the engine would make (Gemma 4's global layers are
+  wider than its local ones)."""
   rows = []
   for name in ("llama3-8b",) + tuple(n for n in LOCAL_GLOBAL if n in shipped_configs()):
     m = load_config(name).model
-    per_layer = 2 * m.num_kv_heads * m.head_dim * np.dtype(dtype).itemsize  # keys and values
-    windows = [layer_options(m, i).attention.sliding_window for i in range(m.num_layers)]
-    kept = [seq_len if w is None else min(w, seq_len) for w in windows]
     pages = -(-seq_len // ENGINE_PAGE)
-    cache = jax.eval_shape(lambda: caches.init(m, m.num_layers, pages, ENGINE_PAGE, dtype, windows=windows))
-    rows.append(dict(model=name, local=sum(w is not None for w in windows),
-                     glob=sum(w is None for w in windows), per_token=per_layer * m.num_layers,
-                     windowed=per_layer * sum(kept), held=caches.cache_bytes({"layers": cache})))
+    cache = jax.eval_shape(lambda: init_cache(m, pages, ENGINE_PAGE, dtype))
+    per_layer = []  # (bytes per token, window) per layer, group by group
+    for group in layer_groups(m):
+      parts = cache[group.name]
+      k = (parts.get("full") or parts.get("windowed") or parts)["k"]  # [layers, kv_heads, pages, page, dim]
+      per_layer += [(2 * k.shape[1] * k.shape[4] * np.dtype(dtype).itemsize, layer_options(m, i).attention.sliding_window)
+                    for i in group.indices]
+    rows.append(dict(model=name, local=sum(w is not None for _, w in per_layer),
+                     glob=sum(w is None for _, w in per_layer), per_token=sum(b for b, _ in per_layer),
+                     windowed=sum(b * (seq_len if w is None else min(w, seq_len)) for b, w in per_layer),
+                     held=caches.cache_bytes(cache)))
   return rows
 
 
@@ -153,7 +160,7 @@ def local_global_train_on_their_slices():
   header = (f"{'config':<12} {'slice':<8} {'layers':>6} {'params':>8} {'HBM/chip':>9} {'of':>6} {'fits':>5} "
             f"{'compile':>8}")
   print(header + "\n" + "-" * len(header))
-  for name in (n for n in ("gemma3-12b", "gpt-oss-20b") if n in shipped_configs()):
+  for name in (n for n in ("gemma3-12b", "gemma4-31b", "gpt-oss-20b") if n in shipped_configs()):
     config = load_config(name)
     report, _ = compile_for_topology(config, config.mesh.topology)
     hbm = f"{report['memory']['total'] / 2**30:.1f} GiB" if "memory" in report else "OOM"
