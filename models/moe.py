@@ -75,12 +75,26 @@ class MoE(nnx.Module):
     self.dtype = compute_dtype
 
   def __call__(self, x):
-    m, dt = self.moe, self.dtype
-    # Routing in float32: near-ties between experts must not flip with the compute dtype.
+    return self.mix(x, self.router_logits(x))
+
+  def router_logits(self, x):
+    """Router logits [B, L, experts] of tokens x, in float32: near-ties between experts must
+    not flip with the compute dtype."""
     logits = dense(x.astype(jnp.float32), self.router[...].astype(jnp.float32))
     if self.router_bias is not None:
       logits = logits + self.router_bias[...].astype(jnp.float32)
+    return logits
+
+  def routed_weights(self, ids, weights):
+    """The combine weights [B, L, k] of the chosen experts `ids`, as routing gave them."""
+    return weights
+
+  def mix(self, x, logits):
+    """-> (y, aux): tokens x [B, L, embed] through the experts `logits` choose (and the
+    shared expert)."""
+    m, dt = self.moe, self.dtype
     ids, weights, scores = router.route(logits, None if self.bias is None else self.bias[...], m)
+    weights = self.routed_weights(ids, weights)
     gate, up, down = (lora.adapted(getattr(self, n)[...], self.lora, n).astype(dt) for n in ("gate", "up", "down"))
     biases = (self.gate_bias[...].astype(dt), self.up_bias[...].astype(dt)) if self.expert_bias else None
     y, kept = routed_experts(x, ids, weights, gate, up, down, biases=biases, glu=self.glu,

@@ -1,7 +1,8 @@
 """Gemma 4 (text) from random-weight `transformers` models at small, unusual shapes: local
 layers of 16-wide heads beside global ones of 32 with their own KV heads and values equal
 to keys, learned layer scalars,
-proportional RoPE, the final soft cap and an untied head. Import with f32 logits as near
+proportional RoPE, the final soft cap and an untied head; and a variant with experts
+beside each MLP. Import with f32 logits as near
 transformers' float64 ones as its own, export back exactly, greedy generation through the
 paged cache equal to transformers.generate past the window and across a preemption; a
 train step on 8 devices equal to one device's; the published 31B's parameter count; and
@@ -29,7 +30,9 @@ SHAPES = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_l
 def _random_gemma4(directory, **overrides):
   """Every weight random, norms and the layer scalars (a buffer HF saves) near 1."""
   torch.manual_seed(0)
-  model = transformers.AutoModelForCausalLM.from_config(transformers.Gemma4TextConfig(**{**SHAPES, **overrides}))
+  # The eager experts: the grouped ones take no float64, which the parity check compares with.
+  model = transformers.AutoModelForCausalLM.from_config(transformers.Gemma4TextConfig(**{**SHAPES, **overrides}),
+                                                        experts_implementation="eager")
   with torch.no_grad():
     for name, p in model.named_parameters():
       p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
@@ -40,11 +43,18 @@ def _random_gemma4(directory, **overrides):
   return model
 
 
-@pytest.fixture(scope="module")
-def gemma4(tmp_path_factory):
+# The dense model with per-layer inputs (E2B/E4B's), and the one with experts beside each
+# MLP (26B-A4B's) whose global layers keep their own values and the local KV head count.
+VARIANTS = {"dense": {}, "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24,
+                                     hidden_size_per_layer_input=0, attention_k_eq_v=False,
+                                     num_global_key_value_heads=None)}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def gemma4(request, tmp_path_factory):
   from jaxpar.convert.hf import hf_to_jaxpar
-  directory = tmp_path_factory.mktemp("gemma4")
-  model = _random_gemma4(directory / "hf")
+  directory = tmp_path_factory.mktemp(f"gemma4_{request.param}")
+  model = _random_gemma4(directory / "hf", **VARIANTS[request.param])
   return model, hf_to_jaxpar(directory / "hf", directory / "jaxpar"), directory
 
 
@@ -52,8 +62,10 @@ def test_imports_near_float64_and_exports_exactly(gemma4):
   from tests.test_hf import assert_round_trip_near_float64
   model, config, directory = gemma4
   m = config.model
+  moe = model.config.enable_moe_block
   assert (m.family, m.global_head_dim, m.global_kv_heads, m.keys_as_values, m.per_layer_input_dim) == (
-      "gemma4", 32, 1, True, 8)
+      ("gemma4", 32, None, False, 0) if moe else ("gemma4", 32, 1, True, 8))
+  assert (m.moe.num_experts, m.moe.experts_per_token, m.moe.expert_mlp_dim) == (4, 2, 24) if moe else m.moe is None
   assert [k.mixer for k in m.layer_pattern] == [None, None, "gemma4_global", None, "gemma4_global"]
   assert_round_trip_near_float64(model, config, directory, TYPES)
 
@@ -87,12 +99,16 @@ def test_two_requests_across_a_preemption_get_transformers_tokens(gemma4):
 
 
 def test_train_step_on_8_devices_equals_one_device():
-  """The tiny config (per-layer inputs, wide global heads whose values are their keys) on
-  fsdp=4 x tensor=2 with the fused loss through the final soft cap, against one device."""
-  from jaxpar.config import load_config
-  model = load_config("tiny-gemma4", ["model.final_logit_soft_cap=3.0", "model.max_seq_len=32", "data.seq_len=32",
-                                      "model.tie_embeddings=false"]).model
-  (want, want_sums), (got, got_sums) = gradients_on_8_devices_and_one(model, MeshConfig(fsdp=4, tensor=2))
+  """The tiny config (per-layer inputs, wide global heads whose values are their keys) with
+  experts beside each MLP, on fsdp=2 x expert=2 x tensor=2 with the fused loss through the
+  final soft cap, against one device."""
+  from jaxpar.config import load_config, replace
+  config = load_config("tiny-gemma4", ["model.final_logit_soft_cap=3.0", "model.max_seq_len=32", "data.seq_len=32",
+                                       "model.tie_embeddings=false"])
+  model = replace(config, model={"moe": {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 64,
+                                         "activation": "gelu_tanh", "balance_loss": 0.0, "router_z_loss": 0.0}}).model
+  (want, want_sums), (got, got_sums) = gradients_on_8_devices_and_one(model, MeshConfig(fsdp=2, expert=2, tensor=2))
+  assert np.abs(want["layers"]["experts"]["expert_scale"]).min() > 0
   np.testing.assert_allclose(got_sums["ce_sum"], want_sums["ce_sum"], rtol=1e-5)
   assert np.abs(want["per_layer_inputs"]["table"]).max() > 0 and np.abs(want["layers"]["layer_scalar"]).min() > 1
   # The last layer's scalar only scales what the final RMSNorm divides back out: its gradient
@@ -125,11 +141,10 @@ def test_the_31b_config_has_the_published_models_parameters():
 
 
 @pytest.mark.parametrize("key, value, what", [("num_kv_shared_layers", 2, "keys and values"),
-                                              ("enable_moe_block", True, "mixture-of-experts")])
+                                              ("use_bidirectional_attention", "all", "bidirectional")])
 def test_what_jaxpar_does_not_build_yet_is_a_one_line_error(tmp_path, key, value, what):
   from jaxpar.errors import ConfigError
   from jaxpar.models.families.gemma.hf_gemma4 import config_from_hf
-  hf = transformers.Gemma4TextConfig(**{**SHAPES, key: value, "num_experts": 4, "top_k_experts": 2,
-                                        "moe_intermediate_size": 32}).to_dict()
+  hf = transformers.Gemma4TextConfig(**{**SHAPES, key: value}).to_dict()
   with pytest.raises(ConfigError, match=f"{key}={value!r} is not supported yet: .*{what}"):
     config_from_hf(hf)

@@ -79,6 +79,9 @@ def _span(index: slice, size: int) -> tuple[int, int]:
 # Two of our parameters that HF stores as one, their last axes interleaved (GPT-OSS's
 # gate_up_proj: gate in the even columns, up in the odd ones).
 _INTERLEAVED = ("even_columns", "odd_columns")
+# Two of our expert parameters [experts, embed, F] that HF stores as one tensor's halves,
+# transposed (Gemma 4's gate_up_proj [experts, 2F, embed]: the gate's rows, then up's).
+_HALVES = ("first_half_rows", "second_half_rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +142,12 @@ def _read_shard(layout, tensor, shape: tuple, index: tuple) -> np.ndarray:
     return tensor[index[:-1] + (slice(2 * start + _INTERLEAVED.index(layout), 2 * stop, 2),)]
   if layout == "transpose":
     return tensor[index[1], index[0]].T
+  if layout in _HALVES:  # ours [X, E, F] <- rows h F + [0, F) of HF [X, 2F, E], transposed
+    start, stop = _span(index[2], shape[2])
+    offset = _HALVES.index(layout) * shape[2]
+    return np.asarray(tensor[index[0], offset + start:offset + stop, index[1]]).transpose(0, 2, 1)
+  if layout == "swap_last":  # ours [X, A, B] <- HF [X, B, A] (Gemma 4's down_proj)
+    return np.asarray(tensor[index[0], index[2], index[1]]).transpose(0, 2, 1)
   if layout == "per_head_4d":  # ours [H] <- HF [1, 1, H, 1] (Kimi's A_log)
     return np.asarray(tensor[:, :, index[0], :]).reshape(-1)
   if layout == "conv":  # ours [K, H, D] <- HF [H*D, 1, K] (a depthwise conv1d's weight)
@@ -163,6 +172,8 @@ def _to_hf(layout, x: np.ndarray) -> np.ndarray:
     x = x.reshape(x.shape[0], -1).T[:, None, :]
   elif layout == "transpose":
     x = x.T
+  elif layout in _HALVES or layout == "swap_last":
+    x = x.transpose(0, 2, 1)
   elif layout == "heads_in":
     x = x.reshape(x.shape[0], -1).T
   elif layout == "heads_out":
@@ -397,7 +408,7 @@ def jaxpar_to_hf(ckpt, out, *, dtype: str | None = None, max_shard_bytes: int = 
 def _hf_tensor(params, parts, dtype) -> np.ndarray:
   """One HF tensor from its parts, (our path, layout, index) each, one layer (of one expert)
   at a time on the host: one part, the two that HF interleaves, or the row parts (`Rows`) it
-  stacks; in `dtype` (None: as stored)."""
+  stacks, or the two halves it stacks; in `dtype` (None: as stored)."""
   leaves = {layout: np.asarray(jax.device_get(_get(params, path)[index])) for path, layout, index in parts}
   arrays = {layout: _to_hf(layout, leaf if dtype is None else leaf.astype(dtype)) for layout, leaf in leaves.items()}
   if len(arrays) == 1:
@@ -408,6 +419,8 @@ def _hf_tensor(params, parts, dtype) -> np.ndarray:
     for span, array in arrays.items():
       tensor[span.hf_rows(np.arange(span.rows))] = array
     return tensor
+  if set(arrays) == set(_HALVES):
+    return np.concatenate([arrays[layout] for layout in _HALVES], axis=-2)
   even, odd = (arrays[layout] for layout in _INTERLEAVED)
   return np.stack([even, odd], axis=-1).reshape(*even.shape[:-1], -1)
 

@@ -11,7 +11,8 @@ apart is a config default:
   scaling x8), QK-norm, no soft-capping.
 - gemma4: Gemma 3's 5:1 pattern with global layers of their own head width and KV heads
   (and values equal to keys), v-norm, unscaled scores, proportional global RoPE, a learned
-  scalar per layer and per-layer input embeddings (gemma4.py; config.Gemma4Config).
+  scalar per layer, per-layer input embeddings and experts beside the MLP (gemma4.py;
+  config.Gemma4Config).
 """
 
 # layer and gemma4 register their blocks (`sandwich_norm`; `gemma4`, `gemma4_global`).
@@ -21,7 +22,8 @@ from jaxpar.models.flops import dense_train_flops_per_token
 from jaxpar.models.registry import ModelFamily, register_family
 from jaxpar.models.transformer import Transformer
 
-for _name, _config, _hf in (("gemma2", Gemma2Config, hf.GEMMA2), ("gemma3", Gemma3Config, hf.GEMMA3),
-                            ("gemma4", Gemma4Config, hf_gemma4.GEMMA4)):
-  register_family(ModelFamily(name=_name, module=Transformer, flops_per_token=dense_train_flops_per_token,
-                              config=_config, rules="fsdp_tp", hf=_hf))
+for _name, _config, _hf, _flops in (("gemma2", Gemma2Config, hf.GEMMA2, dense_train_flops_per_token),
+                                    ("gemma3", Gemma3Config, hf.GEMMA3, dense_train_flops_per_token),
+                                    ("gemma4", Gemma4Config, hf_gemma4.GEMMA4, gemma4.train_flops_per_token)):
+  register_family(ModelFamily(name=_name, module=Transformer, flops_per_token=_flops, config=_config,
+                              rules="fsdp_tp", hf=_hf))

@@ -3,6 +3,7 @@
 from pydantic import Field, model_validator
 
 from jaxpar.models.config import LayerKind, ModelConfig, RopeScaling
+from jaxpar.models.moe_config import MoEConfig
 
 
 class GemmaConfig(ModelConfig):
@@ -53,11 +54,15 @@ class Gemma4Config(GemmaConfig):
   global_head_dim: int = Field(64, ge=1)
   global_kv_heads: int | None = Field(None, ge=1)  # None: num_kv_heads
   keys_as_values: bool = False  # the global layers' values are their keys (HF attention_k_eq_v)
+  moe: MoEConfig | None = None  # experts beside every layer's MLP (26B-A4B); None: none
 
   @model_validator(mode="after")
   def _global_heads(self):
     if self.num_heads % (self.global_kv_heads or self.num_kv_heads):
       raise ValueError(f"model.global_kv_heads={self.global_kv_heads} must divide model.num_heads={self.num_heads}")
+    if self.moe is not None and self.quantization is not None:
+      raise ValueError(f"model.quantization.mode={self.quantization.mode} with model.moe: expert weights have no "
+                       "quantized kernel yet; keep them float")
     return self
 
   def global_layers(self) -> "Gemma4Config":

@@ -4,8 +4,8 @@ decoder layer.
 Both attention blocks are GQA with q and k RMS-normed and v normed without a scale. The
 global one has heads of the model's `global_head_dim` and `global_kv_heads` (so its layers
 are a stack of their own) and, with `keys_as_values`, no v projection. The layer is Gemma's
-sandwich-norm layer, then the per-layer input block (with `model.per_layer_input_dim`), then
-a learned scalar times the whole.
+sandwich-norm layer with experts beside its MLP (with `model.moe`), then the per-layer input
+block (with `model.per_layer_input_dim`), then a learned scalar times the whole.
 """
 
 import jax.numpy as jnp
@@ -14,10 +14,12 @@ from flax import nnx
 from jaxpar.mesh import constrain
 from jaxpar.models.activations import gated
 from jaxpar.models.attention import Attention
-from jaxpar.models.decoder import RESIDUAL
+from jaxpar.models.decoder import BLOCK_INPUT, RESIDUAL
 from jaxpar.models.dense import dense
 from jaxpar.models.families.gemma.layer import SandwichNormLayer
+from jaxpar.models.flops import dense_train_flops_per_token
 from jaxpar.models.init import fan_in
+from jaxpar.models.moe import MoE
 from jaxpar.models.norm import RMSNorm, normalize
 from jaxpar.models.registry import register_block
 
@@ -64,15 +66,44 @@ class GlobalAttention(LocalAttention):
     return Attention.init_cache(cfg.global_layers(), *args, **kwargs)
 
 
+class Gemma4Experts(MoE):
+  """The experts beside Gemma 4's MLP (the 26B-A4B model): a softmax router over
+  rms(x) * router_scale / sqrt(embed), the top-k weights renormalised and then multiplied by
+  each chosen expert's `expert_scale`. Parameters beyond the MoE block's: router_scale
+  [embed], expert_scale [experts]."""
+
+  def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    super().__init__(cfg, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
+    gain = lambda n, names: nnx.Param(jnp.ones((n,), param_dtype), out_sharding=names,  # noqa: E731
+                                      weight_decay=False)
+    self.router_scale, self.expert_scale = gain(cfg.embed_dim, ("norm",)), gain(cfg.moe.num_experts, ("experts",))
+    self.eps = cfg.norm_eps
+
+  def router_logits(self, x):
+    scaled = normalize(x, self.eps) * self.router_scale[...].astype(jnp.float32) * x.shape[-1] ** -0.5
+    return dense(scaled, self.router[...].astype(jnp.float32))
+
+  def routed_weights(self, ids, weights):
+    return weights * self.expert_scale[...].astype(jnp.float32)[ids]
+
+
 class Gemma4Layer(SandwichNormLayer):
-  """The sandwich-norm layer, then x + norm(up(act(gate(x)) * its per-layer input)) when
-  the model has per-layer inputs, then x times the layer's scalar. Parameters beyond
-  the sandwich layer's: layer_scalar [1]; with per-layer inputs, input_gate [embed, per_layer],
-  input_up [per_layer, embed] and input_norm."""
+  """The sandwich-norm layer, its feed-forward half with the experts beside the MLP when
+  the model has them (`model.moe`): x + post_norm(post_norm_1(mlp(norm(x))) +
+  experts_post_norm(experts(experts_norm(x)))), the experts routed by x itself; then
+  x + norm(up(act(gate(x)) * its per-layer input)) when the model has per-layer inputs;
+  then x times the layer's scalar. Parameters beyond the sandwich layer's: layer_scalar
+  [1]; with experts, `experts` and three norms; with per-layer inputs, input_gate
+  [embed, per_layer], input_up [per_layer, embed] and input_norm."""
 
   def __init__(self, cfg, rngs: nnx.Rngs, **kwargs):
     super().__init__(cfg, rngs, **kwargs)
     dtype = jnp.dtype(cfg.param_dtype)
+    dtypes = dict(param_dtype=dtype, compute_dtype=jnp.dtype(cfg.compute_dtype))
+    norm = lambda: RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, **dtypes)  # noqa: E731
+    self.experts = None if cfg.moe is None else Gemma4Experts(cfg, rngs=rngs, **dtypes)
+    if cfg.moe is not None:
+      self.mlp_post_norm_1, self.experts_norm, self.experts_post_norm = norm(), norm(), norm()
     # A gain, not decayed; HF keeps it as a buffer that checkpoints hold.
     self.layer_scalar = nnx.Param(jnp.ones((1,), dtype), out_sharding=(None,), weight_decay=False)
     self.glu = gated(cfg.mlp_activation)  # act(gate) * the per-layer input
@@ -80,9 +111,16 @@ class Gemma4Layer(SandwichNormLayer):
     if p:
       self.input_gate = nnx.Param(fan_in()(rngs.params(), (cfg.embed_dim, p), dtype), out_sharding=("embed", None))
       self.input_up = nnx.Param(fan_in()(rngs.params(), (p, cfg.embed_dim), dtype), out_sharding=(None, "embed"))
-      self.input_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, param_dtype=dtype,
-                                compute_dtype=jnp.dtype(cfg.compute_dtype), unit_offset=cfg.norm_unit_offset)
+      self.input_norm = norm()
     self.has_inputs, self.dtype = bool(p), jnp.dtype(cfg.compute_dtype)
+
+  def feed(self, x):
+    if self.experts is None:
+      return super().feed(x)
+    fed, _ = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT))
+    routed, aux = self.experts.mix(constrain(self.experts_norm(x), BLOCK_INPUT), self.experts.router_logits(x))
+    both = self.mlp_post_norm_1(fed) + self.experts_post_norm(routed)
+    return x + constrain(self.mlp_post_norm(both), RESIDUAL), aux
 
   def __call__(self, x, context, cache, options):
     x, aux, cache = super().__call__(x, context, cache, options)
@@ -90,6 +128,14 @@ class Gemma4Layer(SandwichNormLayer):
       hidden = self.glu(dense(x, self.input_gate, dtype=self.dtype), context.layer_input().astype(self.dtype))
       x = x + constrain(self.input_norm(dense(hidden, self.input_up, dtype=self.dtype)), RESIDUAL)
     return x * self.layer_scalar[...].astype(x.dtype), aux, cache
+
+
+def train_flops_per_token(cfg, seq_len: int) -> float:
+  """The dense count (per-layer inputs included) plus each layer's router and the k experts
+  a token visits."""
+  m = cfg.moe
+  experts = 0 if m is None else cfg.embed_dim * (m.num_experts + 3 * m.experts_per_token * m.expert_mlp_dim)
+  return dense_train_flops_per_token(cfg, seq_len) + 6 * cfg.num_layers * experts
 
 
 register_block("attention", "gemma4", LocalAttention)

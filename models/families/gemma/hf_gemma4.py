@@ -5,8 +5,9 @@ Gemma 3's tensors (sandwich norms, Llama's projections, q/k norms), plus each la
 `layer_types` become a pattern whose full-attention entries are the `gemma4_global` mixer;
 their head width and KV heads come from HF's `per_layer_config` (what transformers writes)
 or `global_head_dim` / `num_global_key_value_heads` (what the published configs say).
-What jaxpar does not build yet (layers sharing another's keys and values, the MoE block,
-bidirectional attention) is a one-line error at import.
+With `enable_moe_block`, each layer's experts and router beside the MLP (the experts'
+gate and up projections are one tensor's halves). What jaxpar does not build yet (layers
+sharing another's keys and values, bidirectional attention) is a one-line error at import.
 """
 
 from jaxpar.errors import ConfigError
@@ -15,15 +16,27 @@ from jaxpar.models.families.gemma.config import Gemma4Config
 from jaxpar.models.families.gemma.hf import _LAYER, _ropes
 from jaxpar.models.hf_layout import TOP, repeating_prefix, rope_scaling_to_hf
 from jaxpar.models.layer_pattern import layer_mixer, layer_options
+from jaxpar.models.moe_config import MoEConfig
 from jaxpar.models.registry import HFMapping
 
 GLOBAL = "gemma4_global"
+_EXPERTS = (
+    (("experts", "router"), "router.proj.weight", "transpose"),
+    (("experts", "router_scale"), "router.scale", "same"),
+    (("experts", "expert_scale"), "router.per_expert_scale", "same"),
+    (("experts", "gate"), "experts.gate_up_proj", "first_half_rows"),
+    (("experts", "up"), "experts.gate_up_proj", "second_half_rows"),
+    (("experts", "down"), "experts.down_proj", "swap_last"),
+    (("mlp_post_norm_1", "scale"), "post_feedforward_layernorm_1.weight", "same"),
+    (("experts_norm", "scale"), "pre_feedforward_layernorm_2.weight", "same"),
+    (("experts_post_norm", "scale"), "post_feedforward_layernorm_2.weight", "same"),
+)
 _LAYER4 = _LAYER + (
     (("layer_scalar",), "layer_scalar", "same"),
     (("input_gate",), "per_layer_input_gate.weight", "transpose"),
     (("input_up",), "per_layer_projection.weight", "transpose"),
     (("input_norm", "scale"), "post_per_layer_input_norm.weight", "same"),
-)
+) + _EXPERTS
 _TOP4 = TOP + (
     (("per_layer_inputs", "table"), "model.embed_tokens_per_layer.weight", "same"),
     (("per_layer_inputs", "projection"), "model.per_layer_model_projection.weight", "transpose"),
@@ -32,7 +45,6 @@ _TOP4 = TOP + (
 # HF keys whose other values jaxpar cannot build yet, with what it would take.
 _UNSUPPORTED = {
     "num_kv_shared_layers": (0, "layers reusing an earlier layer's keys and values"),
-    "enable_moe_block": (False, "the mixture-of-experts block beside the MLP"),
     "use_double_wide_mlp": (False, "the KV-sharing layers' double-width MLP"),
     "use_bidirectional_attention": (None, "bidirectional attention"),
     "attention_bias": (False, "attention biases"),
@@ -70,7 +82,17 @@ def config_from_hf(hf: dict) -> Gemma4Config:
       final_logit_soft_cap=hf.get("final_logit_softcapping"), keys_as_values=bool(hf.get("attention_k_eq_v")),
       per_layer_input_dim=hf.get("hidden_size_per_layer_input") or 0,
       per_layer_vocab_size=hf.get("vocab_size_per_layer_input") if hf.get("hidden_size_per_layer_input") else None,
-      **heads)
+      moe=_moe_from_hf(hf), **heads)
+
+
+def _moe_from_hf(hf: dict) -> MoEConfig | None:
+  """The experts beside the MLP: a softmax router whose top-k weights sum to 1, no
+  auxiliary losses (the HF model trains none)."""
+  if not hf.get("enable_moe_block"):
+    return None
+  return MoEConfig(num_experts=hf["num_experts"], experts_per_token=hf["top_k_experts"],
+                   expert_mlp_dim=hf["moe_intermediate_size"], activation="gelu_tanh", normalize_weights=True,
+                   balance_loss=0.0, router_z_loss=0.0)
 
 
 def _rope_to_hf(rope) -> dict:
@@ -110,7 +132,18 @@ def config_to_hf(cfg: Gemma4Config, dtype: str) -> dict:
       "layer_types": types, "final_logit_softcapping": cfg.final_logit_soft_cap,
       "hidden_size_per_layer_input": cfg.per_layer_input_dim,
       "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size,
-      "num_kv_shared_layers": 0, "enable_moe_block": False, "attention_bias": False, "torch_dtype": dtype}
+      "num_kv_shared_layers": 0, "attention_bias": False, "torch_dtype": dtype, **_moe_to_hf(cfg.moe)}
+
+
+def _moe_to_hf(m: MoEConfig | None) -> dict:
+  if m is None:
+    return {"enable_moe_block": False}
+  if (m.router, m.normalize_weights, m.routed_scale, m.activation, m.shared_mlp_dim, m.num_groups,
+      m.router_bias, m.expert_bias) != ("softmax", True, 1.0, "gelu_tanh", 0, 1, False, False):
+    raise ConfigError("model.moe: Hugging Face gemma4_text's experts take a softmax router with normalised top-k "
+                      "weights, GeGLU experts and nothing else (no shared expert, groups, biases or scale)")
+  return {"enable_moe_block": True, "num_experts": m.num_experts, "top_k_experts": m.experts_per_token,
+          "moe_intermediate_size": m.expert_mlp_dim}
 
 
 GEMMA4 = HFMapping(model_types=("gemma4_text",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,

@@ -27,9 +27,13 @@ class SandwichNormLayer(nnx.Module):
   def __call__(self, x, context, cache, options):
     x = checkpoint_name(x, "decoder_layer_input")
     attended, cache = self.attn(constrain(self.attn_norm(x), BLOCK_INPUT), context, cache, options)
-    x = x + constrain(self.attn_post_norm(attended), RESIDUAL)
+    x, aux = self.feed(x + constrain(self.attn_post_norm(attended), RESIDUAL))
+    return x, aux, cache
+
+  def feed(self, x):
+    """The feed-forward half: x + post_norm(feed_forward(norm(x))), and its aux."""
     fed, aux = self.mlp(constrain(self.mlp_norm(x), BLOCK_INPUT))
-    return x + constrain(self.mlp_post_norm(fed), RESIDUAL), aux, cache
+    return x + constrain(self.mlp_post_norm(fed), RESIDUAL), aux
 
 
 register_block("decoder_layer", "sandwich_norm", SandwichNormLayer)
