@@ -148,3 +148,29 @@ def test_what_jaxpar_does_not_build_yet_is_a_one_line_error(tmp_path, key, value
   hf = transformers.Gemma4TextConfig(**{**SHAPES, key: value}).to_dict()
   with pytest.raises(ConfigError, match=f"{key}={value!r} is not supported yet: .*{what}"):
     config_from_hf(hf)
+
+
+def test_imports_the_text_model_of_a_multimodal_checkpoint(tmp_path):
+  """The published checkpoints are Gemma4ForConditionalGeneration: its text model's tensors
+  (under model.language_model.) import, the vision tower's are left out, and text-only
+  logits are as near its float64 ones as its own f32 logits."""
+  from jaxpar.convert.hf import hf_to_jaxpar
+  from tests.test_hf import _our_logits
+  text = transformers.Gemma4TextConfig(**{**SHAPES, "tie_word_embeddings": True, "pad_token_id": 0})
+  vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=16)
+  torch.manual_seed(0)
+  model = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+      text_config=text.to_dict(), vision_config=vision, audio_config=None)).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+  model.save_pretrained(tmp_path / "hf")
+  config = hf_to_jaxpar(tmp_path / "hf", tmp_path / "jaxpar")
+  assert (config.model.family, config.model.per_layer_input_dim, config.model.tie_embeddings) == ("gemma4", 8, True)
+  tokens = np.random.default_rng(0).integers(0, 320, (2, 24))
+  with torch.no_grad():
+    theirs = model(torch.tensor(tokens)).logits.numpy()
+    exact = model.double()(torch.tensor(tokens)).logits.numpy()
+  ours = _our_logits(tmp_path / "jaxpar", config, tokens)
+  assert np.abs(ours - exact).max() <= max(3 * np.abs(theirs - exact).max(), 1e-5 * np.abs(exact).max())

@@ -1,4 +1,7 @@
-"""Hugging Face names for Gemma 4 (text): Gemma4ForCausalLM, model type gemma4_text.
+"""Hugging Face names for Gemma 4 (text): Gemma4ForCausalLM, model type gemma4_text; and
+the text model of a multimodal checkpoint (Gemma4ForConditionalGeneration, model type
+gemma4: the published ones), whose vision and audio towers are left out. Export writes the
+text model, gemma4_text.
 
 Gemma 3's tensors (sandwich norms, Llama's projections, q/k norms), plus each layer's
 `layer_scalar` and per-layer input block, and the model's per-layer embedding. HF's
@@ -62,6 +65,9 @@ def _global_heads(hf: dict, types: list[str]) -> dict:
 
 
 def config_from_hf(hf: dict) -> Gemma4Config:
+  if hf["model_type"] == "gemma4":  # a multimodal checkpoint (Gemma4ForConditionalGeneration): its text model
+    text = hf["text_config"]
+    hf = {**text, "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", True))}
   kind = hf["model_type"]
   activations.from_hf(hf, kind, ("gelu_tanh",))
   for key, (default, what) in _UNSUPPORTED.items():
@@ -146,5 +152,7 @@ def _moe_to_hf(m: MoEConfig | None) -> dict:
           "moe_intermediate_size": m.expert_mlp_dim}
 
 
-GEMMA4 = HFMapping(model_types=("gemma4_text",), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
-                   top=_TOP4, layer=_LAYER4, groups=((f"{GLOBAL}_layers", _LAYER4),))
+# The multimodal checkpoints keep the text model's tensors under model.language_model.
+GEMMA4 = HFMapping(model_types=("gemma4_text", "gemma4"), config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+                   top=_TOP4, layer=_LAYER4, groups=((f"{GLOBAL}_layers", _LAYER4),),
+                   alternative_names=(("model.", "model.language_model."),))
