@@ -99,6 +99,12 @@ class Attention(nnx.Module):
     return q, k, v
 
   @staticmethod
+  def layer_config(cfg):
+    """The model section as this block's layers see it (a block with heads of its own
+    width says so: Gemma 4's global layers)."""
+    return cfg
+
+  @staticmethod
   def matmul_params(cfg) -> int:
     """Parameters of its projections (what FLOP counting multiplies by tokens)."""
     gated = cfg.num_heads if cfg.attention_output_gate else 0

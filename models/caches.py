@@ -25,6 +25,11 @@ view. The kinds:
                            values, a fixed-size state per slot (recurrent_state.py); the block
                            reads and writes it itself rather than calling update_and_attend
 
+A layer that reuses an earlier layer's keys and values (Gemma 4's KV sharing) calls
+`out = cache.attend(q, context, spec, sinks=None)` on that layer's cache instead: attend to
+what it holds, writing nothing. Float paged kinds (and rings) have it; a full forward keeps
+the source layers' keys in KeptKeys.
+
 A new kind is a class with `at`, `update_and_attend` and `stores_latent` (whether it holds
 latents that an attention block attends to in absorbed form); the model picks the kind
 here, once, from what the caller asks for, and an attention block's `init_cache` makes its
@@ -54,6 +59,25 @@ class NoCache:
     out = pallas_kernels.attention(q, k, v, spec, segment_ids=context.segment_ids, zigzag=context.zigzag,
                                    sinks=sinks)
     return out, self
+
+
+@struct.dataclass
+class KeptKeys:
+  """A full forward's cache for layers whose keys and values later layers reuse: as NoCache,
+  keeping the last keys and values k, v [B, L, kv_heads, head_dim] it attended with, which
+  `attend` reads. Made with zeros of their shapes, so the scan's carry keeps its type."""
+  stores_latent = False
+  k: jnp.ndarray
+  v: jnp.ndarray
+
+  def at(self, layer) -> "KeptKeys":
+    return self
+
+  def update_and_attend(self, q, k, v, context, spec, sinks=None):
+    return NoCache().update_and_attend(q, k, v, context, spec, sinks)[0], self.replace(k=k, v=v)
+
+  def attend(self, q, context, spec, sinks=None):
+    return NoCache().update_and_attend(q, self.k, self.v, context, spec, sinks)[0]
 
 
 @struct.dataclass
@@ -111,6 +135,8 @@ def init(cfg, num_layers: int, num_pages: int, page_size: int, dtype, *, kv_quan
   Gemma 4's).
   `kv_repeat`: copies of each KV head the pages hold (kv_cache.head_repeat), laid out as for
   a model with that many times the KV heads."""
+  if getattr(get_block("attention", mixer or cfg.attention_block), "kv_source_mixer", None):
+    return {}  # its layers read another group's pages (Gemma 4's KV sharing)
   if kv_repeat > 1:
     cfg = cfg.model_copy(update={"num_kv_heads": cfg.num_kv_heads * kv_repeat})
   if kv_cache_windowed.is_mixed(windows) or rings and windows and all(windows):

@@ -67,11 +67,14 @@ class PagedCache:
     everything cached up to each query's position -> (out [B, T, heads, head_dim], cache)."""
     heads = self.pages["k"].shape[1]
     cache = write(self, fit_heads(k, heads), fit_heads(v, heads), context.positions)
+    return cache.attend(q, context, spec, sinks), cache
+
+  def attend(self, q, context, spec, sinks=None):
+    """Attend q to everything cached up to each query's position, writing nothing."""
     # The stacked pages and the layer's index: a kernel that reads them in place (CPU decode)
     # need not copy the layer's pages out first.
-    out = pallas_kernels.paged_attention(q, cache.pages["k"], cache.pages["v"], context.positions,
-                                         self.page_table, context.attention_spec(spec), layer=self.layer, sinks=sinks)
-    return out, cache
+    return pallas_kernels.paged_attention(q, self.pages["k"], self.pages["v"], context.positions,
+                                          self.page_table, context.attention_spec(spec), layer=self.layer, sinks=sinks)
 
 
 def write(cache: PagedCache, k, v, positions) -> PagedCache:

@@ -69,6 +69,9 @@ class LocalGlobalCache:
     out, windowed = self.windowed.update_and_attend(q, k, v, context, spec, sinks)
     return out, self.replace(windowed=windowed)
 
+  def attend(self, q, context, spec, sinks=None):
+    return (self.full if spec.sliding_window is None else self.windowed).attend(q, context, spec, sinks)
+
   @property
   def pages(self) -> dict:
     return {"full": self.full.pages, "windowed": self.windowed.pages}
@@ -87,6 +90,9 @@ class RingsOnly:
   def update_and_attend(self, q, k, v, context, spec, sinks=None):
     out, windowed = self.windowed.update_and_attend(q, k, v, context, spec, sinks)
     return out, self.replace(windowed=windowed)
+
+  def attend(self, q, context, spec, sinks=None):
+    return self.windowed.attend(q, context, spec, sinks)
 
   @property
   def pages(self) -> dict:

@@ -65,6 +65,20 @@ def layer_groups(cfg) -> list[LayerGroup]:
   return groups
 
 
+def kv_sources(cfg) -> dict[str, tuple[str, tuple[int, ...]]]:
+  """{group whose layers reuse an earlier layer's keys and values (their block's
+  `kv_source_mixer`, Gemma 4's KV sharing): (the group they read, and per layer the index in
+  it of the last earlier layer of that mixer)}."""
+  groups, sources = layer_groups(cfg), {}
+  for group in groups:
+    mixer = getattr(get_block("attention", group.mixer), "kv_source_mixer", None)
+    if mixer is not None:
+      source = next(g for g in groups if g.mixer == mixer and g.run == group.run)
+      sources[group.name] = (source.name, tuple(max(j for j, s in enumerate(source.indices) if s < i)
+                                                for i in group.indices))
+  return sources
+
+
 def layer_runs(cfg) -> list[list[LayerGroup]]:
   """The groups by run, in order: each run's layers are consecutive, its groups interleaved."""
   runs = {}
@@ -165,8 +179,22 @@ class Transformer(nnx.Module):
     x = self._embed(tokens)
     context = self._with_layer_inputs(LayerContext(positions, segment_ids, zigzag=zigzag), tokens, x)
     cache = caches.for_forward(kv_quantization)
-    x, aux, _ = self._run_stack(x, context, {g.name: cache for g in layer_groups(self.cfg)})
+    group_caches = {g.name: cache for g in layer_groups(self.cfg)}
+    x, aux, _ = self._run_stack(x, context, {**group_caches, **self._kept_keys(tokens.shape, kv_quantization)})
     return x, aux, context
+
+  def _kept_keys(self, shape, kv_quantization) -> dict:
+    """The caches of the groups whose keys and values later layers reuse, for a full
+    forward of tokens of `shape` [B, L] (none when no layer reuses any)."""
+    cfg, kept = self.cfg, {}
+    for source, _ in kv_sources(cfg).values():
+      if kv_quantization is not None:
+        raise ConfigError("layers that reuse another layer's keys and values (Gemma 4's KV sharing) read a float "
+                          "cache: serve and evaluate this model without KV quantization")
+      own = get_block("attention", next(g.mixer for g in layer_groups(cfg) if g.name == source)).layer_config(cfg)
+      zeros = jnp.zeros((*shape, own.num_kv_heads, own.head_dim), jnp.dtype(cfg.compute_dtype))
+      kept[source] = caches.KeptKeys(zeros, zeros)
+    return kept
 
   def decode(self, tokens, positions, cache: dict, page_table, logits_index=None, *,
              kv_quantization=None, tail_index=None):
@@ -203,6 +231,8 @@ class Transformer(nnx.Module):
     if tree is not None and kv_quantization is not None:
       raise ConfigError("a speculative tree pass writes candidates past a row's end, which a quantized cache's "
                         "tail page cannot hold: serve with a float KV cache, or with a chain (no tree)")
+    if kv_quantization is not None:
+      self._kept_keys((0, 0), kv_quantization)  # refuses KV sharing over a quantized cache
     first = jnp.zeros((), jnp.int32)
     windows = {g.name: sliding_windows(self.cfg, g.indices) for g in layer_groups(self.cfg)}
     views = {name: caches.for_generation(pages, page_table, first, kv_quantization=kv_quantization,
@@ -269,11 +299,15 @@ class Transformer(nnx.Module):
 
     salt = zlib.crc32(group.encode()) % 2**31  # the groups' layers count from 0 each
     indices = next(g.indices for g in layer_groups(self.cfg) if g.name == group)
+    # A group that reuses another's keys and values reads that group's cache at each of its
+    # layers' source, and leaves it as it was.
+    source, source_index = kv_sources(self.cfg).get(group, (group, None))
 
     def layer_fn(layer, carry, index):
       x, context, group_caches = carry
       own = context if context.layer_inputs is None else context.replace(layer_index=jnp.asarray(indices)[index])
+      at = index if source_index is None else jnp.asarray(source_index)[index]
       with low_precision.noise_scope(salt, index):  # each layer its own gradient rounding noise
-        x, aux, cache = block(layer, x, own, group_caches[group].at(index))
-      return (x, context, {**group_caches, group: cache}), aux
+        x, aux, cache = block(layer, x, own, group_caches[source].at(at))
+      return (x, context, group_caches if source_index is not None else {**group_caches, group: cache}), aux
     return layer_fn

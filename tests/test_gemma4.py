@@ -43,11 +43,15 @@ def _random_gemma4(directory, **overrides):
   return model
 
 
-# The dense model with per-layer inputs (E2B/E4B's), and the one with experts beside each
-# MLP (26B-A4B's) whose global layers keep their own values and the local KV head count.
-VARIANTS = {"dense": {}, "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24,
-                                     hidden_size_per_layer_input=0, attention_k_eq_v=False,
-                                     num_global_key_value_heads=None)}
+# The dense model with per-layer inputs; the same with its last two layers (one local, one
+# global) reusing the keys and values of the last earlier layer of their type, with MLPs of
+# twice the width (E2B/E4B's); and one with experts beside each MLP (26B-A4B's) whose
+# global layers keep their own values and the local KV head count.
+VARIANTS = {"dense": {}, "shared": dict(num_kv_shared_layers=2, use_double_wide_mlp=True),
+            "moe": dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24,
+                        hidden_size_per_layer_input=0, attention_k_eq_v=False, num_global_key_value_heads=None)}
+MIXERS = {"dense": [None, None, "gemma4_global", None, "gemma4_global"],
+          "shared": [None, None, "gemma4_global", "gemma4_shared", "gemma4_global_shared"]}
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -66,7 +70,9 @@ def test_imports_near_float64_and_exports_exactly(gemma4):
   assert (m.family, m.global_head_dim, m.global_kv_heads, m.keys_as_values, m.per_layer_input_dim) == (
       ("gemma4", 32, None, False, 0) if moe else ("gemma4", 32, 1, True, 8))
   assert (m.moe.num_experts, m.moe.experts_per_token, m.moe.expert_mlp_dim) == (4, 2, 24) if moe else m.moe is None
-  assert [k.mixer for k in m.layer_pattern] == [None, None, "gemma4_global", None, "gemma4_global"]
+  shared = model.config.num_kv_shared_layers
+  assert [k.mixer for k in m.layer_pattern] == MIXERS["shared" if shared else "dense"]
+  assert m.double_wide_mlp == bool(shared)
   assert_round_trip_near_float64(model, config, directory, TYPES)
 
 
@@ -74,8 +80,10 @@ def test_generates_like_transformers_past_the_window(gemma4):
   from tests.test_hf import assert_generates_like_transformers
   model, _, directory = gemma4
   engine = assert_generates_like_transformers(model, directory, max_tokens=48, page_size=PAGE)
-  # Both groups keep only their window's rings or the pool: the local layers hold no pool pages.
+  # Both groups keep only their window's rings or the pool: the local layers hold no pool pages,
+  # and the layers that reuse others' keys hold nothing.
   assert set(engine.cache["layers"]) == {"windowed"} and "k" in engine.cache["gemma4_global_layers"]
+  assert all(engine.cache[g] == {} for g in ("gemma4_shared_layers", "gemma4_global_shared_layers") if g in engine.cache)
 
 
 def test_two_requests_across_a_preemption_get_transformers_tokens(gemma4):
@@ -100,26 +108,33 @@ def test_two_requests_across_a_preemption_get_transformers_tokens(gemma4):
 
 def test_train_step_on_8_devices_equals_one_device():
   """The tiny config (per-layer inputs, wide global heads whose values are their keys) with
-  experts beside each MLP, on fsdp=2 x expert=2 x tensor=2 with the fused loss through the
+  experts beside each MLP and its last two layers reusing earlier ones' keys and values
+  (with double-wide MLPs), on fsdp=2 x expert=2 x tensor=2 with the fused loss through the
   final soft cap, against one device."""
   from jaxpar.config import load_config, replace
   config = load_config("tiny-gemma4", ["model.final_logit_soft_cap=3.0", "model.max_seq_len=32", "data.seq_len=32",
                                        "model.tie_embeddings=false"])
-  model = replace(config, model={"moe": {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 64,
-                                         "activation": "gelu_tanh", "balance_loss": 0.0, "router_z_loss": 0.0}}).model
+  local = {"sliding_window": 32, "rope_theta": 10000.0, "rope_scaling": None}
+  model = replace(config, model={
+      "moe": {"num_experts": 4, "experts_per_token": 2, "expert_mlp_dim": 64, "activation": "gelu_tanh",
+              "balance_loss": 0.0, "router_z_loss": 0.0},
+      "layer_pattern": [local] * 3 + [{"mixer": "gemma4_global"}, {**local, "mixer": "gemma4_shared"},
+                                      {"mixer": "gemma4_global_shared"}],
+      "double_wide_mlp": True}).model
   (want, want_sums), (got, got_sums) = gradients_on_8_devices_and_one(model, MeshConfig(fsdp=2, expert=2, tensor=2))
   assert np.abs(want["layers"]["experts"]["expert_scale"]).min() > 0
+  assert want["gemma4_shared_layers"]["mlp"]["up"].shape[-1] == 2 * model.mlp_dim
   np.testing.assert_allclose(got_sums["ce_sum"], want_sums["ce_sum"], rtol=1e-5)
   assert np.abs(want["per_layer_inputs"]["table"]).max() > 0 and np.abs(want["layers"]["layer_scalar"]).min() > 1
   # The last layer's scalar only scales what the final RMSNorm divides back out: its gradient
   # is 0 up to rounding (1.7e-5 against the others' 4 to 29), on both meshes.
-  last = [np.abs(g["gemma4_global_layers"]["layer_scalar"]).max() for g in (want, got)]
+  last = [np.abs(g["gemma4_global_shared_layers"]["layer_scalar"]).max() for g in (want, got)]
   assert max(last) < 1e-4 * np.abs(want["layers"]["layer_scalar"]).max()
   # Unscaled scores (q and k normed to ~unit entries, then dotted whole) make the softmax
   # sharp: the two meshes' sums in other orders land up to 5.4e-5 of each leaf's largest
   # entry apart (2.6e-6 with the scores scaled by 64 ** -0.5).
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-    if "layer_scalar" in jax.tree_util.keystr(path) and "global" in jax.tree_util.keystr(path):
+    if "layer_scalar" in jax.tree_util.keystr(path) and "global_shared" in jax.tree_util.keystr(path):
       continue
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
 
@@ -140,8 +155,7 @@ def test_the_31b_config_has_the_published_models_parameters():
   assert round(ours / 1e9, 1) == 30.7
 
 
-@pytest.mark.parametrize("key, value, what", [("num_kv_shared_layers", 2, "keys and values"),
-                                              ("use_bidirectional_attention", "all", "bidirectional")])
+@pytest.mark.parametrize("key, value, what", [("use_bidirectional_attention", "all", "bidirectional")])
 def test_what_jaxpar_does_not_build_yet_is_a_one_line_error(tmp_path, key, value, what):
   from jaxpar.errors import ConfigError
   from jaxpar.models.families.gemma.hf_gemma4 import config_from_hf

@@ -145,7 +145,7 @@ def test_unknown_family_and_block_are_one_line_errors():
   with pytest.raises(ConfigError, match="model.mlp='nope' is not a registered feed_forward block"):
     _config(model={"mlp": "nope"})
   with pytest.raises(ConfigError, match=r"model.attention_block='sparse' is not a registered attention block; "
-                                        r"use one of \['gated_deltanet', 'gemma4', 'gemma4_global', 'gqa', 'mla', 'nope'\]"):
+                                        r"use one of \['gated_deltanet', 'gemma4', 'gemma4_global', 'gemma4_global_shared', 'gemma4_shared', 'gqa', 'mla', 'nope'\]"):
     _config(model={"attention_block": "sparse"})
   with pytest.raises(ConfigError, match=r"model.layer_pattern\[1\].mixer='sparse' is not a registered attention block"):
     _config(model={"layer_pattern": [{}, {"mixer": "sparse"}]})

@@ -55,11 +55,21 @@ class Gemma4Config(GemmaConfig):
   global_kv_heads: int | None = Field(None, ge=1)  # None: num_kv_heads
   keys_as_values: bool = False  # the global layers' values are their keys (HF attention_k_eq_v)
   moe: MoEConfig | None = None  # experts beside every layer's MLP (26B-A4B); None: none
+  # The layers that reuse an earlier layer's keys and values (pattern mixers gemma4_shared,
+  # gemma4_global_shared) have an MLP of twice mlp_dim (HF use_double_wide_mlp).
+  double_wide_mlp: bool = False
 
   @model_validator(mode="after")
   def _global_heads(self):
     if self.num_heads % (self.global_kv_heads or self.num_kv_heads):
       raise ValueError(f"model.global_kv_heads={self.global_kv_heads} must divide model.num_heads={self.num_heads}")
+    sources = {"gemma4_shared": "gemma4", "gemma4_global_shared": "gemma4_global"}
+    mixers = [(k.mixer or self.attention_block) for k in self.layer_pattern] if self.layer_pattern else []
+    for i in range(self.num_layers if mixers else 0):
+      mixer = mixers[i % len(mixers)]
+      if mixer in sources and sources[mixer] not in [mixers[j % len(mixers)] for j in range(i)]:
+        raise ValueError(f"model.layer_pattern: layer {i} ({mixer}) reuses the keys and values of an earlier "
+                         f"{sources[mixer]} layer, and none comes before it")
     if self.moe is not None and self.quantization is not None:
       raise ValueError(f"model.quantization.mode={self.quantization.mode} with model.moe: expert weights have no "
                        "quantized kernel yet; keep them float")

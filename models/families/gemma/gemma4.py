@@ -1,5 +1,6 @@
-"""Gemma 4's blocks: the `gemma4` (local) and `gemma4_global` attention blocks and the `gemma4`
-decoder layer.
+"""Gemma 4's blocks: the `gemma4` (local) and `gemma4_global` attention blocks, the
+`gemma4_shared` and `gemma4_global_shared` blocks that reuse an earlier layer's keys and
+values, and the `gemma4` decoder layer.
 
 Both attention blocks are GQA with q and k RMS-normed and v normed without a scale. The
 global one has heads of the model's `global_head_dim` and `global_kv_heads` (so its layers
@@ -12,16 +13,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.mesh import constrain
+from jaxpar.models import lora
 from jaxpar.models.activations import gated
 from jaxpar.models.attention import Attention
 from jaxpar.models.decoder import BLOCK_INPUT, RESIDUAL
-from jaxpar.models.dense import dense
+from jaxpar.models.dense import dense, projection
 from jaxpar.models.families.gemma.layer import SandwichNormLayer
 from jaxpar.models.flops import dense_train_flops_per_token
 from jaxpar.models.init import fan_in
+from jaxpar.models.layer_pattern import layer_mixer
 from jaxpar.models.moe import MoE
 from jaxpar.models.norm import RMSNorm, normalize
 from jaxpar.models.registry import register_block
+from jaxpar.models.rope import apply_rope
 
 
 class LocalAttention(Attention):
@@ -30,10 +34,6 @@ class LocalAttention(Attention):
   def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
     super().__init__(self.layer_config(cfg), param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=rngs)
     self.eps = cfg.norm_eps
-
-  @staticmethod
-  def layer_config(cfg):
-    return cfg
 
   def project_qkv(self, x):
     q, k, v = super().project_qkv(x)
@@ -64,6 +64,69 @@ class GlobalAttention(LocalAttention):
   @staticmethod
   def init_cache(cfg, *args, **kwargs) -> dict:
     return Attention.init_cache(cfg.global_layers(), *args, **kwargs)
+
+
+class SharedAttention(nnx.Module):
+  """`gemma4_shared`: a local layer that reuses the keys and values of the last earlier
+  `gemma4` layer (the E2B/E4B models' last layers), so it keeps none: q projected, normed
+  and rotated, attending over its source layer's cache (`cache.attend`), then the o
+  projection. Parameters: q, q_norm, o."""
+
+  kv_source_mixer = "gemma4"  # whose keys and values it reads (models/transformer.py)
+
+  def __init__(self, cfg, *, param_dtype, compute_dtype, rngs: nnx.Rngs):
+    own = self.layer_config(cfg)
+    e, h, d = own.embed_dim, own.num_heads, own.head_dim
+    proj = dict(param_dtype=param_dtype, quantization=own.quantization)
+    self.q = projection(fan_in(in_axis=0, out_axis=(1, 2)), rngs.params(), (e, h, d), ("embed", "heads", "head_dim"),
+                        **proj)
+    self.o = projection(fan_in(in_axis=(0, 1), out_axis=2), rngs.params(), (h, d, e),
+                        ("heads", "head_dim", "embed"), contract=2, **proj)
+    self.lora = lora.adapters(own.lora, rngs, q=self.q, o=self.o)
+    self.q_norm = RMSNorm(d, eps=own.norm_eps, param_dtype=param_dtype, compute_dtype=compute_dtype,
+                          names=("head_dim",), unit_offset=own.norm_unit_offset)
+    self.dtype, self.precision = compute_dtype, own.train_precision
+
+  @staticmethod
+  def layer_config(cfg):
+    return cfg
+
+  def __call__(self, x, context, cache, options):
+    dt = self.dtype
+    q = self.q_norm(dense(x, self.q, dtype=dt, adapter=lora.adapter(self.lora, "q"), precision=self.precision))
+    if options.rope is not None:
+      q = apply_rope(q, context.sequence_positions, options.rope.frequencies(q.shape[-1]),
+                     options.rope.attention_factor())
+    out = cache.attend(constrain(q, ("batch", "length", "act_heads", "head_dim")), context, options.attention)
+    o = dense(out, self.o, contract=2, dtype=dt, adapter=lora.adapter(self.lora, "o"), precision=self.precision)
+    return o, cache
+
+  @classmethod
+  def matmul_params(cls, cfg) -> int:
+    own = cls.layer_config(cfg)
+    return 2 * own.embed_dim * own.num_heads * own.head_dim
+
+  @classmethod
+  def head_dims(cls, cfg) -> tuple[int, int]:
+    return Attention.head_dims(cls.layer_config(cfg))
+
+  @staticmethod
+  def init_cache(cfg, *args, **kwargs) -> dict:
+    return {}  # its source layer's pages hold its keys and values
+
+
+class SharedGlobalAttention(SharedAttention):
+  """`gemma4_global_shared`: the same over the last earlier `gemma4_global` layer, with the
+  global layers' heads."""
+
+  kv_source_mixer = "gemma4_global"
+
+  @staticmethod
+  def layer_config(cfg):
+    return cfg.global_layers()
+
+
+SHARED_MIXERS = ("gemma4_shared", "gemma4_global_shared")
 
 
 class Gemma4Experts(MoE):
@@ -97,6 +160,8 @@ class Gemma4Layer(SandwichNormLayer):
   [embed, per_layer], input_up [per_layer, embed] and input_norm."""
 
   def __init__(self, cfg, rngs: nnx.Rngs, **kwargs):
+    if cfg.double_wide_mlp and kwargs.get("mixer") in SHARED_MIXERS:  # the sharing layers' MLP is twice as wide
+      cfg = cfg.model_copy(update={"mlp_dim": 2 * cfg.mlp_dim})
     super().__init__(cfg, rngs, **kwargs)
     dtype = jnp.dtype(cfg.param_dtype)
     dtypes = dict(param_dtype=dtype, compute_dtype=jnp.dtype(cfg.compute_dtype))
@@ -132,12 +197,16 @@ class Gemma4Layer(SandwichNormLayer):
 
 def train_flops_per_token(cfg, seq_len: int) -> float:
   """The dense count (per-layer inputs included) plus each layer's router and the k experts
-  a token visits."""
+  a token visits, and the second half of the sharing layers' double-wide MLPs."""
   m = cfg.moe
   experts = 0 if m is None else cfg.embed_dim * (m.num_experts + 3 * m.experts_per_token * m.expert_mlp_dim)
-  return dense_train_flops_per_token(cfg, seq_len) + 6 * cfg.num_layers * experts
+  wide = cfg.double_wide_mlp * sum(layer_mixer(cfg, i) in SHARED_MIXERS for i in range(cfg.num_layers))
+  return (dense_train_flops_per_token(cfg, seq_len) + 6 * cfg.num_layers * experts
+          + 6 * wide * 3 * cfg.embed_dim * cfg.mlp_dim)
 
 
 register_block("attention", "gemma4", LocalAttention)
 register_block("attention", "gemma4_global", GlobalAttention)
+register_block("attention", "gemma4_shared", SharedAttention)
+register_block("attention", "gemma4_global_shared", SharedGlobalAttention)
 register_block("decoder_layer", "gemma4", Gemma4Layer)

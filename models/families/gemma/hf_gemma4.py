@@ -9,8 +9,10 @@ Gemma 3's tensors (sandwich norms, Llama's projections, q/k norms), plus each la
 their head width and KV heads come from HF's `per_layer_config` (what transformers writes)
 or `global_head_dim` / `num_global_key_value_heads` (what the published configs say).
 With `enable_moe_block`, each layer's experts and router beside the MLP (the experts'
-gate and up projections are one tensor's halves). What jaxpar does not build yet (layers
-sharing another's keys and values, bidirectional attention) is a one-line error at import.
+gate and up projections are one tensor's halves). The last `num_kv_shared_layers` layers reuse
+the keys and values of the last earlier layer of their type: the `gemma4_shared` and
+`gemma4_global_shared` mixers (their tensors are q, q_norm and o only). What jaxpar does not
+build yet (bidirectional attention) is a one-line error at import.
 """
 
 from jaxpar.errors import ConfigError
@@ -47,8 +49,6 @@ _TOP4 = TOP + (
 )
 # HF keys whose other values jaxpar cannot build yet, with what it would take.
 _UNSUPPORTED = {
-    "num_kv_shared_layers": (0, "layers reusing an earlier layer's keys and values"),
-    "use_double_wide_mlp": (False, "the KV-sharing layers' double-width MLP"),
     "use_bidirectional_attention": (None, "bidirectional attention"),
     "attention_bias": (False, "attention biases"),
 }
@@ -79,12 +79,17 @@ def config_from_hf(hf: dict) -> Gemma4Config:
   (theta, scaling), (local_theta, local_scaling) = _ropes(hf)
   local = {"sliding_window": hf["sliding_window"], "rope_theta": local_theta, "rope_scaling": local_scaling}
   heads = _global_heads(hf, types)
+  shared = hf.get("num_kv_shared_layers") or 0  # the last layers reuse the last earlier one's of their type
+  mixers = [("gemma4" if t == "sliding_attention" else GLOBAL) + ("_shared" if i >= layers - shared else "")
+            for i, t in enumerate(types)]
+  kind = lambda mixer: {**({} if mixer.startswith(GLOBAL) else local),  # noqa: E731
+                        **({} if mixer == "gemma4" else {"mixer": mixer})}
   return Gemma4Config(
       max_seq_len=hf["max_position_embeddings"], vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
       num_layers=layers, num_heads=hf["num_attention_heads"], num_kv_heads=hf["num_key_value_heads"],
       head_dim=hf["head_dim"], mlp_dim=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
       norm_eps=hf["rms_norm_eps"], tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-      layer_pattern=[local if t == "sliding_attention" else {"mixer": GLOBAL} for t in repeating_prefix(types)],
+      layer_pattern=[kind(m) for m in repeating_prefix(mixers)], double_wide_mlp=bool(hf.get("use_double_wide_mlp")),
       final_logit_soft_cap=hf.get("final_logit_softcapping"), keys_as_values=bool(hf.get("attention_k_eq_v")),
       per_layer_input_dim=hf.get("hidden_size_per_layer_input") or 0,
       per_layer_vocab_size=hf.get("vocab_size_per_layer_input") if hf.get("hidden_size_per_layer_input") else None,
@@ -108,7 +113,12 @@ def _rope_to_hf(rope) -> dict:
 def config_to_hf(cfg: Gemma4Config, dtype: str) -> dict:
   """Gemma 4's config.json; a one-line ConfigError for what it cannot say."""
   options = [layer_options(cfg, i) for i in range(cfg.num_layers)]
-  is_global = [layer_mixer(cfg, i) == GLOBAL for i in range(cfg.num_layers)]
+  mixers = [layer_mixer(cfg, i) for i in range(cfg.num_layers)]
+  is_global = [m.startswith(GLOBAL) for m in mixers]
+  shared = sum(m.endswith("_shared") for m in mixers)
+  if any(m.endswith("_shared") for m in mixers[:cfg.num_layers - shared]):
+    raise ConfigError("model.layer_pattern: Hugging Face gemma4_text shares keys and values in its last layers only "
+                      "(num_kv_shared_layers): put every gemma4_shared / gemma4_global_shared layer after the others")
   windows = {o.attention.sliding_window for o, g in zip(options, is_global) if not g}
   ropes = {g: o.rope for o, g in zip(options, is_global)}
   if (None in windows or len(windows) > 1 or any(o.attention.sliding_window for o, g in zip(options, is_global) if g)
@@ -138,7 +148,7 @@ def config_to_hf(cfg: Gemma4Config, dtype: str) -> dict:
       "layer_types": types, "final_logit_softcapping": cfg.final_logit_soft_cap,
       "hidden_size_per_layer_input": cfg.per_layer_input_dim,
       "vocab_size_per_layer_input": cfg.per_layer_vocab_size or cfg.vocab_size,
-      "num_kv_shared_layers": 0, "attention_bias": False, "torch_dtype": dtype, **_moe_to_hf(cfg.moe)}
+      "num_kv_shared_layers": shared, "use_double_wide_mlp": cfg.double_wide_mlp, "attention_bias": False, "torch_dtype": dtype, **_moe_to_hf(cfg.moe)}
 
 
 def _moe_to_hf(m: MoEConfig | None) -> dict:
