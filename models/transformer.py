@@ -186,15 +186,18 @@ class Transformer(nnx.Module):
   def _kept_keys(self, shape, kv_quantization) -> dict:
     """The caches of the groups whose keys and values later layers reuse, for a full
     forward of tokens of `shape` [B, L] (none when no layer reuses any)."""
+    self._check_kv_sharing(kv_quantization)
     cfg, kept = self.cfg, {}
     for source, _ in kv_sources(cfg).values():
-      if kv_quantization is not None:
-        raise ConfigError("layers that reuse another layer's keys and values (Gemma 4's KV sharing) read a float "
-                          "cache: serve and evaluate this model without KV quantization")
       own = get_block("attention", next(g.mixer for g in layer_groups(cfg) if g.name == source)).layer_config(cfg)
       zeros = jnp.zeros((*shape, own.num_kv_heads, own.head_dim), jnp.dtype(cfg.compute_dtype))
       kept[source] = caches.KeptKeys(zeros, zeros)
     return kept
+
+  def _check_kv_sharing(self, kv_quantization):
+    if kv_quantization is not None and kv_sources(self.cfg):
+      raise ConfigError("layers that reuse another layer's keys and values (Gemma 4's KV sharing) read a float "
+                        "cache: serve and evaluate this model without KV quantization")
 
   def decode(self, tokens, positions, cache: dict, page_table, logits_index=None, *,
              kv_quantization=None, tail_index=None):
@@ -231,8 +234,7 @@ class Transformer(nnx.Module):
     if tree is not None and kv_quantization is not None:
       raise ConfigError("a speculative tree pass writes candidates past a row's end, which a quantized cache's "
                         "tail page cannot hold: serve with a float KV cache, or with a chain (no tree)")
-    if kv_quantization is not None:
-      self._kept_keys((0, 0), kv_quantization)  # refuses KV sharing over a quantized cache
+    self._check_kv_sharing(kv_quantization)
     first = jnp.zeros((), jnp.int32)
     windows = {g.name: sliding_windows(self.cfg, g.indices) for g in layer_groups(self.cfg)}
     views = {name: caches.for_generation(pages, page_table, first, kv_quantization=kv_quantization,

@@ -188,3 +188,20 @@ def test_imports_the_text_model_of_a_multimodal_checkpoint(tmp_path):
     exact = model.double()(torch.tensor(tokens)).logits.numpy()
   ours = _our_logits(tmp_path / "jaxpar", config, tokens)
   assert np.abs(ours - exact).max() <= max(3 * np.abs(theirs - exact).max(), 1e-5 * np.abs(exact).max())
+
+
+def test_kv_sharing_over_a_quantized_cache_is_a_one_line_error():
+  """The sharing layers read their source's float keys: a quantized cache is refused before anything runs."""
+  import jax.numpy as jnp
+  from flax import nnx
+  from jaxpar.config import load_config, replace
+  from jaxpar.errors import ConfigError
+  from jaxpar.models.kv_quant import KVQuantization
+  from jaxpar.runtime import Runtime
+  config = load_config("tiny-gemma4", ["model.num_layers=3", "model.per_layer_input_dim=0"])
+  model = replace(config, model={"layer_pattern": [{"sliding_window": 32}, {"mixer": "gemma4_global"},
+                                                   {"mixer": "gemma4_global_shared"}]}).model
+  runtime = Runtime(model, MeshConfig(fsdp=1), jax.devices()[:1])
+  params, model_state = runtime.init()
+  with runtime.context(), pytest.raises(ConfigError, match="KV sharing.*without KV quantization"):
+    nnx.merge(runtime.graphdef, params, model_state)(jnp.zeros((1, 8), jnp.int32), kv_quantization=KVQuantization("int8"))
