@@ -210,7 +210,7 @@ class GatedDeltaNetConfig(Frozen):
   value_head_dim: int = Field(32, ge=1)
   conv_kernel: int = Field(4, ge=1)  # the short causal convolution over q, k and v
   chunk_size: int = Field(64, ge=1)  # tokens per chunk of the chunked (training, prefill) form
-  implementation: Literal["auto", "reference", "chunked"] = "auto"  # pallas_kernels.gated_delta_rule
+  implementation: Literal["auto", "reference", "chunked", "pallas"] = "auto"  # pallas_kernels.gated_delta_rule
   variant: Literal["qwen", "kimi"] = "qwen"
 
   @model_validator(mode="after")

@@ -1,8 +1,9 @@
-"""The gated delta rule (pallas_kernels/linear_attention): the chunked WY form equals the
-token-by-token reference (outputs, final state and gradients) with grouped heads, Dk != Dv, an
-initial state, a length no multiple of the chunk and packed sequences, with a decay per head
-(Gated DeltaNet) and per key channel (Kimi Delta Attention); the reference's resets equal
-running each sequence alone; the decode step, token by token, equals the reference."""
+"""The gated delta rule (pallas_kernels/linear_attention): the chunked WY form and the Pallas
+TPU and GPU kernels (interpret mode) equal the token-by-token reference (outputs, final state
+and gradients) with grouped heads, Dk != Dv, an initial state, a length no multiple of the
+chunk and packed sequences, with a decay per head (Gated DeltaNet) and, for the XLA form, per
+key channel (Kimi Delta Attention); the reference's resets equal running each sequence alone;
+the decode step, token by token, equals the reference; the kernels run split over a mesh."""
 
 import functools
 
@@ -13,6 +14,7 @@ import pytest
 
 from jaxpar.pallas_kernels import gated_delta_rule, gated_delta_rule_reference, gated_delta_step
 from jaxpar.pallas_kernels.linear_attention.chunked import gated_delta_rule_chunked
+from jaxpar.pallas_kernels.linear_attention.kernel import gated_delta_rule_pallas
 
 BATCH, LENGTH, KEY_HEADS, HEADS, KEY_DIM, VALUE_DIM, CHUNK = 2, 37, 2, 4, 8, 12, 16
 # Three packed sequences a row: row 0's start inside a chunk (10) and at a chunk edge (32);
@@ -32,16 +34,17 @@ def packed_segment_ids():
   return ids
 
 
-def inputs(seed=0, key_heads=KEY_HEADS, length=LENGTH, per_channel=False):
+def inputs(seed=0, key_heads=KEY_HEADS, length=LENGTH, per_channel=False, dims=(KEY_DIM, VALUE_DIM)):
   """(q, k, v, g, beta, initial_state) as the model block gives them: unit q and k, decays
   exp(g) in (0, 1) (one per head, or with `per_channel` one per key channel), beta in (0, 1)."""
   rng = np.random.default_rng(seed)
+  key_dim, value_dim = dims
   unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-  q, k = (unit(rng.normal(size=(BATCH, length, key_heads, KEY_DIM))) for _ in range(2))
-  v = rng.normal(size=(BATCH, length, HEADS, VALUE_DIM))
-  g = -np.logaddexp(0.0, rng.normal(size=(BATCH, length, HEADS) + ((KEY_DIM,) if per_channel else ()))) * 0.5
+  q, k = (unit(rng.normal(size=(BATCH, length, key_heads, key_dim))) for _ in range(2))
+  v = rng.normal(size=(BATCH, length, HEADS, value_dim))
+  g = -np.logaddexp(0.0, rng.normal(size=(BATCH, length, HEADS) + ((key_dim,) if per_channel else ()))) * 0.5
   beta = 1 / (1 + np.exp(-rng.normal(size=(BATCH, length, HEADS))))
-  state = rng.normal(size=(BATCH, HEADS, KEY_DIM, VALUE_DIM))
+  state = rng.normal(size=(BATCH, HEADS, key_dim, value_dim))
   return tuple(x.astype(np.float32) for x in (q, k, v, g, beta, state))
 
 
@@ -75,18 +78,18 @@ def test_a_packed_sequence_runs_as_if_alone():
     np.testing.assert_allclose(final[row:row + 1], want_state, **TOL)
 
 
-def _gradients(fn, segment_ids, per_channel=False):
+def _gradients(fn, segment_ids, per_channel=False, dims=(KEY_DIM, VALUE_DIM)):
   """Gradients of a scalar of both results w.r.t. q, k, v, g, beta and the initial state."""
   rng = np.random.default_rng(2)
-  out_weights = rng.normal(size=(BATCH, LENGTH, HEADS, VALUE_DIM)).astype(np.float32)
-  state_weights = rng.normal(size=(BATCH, HEADS, KEY_DIM, VALUE_DIM)).astype(np.float32)
+  out_weights = rng.normal(size=(BATCH, LENGTH, HEADS, dims[1])).astype(np.float32)
+  state_weights = rng.normal(size=(BATCH, HEADS, *dims)).astype(np.float32)
 
   def loss(*args):
     *tokens, state = args
     out, final = fn(*tokens, initial_state=state, segment_ids=segment_ids)
     return jnp.sum(out * out_weights) + jnp.sum(final * state_weights)
 
-  return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*inputs(seed=3, per_channel=per_channel))
+  return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*inputs(seed=3, per_channel=per_channel, dims=dims))
 
 
 @PER_CHANNEL
@@ -97,6 +100,52 @@ def test_chunked_gradients_equal_the_reference(segment_ids, per_channel):
   for name, grad, want_grad in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
     assert np.isfinite(grad).all(), name
     np.testing.assert_allclose(grad, want_grad, **TOL, err_msg=name)
+
+
+# Triton's dots want power-of-two tiles of at least 16; the TPU kernel takes the odd dims.
+KERNEL_DIMS = {"tpu": (KEY_DIM, VALUE_DIM), "gpu": (16, 32)}
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("segment_ids", [None, packed_segment_ids()], ids=["one_sequence", "packed"])
+def test_the_kernels_equal_the_reference(segment_ids, backend):
+  """Three chunks of 16 over 37 tokens (the last padded), two value heads per key head, an
+  initial state; outputs, final state and all six gradients."""
+  dims = KERNEL_DIMS[backend]
+  kernel = functools.partial(gated_delta_rule_pallas, chunk_size=CHUNK, backend=backend, interpret=True)
+  *tokens, state = inputs(dims=dims)
+  want = reference(*tokens, initial_state=state, segment_ids=segment_ids)
+  got = jax.jit(kernel)(*tokens, initial_state=state, segment_ids=segment_ids)
+  for name, a, b in zip(("out", "final state"), got, want):
+    np.testing.assert_allclose(a, b, **TOL, err_msg=name)
+  want = _gradients(gated_delta_rule_reference, segment_ids, dims=dims)
+  for name, grad, want_grad in zip(("q", "k", "v", "g", "beta", "initial_state"),
+                                   _gradients(kernel, segment_ids, dims=dims), want):
+    np.testing.assert_allclose(grad, want_grad, **TOL, err_msg=name)
+
+
+def test_the_kernel_door_splits_batch_and_heads_over_a_mesh():
+  """implementation="pallas" on data=2 x tensor=2 devices (each runs its batch rows and head
+  block in interpret mode) equals the reference, gradients included."""
+  mesh = jax.make_mesh((2, 1, 1, 1, 1, 2), ("data", "stage", "fsdp", "context", "expert", "tensor"),
+                       devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,) * 6)
+  *tokens, state = inputs(seed=5)
+  segments = packed_segment_ids()
+
+  def loss(implementation):
+    def f(*args):
+      out, final = gated_delta_rule(*args[:5], initial_state=args[5], segment_ids=segments,
+                                    implementation=implementation, chunk_size=CHUNK)
+      return jnp.sum(jnp.sin(out)) + jnp.sum(final * final)
+    return jax.jit(jax.value_and_grad(f, argnums=tuple(range(6))))
+
+  with jax.set_mesh(mesh):
+    got = loss("pallas")(*tokens, state)
+    jaxpr = str(jax.make_jaxpr(loss("pallas"))(*tokens, state))
+  want = loss("reference")(*tokens, state)
+  assert "shard_map" in jaxpr
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, **TOL)
 
 
 @PER_CHANNEL
@@ -117,8 +166,16 @@ def test_the_door_runs_the_chunked_form_and_refuses_bad_arguments():
   door = jax.jit(functools.partial(gated_delta_rule, chunk_size=CHUNK))
   for got, want in zip(door(*tokens, initial_state=state), chunked(*tokens, initial_state=state, chunk_size=CHUNK)):
     np.testing.assert_array_equal(got, want)
-  with pytest.raises(ValueError, match=r"implementation='flash' is not one of \('auto', 'reference', 'chunked'\)"):
+  with pytest.raises(ValueError, match=r"implementation='flash' is not one of \('auto', 'reference', 'chunked', "
+                                       r"'pallas'\)"):
     gated_delta_rule(*tokens, implementation="flash")
+  *per_channel, _ = inputs(per_channel=True)
+  with pytest.raises(ValueError, match=r"takes one decay per head; a decay per key channel .* runs "
+                                       r"implementation='chunked'"):
+    gated_delta_rule(*per_channel, implementation="pallas")
+  with pytest.raises(ValueError, match=r"GPU gated delta rule needs the chunk, key and value head dims "
+                                       r"\(64, 8, 12\) each one of \(16, 32, 64, 128, 256\)"):
+    gated_delta_rule_pallas(*tokens, backend="gpu")
   *three_heads, _ = inputs(key_heads=3)
   with pytest.raises(ValueError, match=r"value heads \(4\) must be a multiple of key heads \(3\)"):
     gated_delta_rule(*three_heads)

@@ -96,6 +96,13 @@ HYBRID = Qwen35Config(vocab_size=320, embed_dim=64, num_layers=3, num_heads=4, n
                       layer_pattern=[{"mixer": "gated_deltanet"}, {}])
 
 
+def _gradients(runtime, params, batch):
+  """(gradients, loss sums) of one train step on `runtime`'s mesh, on the host."""
+  step = jax.jit(make_gradients(lm_loss(runtime.graphdef, z_loss=1e-4, logits_chunk_len=0), microbatches=1))
+  with runtime.context():
+    return jax.device_get(step(jax.device_put(jax.device_get(params), runtime.param_shardings), batch)[:2])
+
+
 def test_train_step_on_8_devices_equals_one_device():
   """Packed documents (the state and the convolution restart at each), chunks that do not
   divide a document, value heads split over `tensor`, the sequence over `context` (zig-zag
@@ -106,18 +113,31 @@ def test_train_step_on_8_devices_equals_one_device():
   params, _ = wide.init()
   assert params["gated_deltanet_layers"]["attn"]["conv_v"].shape == (2, 4, 4, 8)  # [layers, taps, heads, dim]
 
-  def gradients(runtime):
-    step = jax.jit(make_gradients(lm_loss(runtime.graphdef, z_loss=1e-4, logits_chunk_len=0), microbatches=1))
-    with runtime.context():
-      return jax.device_get(step(jax.device_put(jax.device_get(params), runtime.param_shardings), batch)[:2])
-
-  (want, want_sums), (got, got_sums) = gradients(one), gradients(wide)
+  (want, want_sums), (got, got_sums) = (_gradients(runtime, params, batch) for runtime in (one, wide))
   np.testing.assert_allclose(got_sums["ce_sum"], want_sums["ce_sum"], rtol=1e-5)
   # The delta rule's gradients round more than attention's (measured here: up to 2.4e-5 of each
   # leaf's largest entry, 1.5e-4 with key_dim 16, the same on 8 x fsdp and with the reference
   # recurrence): a split that were wrong would be off by the entries themselves.
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     assert np.abs(w).max() > 0, jax.tree_util.keystr(path)
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=5e-5 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_pallas_kernel_trains_the_hybrid_as_the_xla_form_does():
+  """`gated_deltanet.implementation: pallas` (the TPU kernel, interpret mode here) per device
+  over fsdp=4 x tensor=2, against the XLA chunked form on one device: packed documents, every
+  parameter's gradient."""
+  batch = synthetic_batch(small_config(data={"global_batch_size": 8}))
+  kernel = HYBRID.model_copy(update={"gated_deltanet": HYBRID.gated_deltanet.model_copy(
+      update={"implementation": "pallas"})})
+  wide = Runtime(kernel, MeshConfig(fsdp=4, tensor=2))
+  one = Runtime(HYBRID.model_copy(update={"gated_deltanet": HYBRID.gated_deltanet.model_copy(
+      update={"implementation": "chunked"})}), MeshConfig(fsdp=1), jax.devices()[:1])
+  params, _ = one.init()
+
+  (want, want_sums), (got, got_sums) = (_gradients(runtime, params, batch) for runtime in (one, wide))
+  np.testing.assert_allclose(got_sums["ce_sum"], want_sums["ce_sum"], rtol=1e-5)
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=5e-5 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path))
 
 

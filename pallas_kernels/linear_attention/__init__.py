@@ -1,16 +1,29 @@
 """Gated DeltaNet's delta rule (the linear attention of Qwen3-Next / Qwen3.5) behind one door,
 next to its pure-jnp reference and the one-token decode step.
 
-`gated_delta_rule` checks shapes and picks the implementation: "reference" (a scan over
-tokens) or "chunked" (the WY form in XLA, a scan over chunks); "auto" is "chunked".
-Pallas TPU / GPU kernels will plug in here as further implementations, chosen by "auto".
+`gated_delta_rule` checks shapes and picks the implementation:
+  reference  a scan over tokens (the definition);
+  chunked    the WY form in XLA, a scan over chunks (any backend, any decay);
+  pallas     the chunked form as the backend's Pallas kernel, forward and backward (kernel.py):
+             Mosaic on TPU, Triton on GPU; elsewhere the TPU kernel in interpret mode;
+  auto       the kernel on TPU and GPU where it takes the shapes (a decay per head; on GPU
+             power-of-two head dims), else chunked.
+Kernels run per device inside `jax.shard_map` over the current mesh (batch and heads split).
 """
 
 from jaxpar.errors import ConfigError, UserError
+from jaxpar.mesh import logical_shard_map
 from jaxpar.pallas_kernels.linear_attention.chunked import gated_delta_rule_chunked
+from jaxpar.pallas_kernels.linear_attention.kernel import check_kernel_shapes, gated_delta_rule_pallas
 from jaxpar.pallas_kernels.linear_attention.reference import gated_delta_rule_reference, gated_delta_step
+from jaxpar.pallas_kernels.platform import current_platform, interpret
 
-IMPLEMENTATIONS = ("auto", "reference", "chunked")
+IMPLEMENTATIONS = ("auto", "reference", "chunked", "pallas")
+# Logical names of the kernel's arguments: key and value heads share one, so a split keeps
+# each value head with its key head (contiguous blocks, as attention does under GQA).
+_TOKENS = ("batch", None, "act_kv_heads", None)
+_PER_HEAD = ("batch", None, "act_kv_heads")
+_STATE = ("batch", "act_kv_heads", None, None)
 
 __all__ = ["IMPLEMENTATIONS", "gated_delta_rule", "gated_delta_rule_reference", "gated_delta_step"]
 
@@ -54,5 +67,22 @@ def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, segment_ids=None, 
     return gated_delta_rule_reference(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids)
   if not isinstance(chunk_size, int) or chunk_size <= 0:
     raise UserError(f"chunk_size={chunk_size!r} must be a positive int")
+  platform = current_platform()
+  backend = "gpu" if platform == "gpu" else "tpu"
+  if implementation == "auto" and platform in ("tpu", "gpu") and \
+      check_kernel_shapes(backend, q, v, g, chunk_size) is None:
+    implementation = "pallas"
+  if implementation == "pallas":
+    return _sharded_kernel(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend, interpret(platform))
   return gated_delta_rule_chunked(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
                                   chunk_size=chunk_size)
+
+
+def _sharded_kernel(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend, interpreted):
+  """The kernel per device over the current mesh. Interpret mode evaluates the kernel's body
+  as ordinary ops, which would mix per-device and replicated values: JAX's check is off there."""
+  def per_device(q, k, v, g, beta, initial_state, segment_ids):
+    return gated_delta_rule_pallas(q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
+                                   chunk_size=chunk_size, backend=backend, interpret=interpreted)
+  return logical_shard_map(per_device, (_TOKENS, _TOKENS, _TOKENS, _PER_HEAD, _PER_HEAD, _STATE, ("batch", None)),
+                           [_TOKENS, _STATE], check_vma=not interpreted)(q, k, v, g, beta, initial_state, segment_ids)
