@@ -153,14 +153,15 @@ def print_tiny_throughput(names=TINY, steps: int = 5, batch: int = 8, prompt: in
     print(f"{name:<14} {trainer.num_params:>10,} {train:>15,.0f} {batch * (new - 1) / (whole - first):>16,.0f}")
 
 
-def local_global_train_on_their_slices():
-  """Compile each shipped local/global config's whole train step for its own slice."""
+def train_on_their_slices():
+  """Compile each shipped config of the newer families (local/global, hybrid linear) at full
+  depth for its own slice."""
   from jaxpar.aot.compile import compile_for_topology
   print("Train step at real size, compiled for the slice each config names (per-chip HBM)\n")
   header = (f"{'config':<12} {'slice':<8} {'layers':>6} {'params':>8} {'HBM/chip':>9} {'of':>6} {'fits':>5} "
             f"{'compile':>8}")
   print(header + "\n" + "-" * len(header))
-  for name in (n for n in ("gemma3-12b", "gemma4-31b", "gpt-oss-20b") if n in shipped_configs()):
+  for name in (n for n in ("gemma3-12b", "gemma4-31b", "gpt-oss-20b", "qwen3.5-35b-a3b") if n in shipped_configs()):
     config = load_config(name)
     report, _ = compile_for_topology(config, config.mesh.topology)
     hbm = f"{report['memory']['total'] / 2**30:.1f} GiB" if "memory" in report else "OOM"
@@ -181,7 +182,7 @@ if __name__ == "__main__":
     print_tiny_throughput([a for a in sys.argv[sys.argv.index("--tiny") + 1:] if not a.startswith("--")] or TINY)
   if "--v6e" in sys.argv:
     print()
-    local_global_train_on_their_slices()
+    train_on_their_slices()
   if "--linear" in sys.argv:
     import linear_attention
     print()

@@ -186,7 +186,7 @@ def test_a_linear_mixer_needs_its_shape():
     Qwen35Config(gated_deltanet=None)
 
 
-@pytest.mark.parametrize("name", ["qwen3.5-9b", "qwen3-next-80b-a3b"])
+@pytest.mark.parametrize("name", ["qwen3.5-9b", "qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
 def test_shipped_config_has_transformers_parameter_count(name):
   """Our parameter count at real size equals transformers' for the config we would export
   (built on the meta device: no memory), so the shipped shapes are the model's."""
