@@ -68,6 +68,9 @@ CASES = [
     ("full_segments_bf16", dict(batch=2, q_len=320, segments=True, dtype=jnp.bfloat16),
      dict(causal=False)),
     ("head_dim_256_bf16", dict(q_len=256, head_dim=256, dtype=jnp.bfloat16), dict(causal=True)),
+    # Gemma 4's global heads (the TPU kernel only: validation.flash_head_dims).
+    ("head_dim_512_gqa2_bf16", dict(q_len=256, head_dim=512, num_heads=4, num_kv_heads=2, dtype=jnp.bfloat16),
+     dict(causal=True)),
 ]
 TILES = BlockSizes(128, 128)
 

@@ -37,7 +37,9 @@ def _train_grads(seg, **options):
     ("v5e:2x2", 128, 4), ("v5p:2x2x1", 128, 4), ("v6e:2x2", 128, 4),
     # The largest tiles: head_dim 256 x 8 query heads per kv head, on the smaller VMEMs.
     pytest.param("v5e:2x2", 256, 8, marks=pytest.mark.slow),
-    pytest.param("v5p:2x2x1", 256, 8, marks=pytest.mark.slow)])
+    pytest.param("v5p:2x2x1", 256, 8, marks=pytest.mark.slow),
+    # Gemma 4's 512-wide global heads, 8 per kv head, on v5p's 64 MiB (its own 256-row query tiles).
+    ("v5p:2x2x1", 512, 8)])
 def test_tpu_flash_and_decode_compile(topology, head_dim, group):
   mesh = _topology_mesh(topology)
   batch, length, kv_heads = mesh.shape["data"], 2048, 2

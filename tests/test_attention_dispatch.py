@@ -19,6 +19,10 @@ def test_auto_picks_cheap_cpu_path_and_kernels_on_accelerators():
   assert choose("auto", "cpu", 64, 32768) == "chunked"
   assert choose("auto", "tpu", 128, 512) == "flash"
   assert choose("auto", "gpu", 80, 512) == "chunked"  # head_dim the kernels do not take
+  # 512-wide heads (Gemma 4's global layers): the TPU kernel, except on v4 (16 MiB of VMEM).
+  assert choose("auto", "tpu", 512, 512, device_kind="TPU v5p") == "flash"
+  assert choose("auto", "tpu", 512, 512, device_kind="TPU v4") == "chunked"
+  assert choose("auto", "gpu", 512, 512) == "chunked"
   assert choose("chunked", "tpu", 128, 512) == "chunked"
 
 

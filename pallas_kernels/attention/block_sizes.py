@@ -34,6 +34,11 @@ _TPU_DEFAULTS = {
     "v5p": BlockSizes(512, 1024, 512, 512, vmem_limit_bytes=48 * _MiB),
     "v6e": BlockSizes(512, 1024, 512, 512, vmem_limit_bytes=96 * _MiB),
 }
+# Heads of 512 (Gemma 4's global layers): a kv head's query tile holds group x block_q rows
+# of 512. At 8 query heads per kv head, v5e's and v6e's defaults compile, v5p's 64 MiB need
+# 256-row query tiles, and v4's 16 MiB hold none (validation.flash_head_dims leaves it out).
+_TPU_WIDE_HEADS = {"v5p": BlockSizes(256, 1024, 256, 1024, vmem_limit_bytes=48 * _MiB)}
+WIDE_HEAD_DIM = 512
 # GPU (Triton): tiles live in registers/shared memory, so they are much smaller. 64 x 64 for
 # the backward too: on an H200 (D128, bf16) it ran 4.9 ms against 32 x 32's 11 ms.
 _GPU_DEFAULT = BlockSizes(64, 64, 64, 64)
@@ -51,10 +56,13 @@ def tpu_generation(device_kind):
   return "v6e"  # newer chips: at least v6e's VMEM
 
 
-def default_block_sizes(platform, device_kind=""):
-  """Sane tiles for `platform` ('tpu' | 'gpu' | 'cpu') and the chip's device_kind."""
+def default_block_sizes(platform, device_kind="", head_dim=None):
+  """Sane tiles for `platform` ('tpu' | 'gpu' | 'cpu'), the chip's device_kind and the heads' width."""
   if platform == "tpu":
-    return _TPU_DEFAULTS[tpu_generation(device_kind)]
+    generation = tpu_generation(device_kind)
+    if head_dim is not None and head_dim >= WIDE_HEAD_DIM and generation in _TPU_WIDE_HEADS:
+      return _TPU_WIDE_HEADS[generation]
+    return _TPU_DEFAULTS[generation]
   if platform == "gpu":
     return _GPU_DEFAULT
   return _CPU_DEFAULT

@@ -45,20 +45,20 @@ _SEQUENCE = ("batch", None, _HEADS, "head_dim")  # [B, L, H, D]; length whole pe
 _PAGES = (_HEADS, None, None, "head_dim")  # [Hkv, num_pages, page_size, D]; pages shared
 
 
-def choose_implementation(implementation, platform, head_dim, kv_len, value_dim=None):
-  """What `implementation` resolves to for this backend and shape (value_dim: the values'
-  head dim when it differs from the queries' and keys')."""
+def choose_implementation(implementation, platform, head_dim, kv_len, value_dim=None, device_kind=""):
+  """What `implementation` resolves to for this backend, chip and shape (value_dim: the
+  values' head dim when it differs from the queries' and keys')."""
   if implementation != "auto":
     return implementation
   if platform in ("tpu", "gpu"):
     dims = {head_dim, value_dim or head_dim}
-    return "flash" if dims <= set(validation.SUPPORTED_HEAD_DIMS) else "chunked"
+    return "flash" if dims <= set(validation.flash_head_dims(platform, device_kind)) else "chunked"
   return "reference" if kv_len <= CPU_REFERENCE_MAX_KV_LEN else "chunked"
 
 
-def _for_kernels(spec, platform):
+def _for_kernels(spec, platform, head_dim):
   """The spec as a Pallas kernel runs it here: the backend's tiles, interpret mode off TPU/GPU."""
-  return spec.replace(block_sizes=spec.block_sizes or default_block_sizes(platform, current_device_kind()),
+  return spec.replace(block_sizes=spec.block_sizes or default_block_sizes(platform, current_device_kind(), head_dim),
                       interpret=interpret(platform))
 
 
@@ -81,14 +81,17 @@ def attention(q, k, v, spec: AttentionSpec = AttentionSpec(), *, segment_ids=Non
   if split is not None:
     strategy = context_parallel or current_execution_options().context_attention
     return _context_parallel(q, k, v, segment_ids, sinks, split, platform, strategy, spec)
-  impl = choose_implementation(spec.implementation, platform, q.shape[-1], k.shape[1], v.shape[-1])
+  impl = choose_implementation(spec.implementation, platform, q.shape[-1], k.shape[1], v.shape[-1],
+                               current_device_kind())
   if impl == "reference":
     validation.check_attention_args(q, k, v, segment_ids, head_dims=None, sinks=sinks)
     return attention_reference(q, k, v, spec, segment_ids=segment_ids, sinks=sinks)
   if impl == "chunked":
     return chunked_attention(q, k, v, spec, segment_ids=segment_ids, sinks=sinks)
-  validation.check_attention_args(q, k, v, segment_ids, sinks=sinks)
-  kernel, spec = (flash_attention_gpu if platform == "gpu" else flash_attention_tpu), _for_kernels(spec, platform)
+  validation.check_attention_args(q, k, v, segment_ids, sinks=sinks,
+                                  head_dims=validation.flash_head_dims(platform, current_device_kind()))
+  kernel = flash_attention_gpu if platform == "gpu" else flash_attention_tpu
+  spec = _for_kernels(spec, platform, q.shape[-1])
   return logical_shard_map(lambda q, k, v, seg, sinks: kernel(q, k, v, spec, segment_ids=seg, sinks=sinks),
                            (_SEQUENCE, _SEQUENCE, _SEQUENCE, ("batch", None), (_HEADS,)),
                            _SEQUENCE)(q, k, v, segment_ids, sinks)
@@ -97,15 +100,16 @@ def attention(q, k, v, spec: AttentionSpec = AttentionSpec(), *, segment_ids=Non
 def _context_parallel(q, k, v, segment_ids, sinks, split, platform, strategy, spec):
   """Per-piece kernel: flash where the spec's implementation resolves to it, else chunked."""
   cp.check_split(split, q, k, strategy, spec.implementation)
-  impl = choose_implementation(spec.implementation, platform, q.shape[-1], k.shape[1], v.shape[-1])
+  impl = choose_implementation(spec.implementation, platform, q.shape[-1], k.shape[1], v.shape[-1],
+                               current_device_kind())
   if impl == "flash" and interpret(platform):
     raise ConfigError(f"attention implementation 'flash' runs in interpret mode on {platform}, "
                      "which JAX cannot run with per-device offsets inside shard_map: use "
                      "'chunked' or 'auto' when the mesh splits the sequence length")
-  head_dims = validation.SUPPORTED_HEAD_DIMS if impl == "flash" else None
+  head_dims = validation.flash_head_dims(platform, current_device_kind()) if impl == "flash" else None
   validation.check_attention_args(q, k, v, segment_ids, head_dims=head_dims, sinks=sinks)
   if impl == "flash":
-    spec = _for_kernels(spec, platform)
+    spec = _for_kernels(spec, platform, q.shape[-1])
   return cp.context_parallel_attention(q, k, v, segment_ids, sinks, split=split, strategy=strategy,
                                        kernel=cp.blockwise_kernel(impl, platform), spec=spec)
 

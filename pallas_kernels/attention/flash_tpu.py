@@ -186,7 +186,7 @@ def _call(kernel, st, group, grid, in_specs, out_specs, out_shape, scratch, cost
   spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=in_specs,
                                       out_specs=out_specs, scratch_shapes=scratch)
   params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 3 + ("arbitrary",),
-                                vmem_limit_bytes=(st.spec.block_sizes or _blocks()).vmem_limit_bytes)
+                                vmem_limit_bytes=st.spec.block_sizes.vmem_limit_bytes)
   return pl.pallas_call(functools.partial(kernel, st=st, group=group), grid_spec=spec,
                         out_shape=out_shape, compiler_params=params, cost_estimate=cost,
                         interpret=st.interpret, name=name)
@@ -283,15 +283,16 @@ def _backward(q, k, v, q_seg, kv_seg, offset, o, lse, do, st):
   return dq, dk, dv
 
 
-def _blocks():
-  """This chip generation's default tiles (and VMEM limit)."""
-  return default_block_sizes("tpu", _device_kind())
+def _blocks(head_dim):
+  """This chip generation's default tiles (and VMEM limit) for heads this wide."""
+  return default_block_sizes("tpu", _device_kind(), head_dim)
 
 
 def _prepare(spec, q, k, q_seg, kv_seg, q_offset):
   """Kernel statics, a padder to the kernel layout for queries / keys ([B, L, H, D] ->
   [B, H, L_pad, D]), the padded segment ids and the offset as a prefetchable [1]."""
-  st = Tiled.fit(spec, _blocks(), q, k, _LANES)
+  spec = spec if spec.block_sizes else spec.replace(block_sizes=_blocks(q.shape[-1]))  # _call reads its VMEM limit
+  st = Tiled.fit(spec, spec.block_sizes, q, k, _LANES)
   q_pad = tiling.round_up(q.shape[1], math.lcm(st.block_q, st.block_q_bwd))
   kv_pad = tiling.round_up(k.shape[1], math.lcm(st.block_k, st.block_k_bwd))
   pad = lambda x, n: tiling.pad_axis(x, 1, n).transpose(0, 2, 1, 3)
@@ -330,7 +331,8 @@ def flash_attention_tpu(q, k, v, spec: AttentionSpec = AttentionSpec(), *, segme
   Sequences that are not a multiple of the tile are zero-padded; padded keys are
   masked and padded queries are dropped, so their gradients vanish.
   """
-  validation.check_attention_args(q, k, v, segment_ids, sinks=sinks)
+  validation.check_attention_args(q, k, v, segment_ids, sinks=sinks,
+                                  head_dims=validation.flash_head_dims("tpu", _device_kind()))
   return _flash(spec, q, k, v, sinks, *split_segments(segment_ids, q.shape[1]), default_offset(q, k))
 
 

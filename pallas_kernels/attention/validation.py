@@ -1,11 +1,20 @@
 """Argument checks that fail with the argument's name, before any kernel is traced."""
 
 from jaxpar.errors import UserError
+from jaxpar.pallas_kernels.attention.block_sizes import WIDE_HEAD_DIM, tpu_generation
 
 # Head dims the flash kernels take. Queries and keys may have another head dim than values
 # (multi-head latent attention: 192 and 128); the GPU kernels run a dim that is not a power
 # of two (192) zero-padded to the next one (256), since Triton tiles are powers of two.
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256)
+
+
+def flash_head_dims(platform, device_kind=""):
+  """The head dims the flash kernel for `platform` takes: the TPU kernel (also what runs in
+  interpret mode off TPU and GPU) takes 512 too, on every chip but v4 (block_sizes.py)."""
+  if platform == "gpu" or (platform == "tpu" and tpu_generation(device_kind) == "v4"):
+    return SUPPORTED_HEAD_DIMS
+  return SUPPORTED_HEAD_DIMS + (WIDE_HEAD_DIM,)
 
 
 def check_attention_args(q, k, v, segment_ids=None, head_dims=SUPPORTED_HEAD_DIMS, sinks=None):
