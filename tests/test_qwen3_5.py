@@ -171,6 +171,23 @@ def test_batched_and_preempted_requests_get_their_own_tokens():
   assert alone[0] == tokens[len(prompts[0]):]
 
 
+def test_constrained_requests_follow_their_regex_on_the_hybrid():
+  """Structured output over the linear layers' states: the grammar masks the logits, and each of
+  four sampled requests (sharing slots with a free one) is a full match of its pattern."""
+  import re
+  from jaxpar.inference import SamplingParams, grammar
+  pytest.importorskip("llguidance")
+  engine = _hybrid_engine(slots=4, num_pages=32)
+  pattern = r"[0-9]{3}-[a-z]{4}"
+  constraint = grammar.constraint("regex", pattern, "test", engine.tokenizer, engine.runtime.model_config.vocab_size)
+  settings = [SamplingParams(max_tokens=16, temperature=1.0, seed=i, constraint=constraint) for i in range(4)]
+  done = engine.generate([[7, 8, 9], [1] * 5, [2, 3], [4] * 9, [5, 6]],
+                         settings + [SamplingParams(max_tokens=8, seed=9, stop_token_ids=())])
+  for result in done[:4]:
+    assert re.fullmatch(pattern, engine.tokenizer.decode(result.tokens)), result.tokens
+  assert len(done[4].tokens) == 8
+
+
 def test_flops_count_the_projections_the_model_has():
   from jaxpar.models.flops import mixer_params
   from jaxpar.runtime import abstract_model
