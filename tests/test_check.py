@@ -10,7 +10,8 @@ from jaxpar.pallas_kernels.attention import dispatch
 
 FAMILIES = ("flash attention fwd", "flash attention fwd+bwd", "paged decode attention (cpu)",
             "paged decode attention (interpreted)", "quantized matmul int8", "quantized matmul int4",
-            "quantized matmul w8a8", "grouped MoE SwiGLU", "ring attention", "train step (MFU)", "decode step",
+            "quantized matmul w8a8", "grouped MoE SwiGLU", "gated delta rule fwd", "gated delta rule fwd+bwd",
+            "ring attention", "train step (MFU)", "decode step",
             "all-reduce", "all-gather")
 
 
@@ -28,8 +29,8 @@ def test_check_quick_passes_on_cpu_and_writes_json(tmp_path, capsys):
     if r["error"] is not None:
       assert r["error"] <= r["tolerance"], name
   kernels = [r for r in report["results"] if r["error"] is not None]
-  assert len(kernels) == 9  # every kernel compared with its reference, ring attention included
-  assert "PASS: 13 checks" in capsys.readouterr().out
+  assert len(kernels) == 11  # every kernel compared with its reference, ring attention included
+  assert "PASS: 15 checks" in capsys.readouterr().out
 
 
 def test_check_fails_naming_a_broken_kernel(monkeypatch, capsys):
@@ -38,7 +39,7 @@ def test_check_fails_naming_a_broken_kernel(monkeypatch, capsys):
   monkeypatch.setattr(dispatch, "flash_attention_tpu", lambda *a, **kw: kernel(*a, **kw) * jnp.float32(1.01))
   assert main(["check", "--quick", "--only", "kernels"]) == 1
   out = capsys.readouterr().out
-  assert "FAIL: 2 of 9 checks: flash attention fwd (interpreted)" in out
+  assert "FAIL: 2 of 11 checks: flash attention fwd (interpreted)" in out
   assert "flash attention fwd+bwd (interpreted)" in out.splitlines()[-1]
 
 

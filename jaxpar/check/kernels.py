@@ -177,6 +177,45 @@ def grouped_moe(setting) -> list[Result]:
   return results
 
 
+def _delta_rule_inputs(setting, b, length, key_heads, heads, d):
+  """q, k, v, g, beta as the Gated DeltaNet block gives them: unit q and k, decays in (0, 1),
+  beta in (0, 1)."""
+  unit = lambda x: (x / jnp.linalg.norm(x, axis=-1, keepdims=True)).astype(setting.dtype)  # noqa: E731
+  q, k = (unit(_random(i, (b, length, key_heads, d), jnp.float32)) for i in (0, 1))
+  v = _random(2, (b, length, heads, d), setting.dtype)
+  g = -0.5 * jax.nn.softplus(_random(3, (b, length, heads), jnp.float32))
+  return q, k, v, g, jax.nn.sigmoid(_random(4, (b, length, heads), jnp.float32))
+
+
+def gated_delta_rule(setting) -> list[Result]:
+  """The chunked Gated DeltaNet kernel against the token-by-token recurrence. Work: the chunked
+  form's matmuls per chunk of 64 (q.k and k.k, the solve's right-hand sides, the state's read,
+  correction and update), the triangular solve left out; the backward about twice the forward."""
+  shapes = setting.pick([(1, 2048, 8, 16, 128)], [(2, 4096, 16, 32, 128)], [(2, 4096, 16, 32, 128), (1, 16384, 16, 32, 128)])
+  if not setting.accelerated:
+    shapes = [(1, 64, 2, 4, 32)]
+  where = "" if setting.accelerated else " (interpreted)"
+  results = []
+  for b, length, key_heads, heads, d in shapes:
+    inputs = _delta_rule_inputs(setting, b, length, key_heads, heads, d)
+    chunk = min(64, length)
+    fwd = 2 * b * length * heads * (2 * chunk * d + 2 * chunk * 2 * d + chunk * d + 3 * d * d)
+    shape = f"B{b} L{length} H{heads}/{key_heads} D{d}"
+    kernel = lambda *a: pk.gated_delta_rule(*a, implementation="pallas")[0]  # noqa: E731
+    ref = lambda *a: pk.gated_delta_rule_reference(*a)[0]  # noqa: E731
+    results.append(measure(setting, "gated delta rule fwd" + where, shape, kernel, ref, inputs, work=fwd,
+                           unit="FLOP"))
+    cotangent = _random(5, inputs[2].shape, setting.dtype)
+
+    def grads(rule):
+      loss = lambda *a: jnp.sum(rule(*a[:5]).astype(jnp.float32) * a[5].astype(jnp.float32))  # noqa: E731
+      return jax.grad(loss, argnums=tuple(range(5)))
+
+    results.append(measure(setting, "gated delta rule fwd+bwd" + where, shape, grads(kernel), grads(ref),
+                           (*inputs, cotangent), work=3 * fwd, unit="FLOP"))
+  return results
+
+
 def ring_attention(setting) -> list[Result]:
   devices = jax.local_devices()
   n = len(devices)
@@ -195,7 +234,8 @@ def ring_attention(setting) -> list[Result]:
 
 
 FAMILIES = {"flash attention": flash_attention, "paged decode": paged_decode,
-            "quantized matmul": quantized_matmul, "grouped moe": grouped_moe, "ring attention": ring_attention}
+            "quantized matmul": quantized_matmul, "grouped moe": grouped_moe, "gated delta rule": gated_delta_rule,
+            "ring attention": ring_attention}
 
 
 def check_kernels(setting, families=None) -> list[Result]:
