@@ -94,7 +94,7 @@ def _rule_fwd(config, q, k, v, g, beta, state, starts):
 def _rule_bwd(config, residuals, cotangents):
   q, k, v, g, beta, state, starts, states = residuals
   d_out, d_final = cotangents
-  batch, length, key_heads, key_dim = k.shape
+  batch, length, key_heads = k.shape[:3]
   p = _prepare(q, k, v, g, beta, starts, config.chunk)
   d_out = _heads_first(d_out, p.v.shape[2])
   dq, dk, dv, dbeta, dcum, dcum_row, d_state = _BACKENDS[config.backend].backward(
