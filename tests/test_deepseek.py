@@ -78,7 +78,8 @@ def test_latent_cache_generates_like_transformers(deepseek):
   with torch.no_grad():
     hf = model.generate(torch.tensor([prompt]), max_new_tokens=40, min_new_tokens=40, do_sample=False)
   engine = Engine.from_checkpoint(directory / "jaxpar", mesh={"data": 1, "fsdp": 1}, devices=jax.devices()[:1],
-                                  tokenizer=ByteTokenizer(), slots=1, page_size=8, prefill_chunks=(8,))
+                                  tokenizer=ByteTokenizer(), slots=1, page_size=8, prefill_chunks=(8,),
+                                  max_seq_len=len(prompt) + 40)
   # The engine's pages hold the latent: one "kv head" of 40 + 8 values per token and layer.
   assert {leaf.shape[1::3] for leaf in jax.tree.leaves(engine.cache)} == {(1, 48)}
   ours = engine.generate([prompt], SamplingParams(max_tokens=40, stop_token_ids=()))[0].tokens

@@ -100,7 +100,7 @@ def test_two_requests_across_a_preemption_get_transformers_tokens(gemma4):
             for p in prompts]
   engine = Engine.from_checkpoint(directory / "jaxpar", mesh={"data": 1, "fsdp": 1}, devices=jax.devices()[:1],
                                   tokenizer=ByteTokenizer(), slots=2, page_size=PAGE, num_pages=24,
-                                  prefill_chunks=(8,))
+                                  prefill_chunks=(8,), max_seq_len=64)
   got = engine.generate(prompts, SamplingParams(max_tokens=48, stop_token_ids=()))
   assert engine.stats["preemptions"] > 0
   assert [r.tokens for r in got] == want

@@ -119,8 +119,11 @@ def assert_generates_like_transformers(model, directory, max_tokens=40, page_siz
   prompt = np.random.default_rng(2).integers(0, model.config.vocab_size, 10).tolist()
   with torch.no_grad():
     hf = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+  # The imports keep transformers' context (Kimi Linear's is 1M tokens): a page table that wide,
+  # and a decode program for each narrower table, took 25 of Kimi's 27 s to compile.
   engine = Engine.from_checkpoint(directory / "jaxpar", mesh={"data": 1, "fsdp": 1}, devices=jax.devices()[:1],
-                                  tokenizer=ByteTokenizer(), slots=1, page_size=page_size, prefill_chunks=(8,))
+                                  tokenizer=ByteTokenizer(), slots=1, page_size=page_size, prefill_chunks=(8,),
+                                  max_seq_len=len(prompt) + max_tokens)
   ours = engine.generate([prompt], SamplingParams(max_tokens=max_tokens, stop_token_ids=()))[0].tokens
   assert ours == hf[0, len(prompt):].tolist()
   return engine
