@@ -224,13 +224,14 @@ def test_speculation_rolls_linear_attention_states_back_to_the_last_kept_draft()
     return Engine(runtime, params, ByteTokenizer(), model_state=model_state, slots=3, page_size=8,
                   prefill_chunks=(8,), **options)
   prompts, settings = [[1, 2, 3], list(range(40, 60)), [7] * 9], SamplingParams(max_tokens=30, stop_token_ids=())
-  want = [r.tokens for r in engine().generate(prompts, settings)]
+  plain = engine()
+  want = [r.tokens for r in plain.generate(prompts, settings)]
   drafted = engine(speculative=_EveryThirdWrong({tuple(p): w for p, w in zip(prompts, want)}))
   assert [r.tokens for r in drafted.generate(prompts, settings)] == want
   proposed, accepted = (drafted.stats[f"speculative_{x}"] for x in ("proposed", "accepted"))
   assert 0 < accepted < proposed and drafted.stats["speculative_rounds"] < 3 * 30
   with pytest.raises(ConfigError, match="draft has linear-attention layers"):
-    _engine(512, 0, draft=DraftModel(engine(), k=2))
+    _engine(512, 0, draft=DraftModel(plain, k=2))
 
 
 def test_rows_with_and_without_speculation_share_the_rounds(plain):
