@@ -7,9 +7,12 @@ back. The schemes:
 
 - fp8: e4m3 operands forward, e5m2 incoming gradients backward, one scale per tensor from its
   current absolute maximum (current scaling).
-- fp8_blockwise: DeepSeek-V3's fine-grained scaling: every operand is scaled per 128-long
-  tile of the contracted axis (activations and gradients in 1 x 128 tiles, weights in
-  128 x 1 tiles of each output column) and each tile's product is scaled and summed in f32.
+- fp8_blockwise: DeepSeek-V3's fine-grained scaling: activations and gradients scale per 1 x 128
+  tile of the contracted axis, weights per 128 x 128 block, and each tile's product is scaled
+  and summed in f32. A square block is a block of the transposed weight too, so the input's
+  gradient multiplies the same quantized weight (quantized again, not kept); the weight's
+  gradient contracts tokens, so it quantizes activations and gradients in 128 x 1 tiles along
+  them.
 - int8: symmetric int8 with one scale per row of each operand across the contraction (per
   token for activations, per output channel for weights, per token or channel for
   gradients), as AQT trains; int32 accumulation.
@@ -24,6 +27,8 @@ Quantizing is straight-through: the gradient of round-to-the-grid is taken as on
 `low_precision_reference.py` defines each scheme in plain jnp; this module runs it through
 qwix's quantized-training dot (the one its QtProvider calls), which keeps the operands in
 their low-precision type so the backend's native fp8/int8 dot runs where it has one.
+That dot tiles only the contracted axis, so fp8_blockwise's 128 x 128 weight blocks are
+built here from qwix's quantized arrays and tiled dot (`_blockwise_matmul`).
 Where it has none, the compiler emulates the dot with the same numbers: one logged line says
 so (`announce`).
 """
@@ -38,11 +43,14 @@ import jax.numpy as jnp
 # qwix's provider finds its dots by intercepting every dot_general inside flax modules (the
 # attention scores too); jaxpar's projections pass one door (models/dense.py), so it calls the
 # quantized-training dot itself. It lives under qwix._src: pyproject pins the version.
+from qwix._src.core import dot_general as qwix_dot
+from qwix._src.core import qarray
 from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
 from qwix._src.core.stochastic_rounding import get_noise_fn
 
 SCHEMES = ("fp8", "fp8_blockwise", "int8", "int8_stochastic")
-BLOCK = 128  # fp8_blockwise's tile along the contraction (DeepSeek-V3's)
+BLOCK = 128  # fp8_blockwise's tile and weight block side (DeepSeek-V3's)
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 log = logging.getLogger(__name__)
 
@@ -86,29 +94,62 @@ def rounding_keys():
   return tuple(jax.random.split(key))
 
 
-def _tile(size: int) -> int | None:
-  """fp8_blockwise's tile along an axis of `size`: BLOCK, or the whole axis (one scale per row)
-  where BLOCK does not divide it (a narrow projection, a batch of tokens not a multiple)."""
-  return BLOCK if size % BLOCK == 0 else None
+def _tile(size: int) -> int:
+  """fp8_blockwise's tile along an axis of `size`: BLOCK, or the whole axis (one scale across
+  it) where BLOCK does not divide it (a narrow projection, a batch of tokens not a multiple)."""
+  return BLOCK if size % BLOCK == 0 else size
 
 
-def _config(scheme: str, contracted: int, outputs: int, tokens: int, ndim: int) -> DotGeneralQtConfig:
-  """The qwix config of `scheme` for [..., tokens, contracted] @ [contracted, outputs]
-  (`tokens`: the last axis the weight gradient contracts, which fp8_blockwise tiles; `ndim`:
-  the gradients' rank, whose every axis gets its own noise under int8_stochastic)."""
-  e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+def _quantized(a, qtype, tiles: dict, channels=()):
+  """a as a qwix quantized array: one absmax scale per channel of `channels`, per tile of
+  `tiles` ({axis: tile}), shared along every other axis."""
+  return qarray.quantize(a, qarray.HowToQuantize(qtype=qtype, channelwise_axes=channels, tiled_axes=tiles))
+
+
+def _weight_blocks(w):
+  return _quantized(w, E4M3, {0: _tile(w.shape[0]), 1: _tile(w.shape[1])})
+
+
+def _dot(a, b, contract):
+  return qwix_dot.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def _blockwise_matmul(x, w):
+  """x [..., K] @ w [K, N] under fp8_blockwise, in f32 (x and w in any float dtype)."""
+  return _blockwise_forward(x, w)[0]
+
+
+def _blockwise_forward(x, w):
+  last, f32 = x.ndim - 1, jnp.float32
+  tokens = _quantized(x.astype(f32), E4M3, {last: _tile(x.shape[-1])}, tuple(range(last)))
+  # The residuals are the operands in their own dtype (a bf16 value is exact in f32).
+  return _dot(tokens, _weight_blocks(w.astype(f32)), ((last,), (0,))), (x, w)
+
+
+def _blockwise_backward(saved, g):
+  x, w = saved
+  last, f32 = g.ndim - 1, jnp.float32
+  lead, g = tuple(range(last)), g.astype(f32)
+  dx = _dot(_quantized(g, E5M2, {last: _tile(g.shape[-1])}, lead), _weight_blocks(w.astype(f32)),
+            ((last,), (1,)))
+  along_tokens = {last - 1: _tile(x.shape[-2])}
+  dw = _dot(_quantized(x.astype(f32), E4M3, along_tokens, (last,)), _quantized(g, E5M2, along_tokens, (last,)),
+            (lead, lead))
+  return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_blockwise_matmul.defvjp(_blockwise_forward, _blockwise_backward)
+
+
+def _config(scheme: str, ndim: int) -> DotGeneralQtConfig:
+  """The qwix config of `scheme` for [...] @ [contracted, outputs] (`ndim`: the gradients'
+  rank, whose every axis gets its own noise under int8_stochastic)."""
   if scheme == "fp8":
     per_tensor = dict(lhs_disable_channelwise_axes=True, rhs_disable_channelwise_axes=True,
                       dlhs_grad_disable_channelwise_axes=True, drhs_grad_disable_channelwise_axes=True)
-    return DotGeneralQtConfig(lhs_qtype=e4m3, rhs_qtype=e4m3, dlhs_grad_qtype=e5m2,
-                              drhs_grad_qtype=e5m2, **per_tensor)
-  if scheme == "fp8_blockwise":
-    # Tiled operands cannot be reused across the backward's other contraction: the backward
-    # requantizes the saved float operands in tiles of its own contracted axis.
-    return DotGeneralQtConfig(lhs_qtype=e4m3, rhs_qtype=e4m3, tile_size=_tile(contracted),
-                              dlhs_grad_qtype=e5m2, drhs_grad_qtype=e5m2, dlhs_tile_size=_tile(outputs),
-                              drhs_tile_size=_tile(tokens), use_original_residuals=True,
-                              dlhs_residual_qtype=e4m3, drhs_residual_qtype=e4m3)
+    return DotGeneralQtConfig(lhs_qtype=E4M3, rhs_qtype=E4M3, dlhs_grad_qtype=E5M2,
+                              drhs_grad_qtype=E5M2, **per_tensor)
   if scheme == "int8":
     return DotGeneralQtConfig(lhs_qtype=jnp.int8, rhs_qtype=jnp.int8, dlhs_grad_qtype=jnp.int8,
                               drhs_grad_qtype=jnp.int8)
@@ -127,10 +168,11 @@ def low_precision_matmul(x, w, scheme: str):
   bf16 for a bf16 model, and each scheme accumulates in f32. The quantized values are the
   same (a bf16 value is exact in f32); only the scales and the sums are wider."""
   announce(scheme)
+  if scheme == "fp8_blockwise":
+    return _blockwise_matmul(x, w).astype(x.dtype)
   dims = (((x.ndim - 1,), (0,)), ((), ()))
-  config = _config(scheme, w.shape[0], w.shape[1], x.shape[-2], x.ndim)
   f32 = jnp.float32
-  return dot_general_qt(x.astype(f32), w.astype(f32), dims, config).astype(x.dtype)
+  return dot_general_qt(x.astype(f32), w.astype(f32), dims, _config(scheme, x.ndim)).astype(x.dtype)
 
 
 def native(scheme: str, device) -> bool:

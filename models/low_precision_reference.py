@@ -8,7 +8,7 @@ the operands' scales. A scale is absmax / the type's bound (448 for e4m3, 57344 
 | scheme | forward x, w | dx: g, w | dw: x, g |
 | --- | --- | --- | --- |
 | fp8 | per tensor (e4m3) | g * s_w per tensor (e5m2), w's forward values | g * s_x per tensor (e5m2), x's forward values |
-| fp8_blockwise | 1 x T tiles per row, T x 1 per column (e4m3) | g 1 x T (e5m2), w requantized T x 1 per row | x T x 1 per column, g T x 1 (e5m2) |
+| fp8_blockwise | x 1 x T tiles per row, w T x T blocks (e4m3) | g 1 x T (e5m2), w's T x T blocks | x T x 1 per column, g T x 1 (e5m2) |
 | int8 | per row of x, per column of w | g * s_w per row | g * s_x per column |
 | int8_stochastic | as int8 | as int8, g rounded with noise | as int8, g rounded with noise |
 
@@ -50,14 +50,17 @@ def _tile(size: int) -> int:
   return 128 if size % 128 == 0 else size
 
 
-def _tiled_dot(a, b, qa, qb):
+def _tiled_dot(a, b, qa, qb, b_blocks=False):
   """a [M, K] @ b [K, N] with a quantized per row in tiles along K and b per column in tiles
-  along K (dtypes qa, qb): each tile's f32 product times its scales, summed tile by tile."""
-  t = _tile(a.shape[1])
+  along K, or (`b_blocks`) in T x T blocks (dtypes qa, qb): each tile's f32 product times its
+  scales, summed tile by tile."""
+  t, n = _tile(a.shape[1]), b.shape[1]
+  columns = _tile(n) if b_blocks else 1
   acc = None
   for start in range(0, a.shape[1], t):
     va, sa = quantize(a[:, start:start + t], qa, axes=1)
-    vb, sb = quantize(b[start:start + t], qb, axes=0)
+    vb, sb = quantize(b[start:start + t].reshape(t, n // columns, columns), qb, axes=(0, 2))
+    vb, sb = vb.reshape(t, n), jnp.repeat(sb.reshape(1, n // columns), columns, axis=1)
     out = _f32_dot(va, vb) * sa * sb
     acc = out if acc is None else acc + out
   return acc
@@ -86,7 +89,7 @@ def reference_matmul(x, w, scheme: str, keys=None):
 
   def forward(x, w):
     if scheme == "fp8_blockwise":
-      return _tiled_dot(x, w, E4M3, E4M3).astype(x.dtype), (x, w)
+      return _tiled_dot(x, w, E4M3, E4M3, b_blocks=True).astype(x.dtype), (x, w)
     qtype = E4M3 if scheme == "fp8" else jnp.int8
     x_axes, w_axes = _per_axes(scheme)
     (vx, sx), (vw, sw) = quantize(x, qtype, x_axes), quantize(w, qtype, w_axes)
@@ -95,7 +98,7 @@ def reference_matmul(x, w, scheme: str, keys=None):
   def backward(saved, g):
     if scheme == "fp8_blockwise":
       x, w = saved
-      dx = _tiled_dot(g, w.T, E5M2, E4M3)
+      dx = _tiled_dot(g, w.T, E5M2, E4M3, b_blocks=True)
       dw = _tiled_dot(x.T, g, E4M3, E5M2)
       return dx.astype(x.dtype), dw.astype(w.dtype)
     vx, sx, vw, sw = saved

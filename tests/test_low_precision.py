@@ -58,6 +58,24 @@ def test_door_equals_the_schemes_definition(scheme):
         np.testing.assert_array_equal(a, b, err_msg=f"{name} {dtype}")
 
 
+
+def test_fp8_blockwise_scales_the_weight_per_128_by_128_block():
+  """One huge entry coarsens its own 128 x 128 block of the weight and no other: through an
+  identity the forward returns the quantized weight and the input's gradient its transpose, and
+  the rest of the outlier's block rounds to zero (its rows and columns alike), while the blocks
+  beside it keep e4m3's precision of their own largest entry."""
+  w = (jax.random.normal(KEYS[1], (256, 256)) * 0.05).at[0, 0].set(1e6)
+  eye = jnp.eye(256)
+  y, back = jax.vjp(lambda x, w: low_precision_matmul(x, w, "fp8_blockwise"), eye, w)
+  dx = back(eye)[0]
+  for name, got in (("forward", y), ("input gradient", dx.T)):
+    got, w_ = np.asarray(got), np.asarray(w)
+    assert abs(got[0, 0] - 1e6) <= 1e-6 * 1e6 and not got[:128, :128].ravel()[1:].any(), name
+    for rows, cols in ((slice(0, 128), slice(128, 256)), (slice(128, 256), slice(0, 128)),
+                       (slice(128, 256), slice(128, 256))):
+      block = w_[rows, cols]
+      assert np.abs(got[rows, cols] - block).max() <= 2 ** -4 * np.abs(block).max(), (name, rows, cols)
+
 # Relative error of each scheme's gradients against the float layer's, on these operands:
 # e5m2 keeps 2 mantissa bits (fp8 gradients ~7%), int8 ~1.5%.
 ROUNDING = {"fp8": 0.1, "fp8_blockwise": 0.1, "int8": 0.03, "int8_stochastic": 0.05}
