@@ -2,6 +2,7 @@
 
     python benchmarks/precision_memory.py --part curves [--config tiny] [--steps 300] [--variants ...]
     python benchmarks/precision_memory.py --part step     # on a GPU: 12 x 768 Llama, bf16; on CPU: tiny
+    python benchmarks/precision_memory.py --part matmul --topology v5p:2x2x1   # compile-only
 
 curves: every scheme, and the float run with bf16 or 8-bit optimizer moments
 (train.optimizer_state_dtype) or GaLore (train.optimizer=galore), trains the same config from the same initial weights on the
@@ -18,6 +19,12 @@ the model, e.g. four Llama-3-8B layers:
     python benchmarks/precision_memory.py --part step --set model.num_layers=4 model.embed_dim=4096 \
         model.num_heads=32 model.num_kv_heads=8 model.head_dim=128 model.mlp_dim=14336 \
         model.max_seq_len=2048 data.seq_len=2048 data.global_batch_size=4
+
+matmul: one projection's forward and both gradients ([M, K] @ [K, N], bf16 operands) compiled
+for one chip of `--topology` (libtpu on this host; `local`: this backend), with each scheme's
+temporary bytes beside the output's f32 size: what fp8_blockwise's per-tile products (one
+batched dot of K / 128 tiles, then their scaled sum) cost where the compiler does or does not
+fuse the sum into the dot.
 """
 
 import argparse
@@ -126,9 +133,33 @@ def step(args):
           f"{first:.3f} -> {last:.3f} |")
 
 
+def matmul(args):
+  if args.topology == "local":
+    device = jax.devices()[0]
+  else:
+    from jax.experimental import topologies
+    device = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices[0]
+  import jax.numpy as jnp
+  from jaxpar.models.low_precision import low_precision_matmul
+  one = jax.sharding.SingleDeviceSharding(device)
+  m, k, n = args.shape
+  shapes = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=one) for shape in ((m, k), (k, n), (m, n))]
+  print(f"{device.device_kind}: [{m} x {k}] @ [{k} x {n}], forward + both gradients; "
+        f"the f32 product is {m * n * 4 / 2**20:,.0f} MiB\n")
+  print("| precision | temporaries MiB | x the f32 product |")
+  print("| --- | --- | --- |")
+  for precision in args.precisions:
+    product = (lambda x, w: x @ w) if precision == "compute_dtype" else (
+        lambda x, w, p=precision: low_precision_matmul(x, w, p))
+    loss = lambda x, w, c, f=product: jnp.sum((f(x, w) * c).astype(jnp.float32))  # noqa: E731
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*shapes).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    print(f"| {precision} | {temp / 2**20:,.0f} | {temp / (m * n * 4):.2f} |")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--part", choices=["curves", "step"], default="curves")
+  parser.add_argument("--part", choices=["curves", "step", "matmul"], default="curves")
   parser.add_argument("--config", default="tiny", help="curves: the config trained")
   parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                       help="curves: these runs, the first as the baseline (compute_dtype: the float run)")
@@ -141,8 +172,11 @@ def main():
   parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                       help="step: config overrides after the default model's (another width, say)")
   parser.add_argument("--save-hlo", metavar="DIR", help="step: write each compiled program's HLO text there")
+  parser.add_argument("--topology", default="v5p:2x2x1", help="matmul: a TPU topology, or local")
+  parser.add_argument("--shape", nargs=3, type=int, default=[4096, 4096, 8192], metavar=("M", "K", "N"),
+                      help="matmul: the projection's tokens, inputs and outputs")
   args = parser.parse_args()
-  curves(args) if args.part == "curves" else step(args)
+  {"curves": curves, "step": step, "matmul": matmul}[args.part](args)
 
 
 if __name__ == "__main__":
