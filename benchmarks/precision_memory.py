@@ -140,6 +140,7 @@ def matmul(args):
     from jax.experimental import topologies
     device = topologies.get_topology_desc(platform="tpu", topology_name=args.topology).devices[0]
   import jax.numpy as jnp
+  from jaxpar.models import low_precision_delayed as delayed
   from jaxpar.models.low_precision import low_precision_matmul
   one = jax.sharding.SingleDeviceSharding(device)
   m, k, n = args.shape
@@ -150,7 +151,7 @@ def matmul(args):
   print("| --- | --- | --- |")
   for precision in args.precisions:
     product = (lambda x, w: x @ w) if precision == "compute_dtype" else (
-        lambda x, w, p=precision: low_precision_matmul(x, w, p))
+        lambda x, w, p=precision: low_precision_matmul(x, w, p, delayed.amax_history(p, 16)))
     loss = lambda x, w, c, f=product: jnp.sum((f(x, w) * c).astype(jnp.float32))  # noqa: E731
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*shapes).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes

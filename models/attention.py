@@ -7,6 +7,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.mesh import constrain
 from jaxpar.models import kv_cache, kv_cache_quantized, lora
+from jaxpar.models import low_precision_delayed as delayed
 from jaxpar.models.dense import dense, projection
 from jaxpar.models.init import fan_in
 from jaxpar.models.norm import RMSNorm
@@ -62,6 +63,12 @@ class Attention(nnx.Module):
     self.sinks = (nnx.Param(jnp.zeros((h,), param_dtype), out_sharding=("heads",), weight_decay=False)
                   if cfg.attention_sinks else None)
     self.dtype, self.precision = compute_dtype, cfg.train_precision
+    for name in ("q", "k", "v", "o", "gate"):  # fp8_delayed's scaling histories
+      if getattr(self, name) is not None:
+        setattr(self, f"{name}_{delayed.NAME}", delayed.amax_history(cfg.train_precision, cfg.fp8_amax_history))
+
+  def _history(self, name):
+    return getattr(self, f"{name}_{delayed.NAME}", None)
 
   def __call__(self, x, context, cache, options):
     """x [B, L, embed] -> ([B, L, embed], cache)."""
@@ -74,9 +81,11 @@ class Attention(nnx.Module):
     sinks = None if self.sinks is None else self.sinks[...].astype(jnp.float32)
     out, cache = cache.update_and_attend(q, k, v, context, options.attention, sinks=sinks)
     if self.gate is not None:
-      out = out * jax.nn.sigmoid(dense(x, self.gate, dtype=dt, precision=self.precision))
+      out = out * jax.nn.sigmoid(dense(x, self.gate, dtype=dt, precision=self.precision,
+                                       history=self._history("gate")))
     out = checkpoint_name(out, "attention_out")
-    o = dense(out, self.o, contract=2, dtype=dt, adapter=lora.adapter(self.lora, "o"), precision=self.precision)
+    o = dense(out, self.o, contract=2, dtype=dt, adapter=lora.adapter(self.lora, "o"), precision=self.precision,
+              history=self._history("o"))
     if self.o_bias is not None:
       o = o + self.o_bias[...].astype(dt)
     return checkpoint_name(o, "out_proj"), cache
@@ -84,7 +93,7 @@ class Attention(nnx.Module):
   def project(self, x, name: str):
     """x [B, L, embed] through projection `name` (q, k or v) -> [B, L, heads, head_dim]."""
     return checkpoint_name(dense(x, getattr(self, name), dtype=self.dtype, adapter=lora.adapter(self.lora, name),
-                                 precision=self.precision), "qkv_proj")
+                                 precision=self.precision, history=self._history(name)), "qkv_proj")
 
   def project_qkv(self, x):
     """q, k, v [B, L, heads, head_dim] before RoPE: projected, biased and normed."""

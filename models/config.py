@@ -299,7 +299,11 @@ class ModelConfig(Frozen):
   # scales), fp8_blockwise (DeepSeek-V3's 128-wide tiles) or int8 (per row; int8_stochastic:
   # gradients rounded stochastically), quantized on the fly over float weights;
   # compute_dtype: no quantization.
-  train_precision: Literal["compute_dtype", "fp8", "fp8_blockwise", "int8", "int8_stochastic"] = "compute_dtype"
+  # fp8_delayed: fp8 with each scale from the largest of the tensor's last `fp8_amax_history`
+  # absolute maxima, kept in the train state (models/low_precision_delayed.py).
+  train_precision: Literal["compute_dtype", "fp8", "fp8_delayed", "fp8_blockwise", "int8",
+                           "int8_stochastic"] = "compute_dtype"
+  fp8_amax_history: int = Field(16, ge=1)
   lora: LoRAConfig | None = None  # None: no adapters
   medusa: MedusaConfig | None = None  # None: no draft heads
 
@@ -312,6 +316,20 @@ class ModelConfig(Frozen):
         return f"model.{section}", getattr(self, section).base
     return None
 
+  def _check_delayed_scaling_reach(self):
+    """fp8_delayed keeps a history per projection on the attention and dense MLP blocks; the
+    other blocks (experts' grouped matmuls, latent and linear attention, Gemma 4's) and a
+    chunked MLP (a loop the history cannot be written from) are refused in one line."""
+    mixers = {k.mixer for k in self.layer_pattern} - {None, "gqa"}
+    reach = {"model.mlp": self.mlp if self.mlp != "dense" else None,
+             "model.attention_block": self.attention_block if self.attention_block != "gqa" else None,
+             "model.layer_pattern mixer": ", ".join(sorted(mixers)) or None,
+             "model.mlp_chunks": self.mlp_chunks if self.mlp_chunks > 1 else None}
+    for key, value in reach.items():
+      if value is not None:
+        raise ValueError(f"model.train_precision=fp8_delayed keeps scaling histories for the attention and "
+                         f"dense MLP projections only, not {key}={value}: train with model.train_precision=fp8")
+
   @model_validator(mode="after")
   def _heads(self):
     if self.num_heads % self.num_kv_heads:
@@ -321,6 +339,8 @@ class ModelConfig(Frozen):
     if q is not None and self.train_precision != "compute_dtype":
       raise ValueError(f"model.train_precision={self.train_precision} quantizes float weights on the fly; "
                        "a model.quantization model stores them quantized: set one of the two")
+    if self.train_precision == "fp8_delayed":
+      self._check_delayed_scaling_reach()
     if q is not None and q.group_size is not None:
       # Groups run along each projection's last contracted dim: embed (q/k/v/gate/up),
       # head_dim (o) and mlp (down).

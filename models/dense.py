@@ -85,10 +85,11 @@ def projection(init, key, shape, names, *, param_dtype, quantization=None, contr
   return QuantizedKernel(value, names, contract, quantization)
 
 
-def dense(x, kernel, *, contract: int = 1, dtype=None, adapter=None, precision="compute_dtype"):
+def dense(x, kernel, *, contract: int = 1, dtype=None, adapter=None, precision="compute_dtype", history=None):
   """Contract the last `contract` dims of x with the first `contract` dims of kernel, plus
   the low-rank term of `adapter` (a models/lora.py LoRA) when given. A float kernel's matmul
-  runs in `precision` (model.train_precision: models/low_precision.py).
+  runs in `precision` (model.train_precision: models/low_precision.py; fp8_delayed reads and
+  writes the projection's `history`, an AmaxHistory).
 
   kernel: an array, an nnx.Param (cast to `dtype` when given) or a QuantizedKernel.
   [B, L, ...in] x [...in, ...out] -> [B, L, ...out], computed as [B*L, in] @ [in, out]:
@@ -101,18 +102,18 @@ def dense(x, kernel, *, contract: int = 1, dtype=None, adapter=None, precision="
   if isinstance(kernel, QuantizedKernel):
     y = kernel(x)
   else:
-    y = _float_dense(x, kernel, contract, dtype, precision)
+    y = _float_dense(x, kernel, contract, dtype, precision, history)
   return y if adapter is None else y + adapter(x, dtype)
 
 
-def _float_dense(x, kernel, contract, dtype, precision):
+def _float_dense(x, kernel, contract, dtype, precision, history):
   kernel = kernel[...] if dtype is None else kernel[...].astype(dtype)
   lead = x.shape[:x.ndim - contract]
   n_in = math.prod(kernel.shape[:contract])
   out = kernel.shape[contract:]
   flat = kernel.reshape(n_in, math.prod(out))
   if precision != "compute_dtype":
-    matmul = lambda a, b: low_precision_matmul(a, b, precision)  # noqa: E731
+    matmul = lambda a, b: low_precision_matmul(a, b, precision, history)  # noqa: E731
   else:
     matmul = lambda a, b: jnp.tensordot(a, b, axes=1)  # noqa: E731
   if num_shards("residual_length") > 1:

@@ -7,6 +7,8 @@ back. The schemes:
 
 - fp8: e4m3 operands forward, e5m2 incoming gradients backward, one scale per tensor from its
   current absolute maximum (current scaling).
+- fp8_delayed: as fp8, each scale from the tensor's recent maxima (an amax history in the
+  train state): models/low_precision_delayed.py.
 - fp8_blockwise: DeepSeek-V3's fine-grained scaling: activations and gradients scale per 1 x 128
   tile of the contracted axis, weights per 128 x 128 block, and each tile's product is scaled
   and summed in f32. A square block is a block of the transposed weight too, so the input's
@@ -48,7 +50,10 @@ from qwix._src.core import qarray
 from qwix._src.core.dot_general_qt import DotGeneralQtConfig, dot_general_qt
 from qwix._src.core.stochastic_rounding import get_noise_fn
 
-SCHEMES = ("fp8", "fp8_blockwise", "int8", "int8_stochastic")
+from jaxpar.errors import ConfigError
+from jaxpar.models import low_precision_delayed as delayed
+
+SCHEMES = ("fp8", "fp8_delayed", "fp8_blockwise", "int8", "int8_stochastic")
 BLOCK = 128  # fp8_blockwise's tile and weight block side (DeepSeek-V3's)
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -161,18 +166,31 @@ def _config(scheme: str, ndim: int) -> DotGeneralQtConfig:
   raise ValueError(f"unknown train precision {scheme!r}: one of {', '.join(SCHEMES)}")
 
 
-def low_precision_matmul(x, w, scheme: str):
-  """x [..., K] @ w [K, N] -> [..., N] in x's dtype, under `scheme` (one of SCHEMES).
+def low_precision_matmul(x, w, scheme: str, history=None):
+  """x [..., K] @ w [K, N] -> [..., N] in x's dtype, under `scheme` (one of SCHEMES;
+  fp8_delayed: scaled from `history`, the projection's AmaxHistory, which it updates).
 
   The operands enter in f32: qwix accumulates in its operands' scale type, which would be
   bf16 for a bf16 model, and each scheme accumulates in f32. The quantized values are the
   same (a bf16 value is exact in f32); only the scales and the sums are wider."""
   announce(scheme)
+  if scheme == "fp8_delayed":
+    return _delayed(x, w, history)
   if scheme == "fp8_blockwise":
     return _blockwise_matmul(x, w).astype(x.dtype)
   dims = (((x.ndim - 1,), (0,)), ((), ()))
   f32 = jnp.float32
   return dot_general_qt(x.astype(f32), w.astype(f32), dims, _config(scheme, x.ndim)).astype(x.dtype)
+
+
+def _delayed(x, w, history):
+  if history is None:
+    raise ConfigError("model.train_precision=fp8_delayed needs a scaling history this projection does not "
+                      "keep: train with model.train_precision=fp8")
+  f32 = jnp.float32
+  y, rows = delayed.delayed_matmul(x.astype(f32), w.astype(f32), history[...])
+  history[...] = history[...].at[:2].set(rows)
+  return y.astype(x.dtype)
 
 
 def native(scheme: str, device) -> bool:

@@ -114,3 +114,34 @@ def reference_matmul(x, w, scheme: str, keys=None):
 
   matmul.defvjp(forward, backward)
   return matmul(x, w)
+
+
+def reference_delayed_matmul(x, w, history):
+  """fp8_delayed on x [M, K] @ w [K, N] with `history` [3, H] (input, weight, gradient rows):
+  fp8's per-tensor matmuls, each tensor scaled by its row's largest maximum (its own maximum
+  while the row is all zeros) and saturated to the type's range. -> (y, the history after
+  the pass: every row rolled with its tensor's maximum, the gradient's once backward ran),
+  as one function of x and w whose vjp is the backward pass (the history's row 2 read then)."""
+
+  def scaled(a, row, qtype):
+    bound = float(jnp.finfo(qtype).max)
+    past = jnp.max(row)
+    amax = jnp.where(past > 0, past, jnp.max(jnp.abs(a)))
+    s = jnp.where(amax > 0, amax, 1.0) / bound
+    return jnp.clip(a / s, -bound, bound).astype(qtype), s
+
+  @jax.custom_vjp
+  def matmul(x, w):
+    return forward(x, w)[0]
+
+  def forward(x, w):
+    (vx, sx), (vw, sw) = scaled(x, history[0], E4M3), scaled(w, history[1], E4M3)
+    return _f32_dot(vx, vw) * (sx * sw), (vx, sx, vw, sw)
+
+  def backward(saved, g):
+    vx, sx, vw, sw = saved
+    vg, sg = scaled(g, history[2], E5M2)
+    return _f32_dot(vg, vw.T) * (sg * sw), _f32_dot(vx.T, vg) * (sx * sg)
+
+  matmul.defvjp(forward, backward)
+  return matmul(x, w)

@@ -8,6 +8,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.mesh import constrain
 from jaxpar.mesh.length_chunks import length_spans, merge_length, split_length
 from jaxpar.models import lora
+from jaxpar.models import low_precision_delayed as delayed
 from jaxpar.models.dense import dense, projection
 from jaxpar.models.activations import gated
 from jaxpar.models.init import fan_in
@@ -35,13 +36,15 @@ class MLP(nnx.Module):
 
   def __init__(self, embed_dim, mlp_dim, *, param_dtype, compute_dtype, rngs: nnx.Rngs,
                quantization=None, chunks: int = 1, remat="none", adapters=None, activation: str = "silu",
-               precision: str = "compute_dtype"):
+               precision: str = "compute_dtype", amax_history: int = 16):
     init, proj = fan_in(), dict(param_dtype=param_dtype, quantization=quantization)
     self.gate = projection(init, rngs.params(), (embed_dim, mlp_dim), ("embed", "mlp"), **proj)
     self.up = projection(init, rngs.params(), (embed_dim, mlp_dim), ("embed", "mlp"), **proj)
     self.down = projection(init, rngs.params(), (mlp_dim, embed_dim), ("mlp", "embed"), **proj)
     self.lora = lora.adapters(adapters, rngs, gate=self.gate, up=self.up, down=self.down)
     self.dtype, self.glu, self.precision = compute_dtype, gated(activation), precision
+    for name in ("gate", "up", "down"):  # fp8_delayed's scaling histories
+      setattr(self, f"{name}_{delayed.NAME}", delayed.amax_history(precision, amax_history))
     self.chunks = chunks if quantization is None else 1
     # A piece keeps or recomputes its activations as the layer does.
     self.piece_policy = None if remat == "none" else remat_policy(remat)
@@ -62,7 +65,7 @@ class MLP(nnx.Module):
 
   def _feed_forward(self, x, gate_kernel, up_kernel, down_kernel):
     run = lambda x, kernel, name: dense(x, kernel, dtype=self.dtype, adapter=lora.adapter(self.lora, name),  # noqa: E731
-                                        precision=self.precision)
+                                        precision=self.precision, history=getattr(self, f"{name}_{delayed.NAME}"))
     gate = checkpoint_name(run(x, gate_kernel, "gate"), "mlp_in")
     up = checkpoint_name(run(x, up_kernel, "up"), "mlp_in")
     hidden = constrain(self.glu(gate, up), ("batch", "length", "act_mlp"))
@@ -73,4 +76,4 @@ register_block("feed_forward", "dense",
                lambda cfg, **kwargs: MLP(cfg.embed_dim, cfg.mlp_dim, quantization=cfg.quantization,
                                          chunks=cfg.mlp_chunks, remat=cfg.remat, adapters=cfg.lora,
                                          activation=cfg.mlp_activation, precision=cfg.train_precision,
-                                         **kwargs))
+                                         amax_history=cfg.fp8_amax_history, **kwargs))

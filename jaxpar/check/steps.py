@@ -105,7 +105,7 @@ def check_steps(setting) -> list[Result]:
   """The train step, again with each model.train_precision this device multiplies natively
   (fp8 on NVIDIA Ada/Hopper and later, int8 on NVIDIA and TPU v5/v6), and the decode step."""
   plain = train_step(setting)
-  narrow = [train_step(setting, p) for p in ("fp8", "int8") if native(p, jax.local_devices()[0])]
+  narrow = [train_step(setting, p) for p in ("fp8", "fp8_delayed", "int8") if native(p, jax.local_devices()[0])]
   for result in narrow:
     if result.seconds and plain.seconds:
       result.note += f"; {plain.seconds / result.seconds:.2f}x the plain step's speed"

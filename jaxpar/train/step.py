@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.models import low_precision
+from jaxpar.models import low_precision_delayed as delayed
+from jaxpar.trees import join
 from jaxpar.train.state import TrainState
 
 
@@ -20,10 +22,24 @@ def _split_microbatches(batch, count: int):
   return jax.tree.map(split, batch)
 
 
+def _differentiating_histories(loss):
+  """jax.grad of `loss` that also takes fp8_delayed's scaling histories (model_state's
+  AmaxHistory leaves) as an input, whose cotangent carries the gradients' maxima, and writes
+  those into the new model_state (models/low_precision_delayed.py)."""
+  grad_fn = jax.grad(lambda params, histories, rest, batch, frozen: loss(params, join(rest, histories), batch, frozen),
+                     argnums=(0, 1), has_aux=True)
+
+  def gradients(params, model_state, batch, frozen):
+    histories, rest = delayed.split_histories(model_state)
+    (grads, maxima), (sums, model_state) = grad_fn(params, histories, rest, batch, frozen)
+    return grads, (sums, delayed.record_gradient_maxima(model_state, maxima))
+  return gradients
+
+
 def make_gradients(loss, *, microbatches: int):
   """(params, batch, model_state, frozen) -> (summed grads of params, sums, new model_state) of
   an objective's `loss` (jaxpar/objectives/base.py says what it returns)."""
-  grad_fn = jax.grad(loss, has_aux=True)
+  grad_fn = _differentiating_histories(loss)
 
   def gradients(params, batch, model_state=None, frozen=None):
     model_state = {} if model_state is None else model_state
