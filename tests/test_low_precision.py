@@ -150,7 +150,8 @@ def _dots(model):
           for line in lines]
 
 
-@pytest.mark.parametrize("scheme,low", [("fp8", "f8E4M3FN"), ("fp8_blockwise", "f8E4M3FN"), ("int8", "i8")])
+@pytest.mark.parametrize("scheme,low", [("fp8", "f8E4M3FN"), ("fp8_delayed", "f8E4M3FN"), ("fp8_blockwise", "f8E4M3FN"),
+                                        ("int8", "i8")])
 def test_only_the_projections_run_in_low_precision(scheme, low):
   """Each layer's 7 projections (q, k, v, o, gate, up, down) run 3 low-precision dots each
   (forward, dx, dw; the layers are scanned, so the body appears once); fp8's gradients are
