@@ -11,7 +11,7 @@ gradient. The forward pass writes the first two rows (the module's state after t
 as a router's bias). The gradient's maximum is only known in the backward pass, which cannot
 write state: the matmul takes the history as an input and returns the maximum as that
 input's cotangent (`gradient_history_cotangent`), and the train step writes it into the third
-row (`record_gradient_maxima`) instead of treating it as a gradient. Used twice in one
+row (jaxpar/train/amax_histories.py) instead of treating it as a gradient. Used twice in one
 backward pass, a projection would record the sum of its maxima: a larger scale, never an
 overflow (the blocks fp8_delayed reaches use each projection once). Under microbatches each
 microbatch rolls the histories once.
@@ -22,8 +22,6 @@ microbatch rolls the histories once.
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from jaxpar.trees import join, partition
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 NAME = "amax_history"  # a projection's history is the module attribute `<projection>_amax_history`
@@ -95,23 +93,3 @@ def gradient_history_cotangent(history, amax_g):
 
 delayed_matmul.defvjp(_forward, _backward)
 
-
-def _is_history(path, _):
-  return str(getattr(path[-1], "key", path[-1])).endswith(NAME)
-
-
-def split_histories(model_state: dict) -> tuple[dict, dict]:
-  """(the AmaxHistory leaves of a model_state dict, the rest)."""
-  mask = jax.tree_util.tree_map_with_path(_is_history, model_state)
-  return partition(model_state, mask)
-
-
-def record_gradient_maxima(model_state: dict, cotangents: dict) -> dict:
-  """model_state (after a forward pass) with each history's gradient row rolled with the
-  maximum its cotangent carries (`cotangents`: split_histories' first part's gradient)."""
-  histories, rest = split_histories(model_state)
-
-  def record(history, cotangent):  # [..., 3, H], stacked layers in front
-    newest = cotangent[..., 2, :1]
-    return history.at[..., 2, :].set(jnp.concatenate([newest, history[..., 2, :-1]], axis=-1))
-  return join(rest, jax.tree.map(record, histories, cotangents))

@@ -12,6 +12,7 @@ from flax import nnx
 from jaxpar.models import low_precision_delayed as delayed
 from jaxpar.models.low_precision import low_precision_matmul
 from jaxpar.models.low_precision_reference import reference_delayed_matmul
+from jaxpar.train import amax_histories
 from jaxpar.train.trainer import Trainer
 from tests.helpers import small_config
 
@@ -65,7 +66,7 @@ def _config(tmp_path, steps=4, precision="fp8_delayed", **train):
 
 
 def _histories(state):
-  histories, _ = delayed.split_histories(jax.device_get(state.model_state))
+  histories, _ = amax_histories.split_histories(jax.device_get(state.model_state))
   return {jax.tree_util.keystr(path): np.asarray(leaf)
           for path, leaf in jax.tree_util.tree_leaves_with_path(histories)}
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpar.models import low_precision
-from jaxpar.models import low_precision_delayed as delayed
+from jaxpar.train import amax_histories
 from jaxpar.trees import join
 from jaxpar.train.state import TrainState
 
@@ -25,14 +25,14 @@ def _split_microbatches(batch, count: int):
 def _differentiating_histories(loss):
   """jax.grad of `loss` that also takes fp8_delayed's scaling histories (model_state's
   AmaxHistory leaves) as an input, whose cotangent carries the gradients' maxima, and writes
-  those into the new model_state (models/low_precision_delayed.py)."""
+  those into the new model_state (amax_histories.py)."""
   grad_fn = jax.grad(lambda params, histories, rest, batch, frozen: loss(params, join(rest, histories), batch, frozen),
                      argnums=(0, 1), has_aux=True)
 
   def gradients(params, model_state, batch, frozen):
-    histories, rest = delayed.split_histories(model_state)
+    histories, rest = amax_histories.split_histories(model_state)
     (grads, maxima), (sums, model_state) = grad_fn(params, histories, rest, batch, frozen)
-    return grads, (sums, delayed.record_gradient_maxima(model_state, maxima))
+    return grads, (sums, amax_histories.record_gradient_maxima(model_state, maxima))
   return gradients
 
 
