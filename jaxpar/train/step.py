@@ -10,8 +10,8 @@ import optax
 
 from jaxpar.models import low_precision
 from jaxpar.train import amax_histories
-from jaxpar.trees import join
 from jaxpar.train.state import TrainState
+from jaxpar.trees import join
 
 
 def _split_microbatches(batch, count: int):
