@@ -296,7 +296,7 @@ class ModelConfig(Frozen):
                                AfterValidator(_check_attention_options)] = HashableDict()
   quantization: QuantizationConfig | None = None  # None: float projections
   # The projections' matmuls while training (models/low_precision.py): fp8 (per-tensor
-  # scales), fp8_blockwise (DeepSeek-V3's 128-wide tiles) or int8 (per row; int8_stochastic:
+  # scales), fp8_blockwise (DeepSeek-V3's 1 x 128 tiles, 128 x 128 weight blocks) or int8 (per row; int8_stochastic:
   # gradients rounded stochastically), quantized on the fly over float weights;
   # compute_dtype: no quantization.
   # fp8_delayed: fp8 with each scale from the largest of the tensor's last `fp8_amax_history`

@@ -50,8 +50,8 @@ def saturate(a, s, qtype):
 
 
 def rolled(row, newest):
-  """The row with `newest` in front and its oldest entry dropped."""
-  return jnp.concatenate([jnp.reshape(newest, (1,)).astype(row.dtype), row[:-1]])
+  """Rows [..., H] with `newest` [...] in front and their oldest entries dropped."""
+  return jnp.concatenate([jnp.asarray(newest, row.dtype)[..., None], row[..., :-1]], axis=-1)
 
 
 def _dot(a, b, contract):

@@ -3,9 +3,8 @@
 the gradients' maxima their cotangents carry written into their third rows."""
 
 import jax
-import jax.numpy as jnp
 
-from jaxpar.models.low_precision_delayed import NAME
+from jaxpar.models.low_precision_delayed import NAME, rolled
 from jaxpar.trees import join, partition
 
 
@@ -25,6 +24,5 @@ def record_gradient_maxima(model_state: dict, cotangents: dict) -> dict:
   histories, rest = split_histories(model_state)
 
   def record(history, cotangent):  # [..., 3, H], stacked layers in front
-    newest = cotangent[..., 2, :1]
-    return history.at[..., 2, :].set(jnp.concatenate([newest, history[..., 2, :-1]], axis=-1))
+    return history.at[..., 2, :].set(rolled(history[..., 2, :], cotangent[..., 2, 0]))
   return join(rest, jax.tree.map(record, histories, cotangents))
