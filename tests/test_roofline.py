@@ -91,3 +91,24 @@ def test_a_scalar_copied_to_host_memory_counts_its_own_bytes():
                           ["mu"], "mu", "")
   assert roofline.host_transfer_bytes(scalar) == 4
   assert roofline.host_transfer_bytes(array) == 8 * 128 * 4
+
+
+@pytest.mark.tpu
+def test_an_int8_matmul_runs_at_the_int8_peak_and_a_bf16_one_at_the_bf16_peak():
+  """s8 x s8 dots (train_precision int8) cost their FLOPs over the chip's int8 rate; with
+  memory free (a huge bandwidth), doubling that rate halves their time and leaves bf16's."""
+  _, devices = topology_devices("v5e-4")
+  on_chip = jax.sharding.SingleDeviceSharding(devices[0])
+  times = {}
+  for dtype, out in ((jnp.int8, jnp.int32), (jnp.bfloat16, jnp.float32)):
+    a = jax.ShapeDtypeStruct((1024, 2048), dtype, sharding=on_chip)
+    b = jax.ShapeDtypeStruct((2048, 512), dtype, sharding=on_chip)
+    matmul = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=out))
+    module = hlo.Module(matmul.lower(a, b).compile().as_text())
+    times[dtype] = [roofline.program_cost(module, 1e12, 1e18, int8_flops=rate) for rate in (None, 2e12)]
+  flops = 2 * 1024 * 2048 * 512
+  int8, bf16 = times[jnp.int8], times[jnp.bfloat16]
+  assert int8[0].flops == bf16[0].flops == flops
+  assert int8[0].ops_s == pytest.approx(flops / 1e12, rel=1e-3)
+  assert int8[1].ops_s == pytest.approx(flops / 2e12, rel=1e-3)
+  assert bf16[1].ops_s == bf16[0].ops_s == pytest.approx(flops / 1e12, rel=1e-3)

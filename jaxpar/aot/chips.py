@@ -23,20 +23,21 @@ class Chip:
   dcn_bandwidth: float  # bytes/s per chip across slices
   dims: int  # torus dimensions: 2 (v5e, v6e) or 3 (v5p)
   cores_per_chip: int  # what the slice name counts per chip (v5p names count TensorCores)
+  int8_flops: float | None = None  # dense int8 OP/s per chip (None: int8 dots at the bf16 peak)
 
 
 # HBM is taken as GiB: the pages mix GB and GiB, and the compiler's own limit on v5e is
 # 15.75 GiB available of 16 GiB (seen in its out-of-memory message).
 CHIPS = {
-  # https://cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16, 16 GB HBM at 819 GBps,
-  # 400 GBps ICI per chip, 2 x 100 Gbps NICs per 8-chip host (= 25 Gbps per chip).
-  "v5e": Chip("v5e", 16 * GIB, 197e12, 819 * GB, 400 * GB, 25e9 / 8, 2, 1),
-  # https://cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16, 95 GiB HBM at 2765 GBps,
-  # 1200 GBps ICI per chip, 50 Gbps DCN per chip; a chip is 2 TensorCores (megacore).
-  "v5p": Chip("v5p", 95 * GIB, 459e12, 2765 * GB, 1200 * GB, 50e9 / 8, 3, 2),
-  # https://cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16, 32 GB HBM at 1638 GBps,
-  # 800 GBps ICI per chip. DCN per chip is not published there: v5e's 25 Gbps is assumed.
-  "v6e": Chip("v6e", 32 * GIB, 918e12, 1638 * GB, 800 * GB, 25e9 / 8, 2, 1),
+  # https://cloud.google.com/tpu/docs/v5e: 197 TFLOPs bf16 (394 TOPs int8), 16 GB HBM at
+  # 819 GBps, 400 GBps ICI per chip, 2 x 100 Gbps NICs per 8-chip host (= 25 Gbps per chip).
+  "v5e": Chip("v5e", 16 * GIB, 197e12, 819 * GB, 400 * GB, 25e9 / 8, 2, 1, 394e12),
+  # https://cloud.google.com/tpu/docs/v5p: 459 TFLOPs bf16 (918 TOPs int8), 95 GiB HBM at
+  # 2765 GBps, 1200 GBps ICI per chip, 50 Gbps DCN per chip; a chip is 2 TensorCores (megacore).
+  "v5p": Chip("v5p", 95 * GIB, 459e12, 2765 * GB, 1200 * GB, 50e9 / 8, 3, 2, 918e12),
+  # https://cloud.google.com/tpu/docs/v6e: 918 TFLOPs bf16 (1836 TOPs int8), 32 GB HBM at
+  # 1638 GBps, 800 GBps ICI per chip. DCN per chip is not published there: v5e's 25 Gbps is assumed.
+  "v6e": Chip("v6e", 32 * GIB, 918e12, 1638 * GB, 800 * GB, 25e9 / 8, 2, 1, 1836e12),
 }
 
 # Chips in a slice -> torus shape, as in the tables of the pages above.

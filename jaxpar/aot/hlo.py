@@ -358,6 +358,11 @@ def summarize(found: list[Collective]) -> list[dict]:
   return sorted(rows.values(), key=lambda r: -r["wire_bytes"])
 
 
+def operand_types(module: Module, op: Instruction) -> tuple[str, str]:
+  """The element types of a matmul's two operands ("s8", "bf16", ...)."""
+  return tuple(_dtype(module.shapes.get(name, "")) for name in op.operands[:2])
+
+
 def matmul_types(module: Module) -> dict[str, int]:
   """The matmuls a step runs (dots, and the convolutions TPUs write them as; inside fusions
   too; loop trips counted), by operand types: {"bf16 x bf16": 960, "s8 x s8": 2880, ...}.
@@ -367,6 +372,6 @@ def matmul_types(module: Module) -> dict[str, int]:
     inside = module.fused(inst) if inst.op == "fusion" else [inst]
     for op in inside:
       if op.op in ("dot", "convolution") and len(op.operands) >= 2:
-        key = " x ".join(_dtype(module.shapes.get(name, "")) for name in op.operands[:2])
+        key = " x ".join(operand_types(module, op))
         counts[key] = counts.get(key, 0) + times
   return dict(sorted(counts.items(), key=lambda item: -item[1]))

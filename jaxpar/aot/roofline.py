@@ -12,8 +12,9 @@ loop bodies times their trip counts), and costed:
           op only slices (dynamic-slice inside a fusion: one layer of a stacked weight)
           counts the slice; a dynamic-update-slice writes in place (counts the update).
           A Pallas kernel counts its estimate's bytes_accessed.
-  time    per op, max(FLOPs / bf16 peak, bytes / HBM bandwidth): each op at its own
-          roofline, ops in sequence. Collectives: per-device bytes on the wire (ring
+  time    per op, max(FLOPs / peak, bytes / HBM bandwidth): each op at its own
+          roofline, ops in sequence; the peak is the chip's int8 one for a dot of two s8
+          operands (train_precision int8, an int8 matmul), bf16 for any other. Collectives: per-device bytes on the wire (ring
           algorithms, hlo.py) over the chip's ICI bandwidth, DCN ones over DCN bandwidth.
   host    bytes copied between HBM and host memory (remat offload): reported, not timed
           (no published per-chip host link bandwidth; the copies are asynchronous).
@@ -73,20 +74,22 @@ class Estimate:
 
 
 def estimate(chip, module: hlo.Module, collective_rows) -> Estimate:
-  cost = program_cost(module, chip.peak_flops, chip.hbm_bandwidth)
+  cost = program_cost(module, chip.peak_flops, chip.hbm_bandwidth, chip.int8_flops)
   ici = sum(r["wire_bytes"] for r in collective_rows if not r["dcn"]) / chip.ici_bandwidth
   dcn = sum(r["wire_bytes"] for r in collective_rows if r["dcn"]) / chip.dcn_bandwidth
   return Estimate(cost.ops_s, ici, dcn, cost.flops, cost.bytes, cost.host_bytes)
 
 
-def program_cost(module: hlo.Module, peak_flops: float, hbm_bandwidth: float) -> Cost:
+def program_cost(module: hlo.Module, peak_flops: float, hbm_bandwidth: float,
+                 int8_flops: float | None = None) -> Cost:
   total = Cost()
   for inst, times in module.executed():
     total.host_bytes += times * host_transfer_bytes(inst)
-    flops, nbytes = op_cost(module, inst)
+    flops, int8, nbytes = op_cost(module, inst)
     total.flops += times * flops
     total.bytes += times * nbytes
-    total.ops_s += times * max(flops / peak_flops, nbytes / hbm_bandwidth)
+    compute_s = (flops - int8) / peak_flops + int8 / (int8_flops or peak_flops)
+    total.ops_s += times * max(compute_s, nbytes / hbm_bandwidth)
   return total
 
 
@@ -105,22 +108,30 @@ def host_transfer_bytes(inst: hlo.Instruction) -> float:
   return 0.0
 
 
-def op_cost(module: hlo.Module, inst: hlo.Instruction) -> tuple[float, float]:
-  """(FLOPs, HBM bytes) of one execution of a top-level op."""
+def op_cost(module: hlo.Module, inst: hlo.Instruction) -> tuple[float, float, float]:
+  """(FLOPs, those of them in int8 dots, HBM bytes) of one execution of a top-level op."""
   if inst.op in _FREE or inst.op.endswith("-done") or inst.op.removesuffix("-start") in hlo.KINDS:
-    return 0.0, 0.0
+    return 0.0, 0.0, 0.0
   if inst.op == "fusion" and any(f'"{name}"' in i.attrs for i in module.fused(inst)
                                  for name in _ASYNC_COLLECTIVE):
-    return 0.0, 0.0  # the start or end of an asynchronous collective: costed as communication
+    return 0.0, 0.0, 0.0  # the start or end of an asynchronous collective: costed as communication
   if inst.op == "custom-call":
     if any(f'"{name}"' in inst.attrs for name in _FREE_CALLS):
-      return 0.0, 0.0
+      return 0.0, 0.0, 0.0
     if estimate := inst.backend_config.get("custom_call_config", {}).get("cost_estimate") \
         or inst.backend_config.get("cost_estimate"):
-      return float(estimate.get("flops", 0)), float(estimate.get("bytes_accessed", 0))
+      return float(estimate.get("flops", 0)), 0.0, float(estimate.get("bytes_accessed", 0))
   body = module.fused(inst) if inst.op == "fusion" else [inst]
-  flops = sum(matmul_flops(module, i) for i in _fused_ops(module, body))
-  return flops, _hbm_bytes(module, inst)
+  ops = list(_fused_ops(module, body))
+  flops = sum(matmul_flops(module, i) for i in ops)
+  int8 = sum(matmul_flops(module, i) for i in ops if _int8_dot(module, i))
+  return flops, int8, _hbm_bytes(module, inst)
+
+
+def _int8_dot(module: hlo.Module, inst: hlo.Instruction) -> bool:
+  """A matmul (dot, or the convolution TPU HLO writes one as) of two s8 operands: the MXU
+  runs it at the chip's int8 rate."""
+  return inst.op in ("dot", "convolution") and hlo.operand_types(module, inst) == ("s8", "s8")
 
 
 def _fused_ops(module, body):
