@@ -160,3 +160,36 @@ def test_across_slices_the_planner_puts_stage_or_data_on_dcn_not_fsdp():
   staged = min((c for c in ranked if c.layout.dcn_axis == "stage"), key=lambda c: c.predicted_s)
   over_fsdp = dataclasses.replace(staged.layout, dcn_axis="fsdp")
   assert cost_model.step_seconds(config, over_fsdp, p, v5p) > 1.1 * staged.predicted_s
+
+
+def test_precisions_asked_for_are_ranked_with_int8_projections_at_the_int8_peak():
+  """--precisions int8: every layout is also tried at model.train_precision=int8; on a chip
+  with an int8 peak twice bf16's the twin is predicted faster by half its projections' compute
+  time, and its overrides set the precision. Unasked, no candidate changes the precision, and a
+  chip without an int8 peak predicts no gain."""
+  config = load_config("llama3-8b")
+  p = count_params(abstract_model(config.model)[1])
+  v6e = chip_hardware(CHIPS["v6e"])
+  assert plan.rank(config, 256, v6e, p) and all(c.layout.train_precision is None
+                                                 for c in plan.rank(config, 256, v6e, p))
+  ranked = plan.rank(config, 256, v6e, p, precisions=("int8",))
+  by_layout = {}
+  for c in ranked:
+    by_layout.setdefault(dataclasses.replace(c.layout, train_precision=None), {})[c.layout.train_precision] = c
+  pairs = [both for both in by_layout.values() if len(both) == 2]
+  assert pairs
+  m, d = config.model, config.data
+  int8_flops = cost_model.int8_flops_per_token(m, "int8", d.seq_len) * d.global_batch_size * d.seq_len
+  assert 0 < int8_flops < cost_model.train_flops_per_token(m, d.seq_len) * d.global_batch_size * d.seq_len
+  for both in pairs:
+    layout = both[None].layout
+    saved = int8_flops * cost_model.remat_factor(layout.remat) / (1 - layout.bubble) / 2 / (256 * v6e.peak_flops)
+    assert both[None].predicted_s - both["int8"].predicted_s == pytest.approx(saved, rel=1e-6)
+    assert both["int8"].layout.overrides()["model"]["train_precision"] == "int8"
+    assert "train_precision" not in layout.overrides()["model"]
+  no_int8 = dataclasses.replace(v6e, int8_flops=None)
+  layout = pairs[0][None].layout
+  assert cost_model.step_seconds(config, dataclasses.replace(layout, train_precision="int8"), p, no_int8) == \
+      cost_model.step_seconds(config, layout, p, no_int8)
+  with pytest.raises(Exception, match="train_precision='int4'"):
+    plan.plan(config, precisions=("int4",))

@@ -58,6 +58,9 @@ def _cmd_plan(ns):
   if (ns.prompt_tokens or ns.itl_slo) and not ns.output_tokens:
     raise UserError("--prompt-tokens and --itl-slo describe a workload: add --output-tokens N (its completions' "
                     "length)")
+  if ns.serve and ns.precisions:
+    raise UserError("--precisions ranks training precisions: drop it with --serve (the KV cache's dtype is "
+                    "ranked already)")
   if ns.topology:
     _compile_on_this_host()
   from jaxpar.aot.phases import Phases
@@ -76,7 +79,8 @@ def _cmd_plan(ns):
     return
   run_plan(load_config_args(ns.args), topology=ns.topology, top=ns.top, measure=ns.measure,
            output=ns.output or "plan.yaml", echo=lambda text: console.print(text, markup=False, highlight=False),
-           phase=Phases(console), num_slices=ns.num_slices)
+           phase=Phases(console), num_slices=ns.num_slices,
+           precisions=tuple(p for p in (ns.precisions or "").split(",") if p))
 
 
 def add_parsers(commands):
@@ -114,6 +118,9 @@ def add_parsers(commands):
   plan.add_argument("--num-slices", type=int, default=1, help="slices of --topology joined over DCN "
                     "(each layout then names the axis spanning them: stage, data or fsdp)")
   plan.add_argument("--top", type=int, default=3, help="candidates to compile (default 3)")
+  plan.add_argument("--precisions", metavar="P[,P...]",
+                    help="also try each layout at these model.train_precision values (e.g. int8): int8 "
+                    "matmuls count at the chip's int8 peak; never chosen unless listed")
   plan.add_argument("--measure", action="store_true",
                     help="also run the compiled candidates here (local devices only) and report "
                     "the rank correlation of predicted and measured step times")

@@ -22,7 +22,9 @@ repeats and M pipeline microbatches, I = M R + S - 1 iterations, b = (S - 1) / I
 
   compute    = model FLOPs x remat factor / (devices x peak) / (1 - b); the factor is 4/3
                when the forward runs again in the backward pass (full, per-name policies),
-               else 1; the bubble's share of the iterations idles
+               else 1; the bubble's share of the iterations idles. Under an int8
+               train_precision the projections' FLOPs (6 x matmul params less the output
+               head) run at the chip's int8 peak, attention and the head at bf16's
   comm bytes = FSDP: 3 m x P c/t x (f-1)/f (gather fwd + bwd, reduce-scatter grads)
              + DP:   2 x P p/(f t) x (d-1)/d (all-reduce of grads)
              + TP:   (4 or 6 with full remat) x L x m x 2 T E c x (t-1)/t (activation all-reduces)
@@ -42,6 +44,7 @@ repeats and M pipeline microbatches, I = M R + S - 1 iterations, b = (S - 1) / I
 
 from dataclasses import dataclass
 
+from jaxpar.models.flops import causal_attention_flops
 from jaxpar.train.flops import train_flops_per_token
 
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -75,6 +78,7 @@ class Hardware:
   link_bandwidth: float
   shared_host: bool  # CPU: devices share the cores; nothing overlaps
   dcn_bandwidth: float | None = None  # per device across slices (multi-slice TPU)
+  int8_flops: float | None = None  # per device; None: int8 matmuls at the bf16 peak
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,7 @@ class Layout:
   num_slices: int = 1
   dcn_axis: str = "data"  # the axis spanning the slices (with num_slices > 1)
   optimizer_state: str | None = None  # train.optimizer_state_dtype to set (None: the config's)
+  train_precision: str | None = None  # model.train_precision to set (None: the config's)
 
   @property
   def devices(self) -> int:
@@ -125,7 +130,8 @@ class Layout:
                      "expert": self.expert, "tensor": self.tensor, "num_slices": self.num_slices,
                      "dcn_axis": self.dcn_axis},
             "parallel": {"pipeline": pipeline},
-            "model": {"remat": self.remat},
+            "model": {"remat": self.remat,
+                      **({"train_precision": self.train_precision} if self.train_precision else {})},
             "train": {"microbatches": self.microbatches,
                       **({"optimizer_state_dtype": self.optimizer_state} if self.optimizer_state else {})}}
 
@@ -137,8 +143,21 @@ class Layout:
           (f" R={self.repeats}" if self.repeats > 1 else "") + ") "
     slices = f" {self.dcn_axis} over {self.num_slices} slices" if self.num_slices > 1 else ""
     moments = f" moments={self.optimizer_state}" if self.optimizer_state else ""
+    moments += f" precision={self.train_precision}" if self.train_precision else ""
     return (f"data={self.data} {stage}fsdp={self.fsdp}{extra} tensor={self.tensor} remat={self.remat} "
             f"microbatches={self.microbatches}{slices}{moments}")
+
+
+INT8_PRECISIONS = ("int8", "int8_stochastic")
+
+
+def int8_flops_per_token(m, precision: str, seq_len: int) -> float:
+  """Training FLOPs per token in int8 matmuls: the projections' (6 x matmul params less the
+  output head, which stays float) under an int8 train_precision, else none."""
+  if precision not in INT8_PRECISIONS:
+    return 0.0
+  projections = train_flops_per_token(m, seq_len) - causal_attention_flops(m, seq_len)
+  return max(projections - 6 * m.embed_dim * m.vocab_size, 0.0)
 
 
 def tokens_per_device(config, layout: Layout) -> int:
@@ -174,7 +193,12 @@ def step_seconds(config, layout: Layout, num_params: int, hw: Hardware) -> float
   x, e = layout.context, layout.expert
   devices = layout.devices
   p, c = _BYTES[m.param_dtype], _BYTES[m.compute_dtype]
-  flops = train_flops_per_token(m, d.seq_len) * d.global_batch_size * d.seq_len
+  tokens_per_step = d.global_batch_size * d.seq_len
+  flops = train_flops_per_token(m, d.seq_len) * tokens_per_step
+  int8 = int8_flops_per_token(m, layout.train_precision or m.train_precision, d.seq_len) * tokens_per_step \
+      if hw.int8_flops else 0.0
+  if int8:  # in bf16-peak FLOPs: the int8 share costs peak / int8 peak of its count
+    flops -= int8 * (1 - hw.peak_flops / hw.int8_flops)
   flops *= remat_factor(layout.remat) / (1 - layout.bubble)
   tokens = tokens_per_device(config, layout)
   S, M, fsdp = layout.stage, layout.pipeline_microbatches, f // layout.stage

@@ -122,7 +122,8 @@ def host_hardware(config) -> Hardware:
 
 def chip_hardware(chip) -> Hardware:
   return Hardware(chip.name, chip.hbm_bytes, chip.peak_flops, chip.hbm_bandwidth,
-                  chip.ici_bandwidth, shared_host=False, dcn_bandwidth=chip.dcn_bandwidth)
+                  chip.ici_bandwidth, shared_host=False, dcn_bandwidth=chip.dcn_bandwidth,
+                  int8_flops=chip.int8_flops)
 
 
 def narrower_moments(config) -> tuple[str, ...]:
@@ -135,17 +136,21 @@ def narrower_moments(config) -> tuple[str, ...]:
   return ("bfloat16", "int8_blockwise")
 
 
-def rank(config, num_devices: int, hw: Hardware, num_params: int, num_slices: int = 1) -> list[Candidate]:
+def rank(config, num_devices: int, hw: Hardware, num_params: int, num_slices: int = 1,
+         precisions: tuple[str, ...] = ()) -> list[Candidate]:
   """All layouts that the analytic model says fit, fastest predicted first; the config's
   own layout is always kept (marked default) so the winner can be compared with it. A layout
   that does not fit with the config's optimizer moments is tried with narrower ones (bf16,
   then 8-bit): exact moments wherever they fit, narrower ones to reach the faster layouts
-  (less remat, fewer microbatches) that only fit with them."""
+  (less remat, fewer microbatches) that only fit with them. Each layout is also tried at
+  every model.train_precision in `precisions` (asked for: a precision changes the numerics,
+  so the planner never picks one unasked)."""
   default = default_layout(config, num_devices, num_slices)
   candidates = []
-  for layout in layouts(config, num_devices, num_slices):
+  precisions = [None] + [p for p in precisions if p != config.model.train_precision]
+  for layout, precision in itertools.product(layouts(config, num_devices, num_slices), precisions):
     for moments in (None, *narrower_moments(config)):
-      tried = dataclasses.replace(layout, optimizer_state=moments)
+      tried = dataclasses.replace(layout, optimizer_state=moments, train_precision=precision)
       memory = cost_model.memory_bytes(config, tried, num_params)
       if hw.hbm_bytes is None or memory <= FIT_MARGIN * hw.hbm_bytes or tried == default:
         candidates.append(Candidate(tried, cost_model.step_seconds(config, tried, num_params, hw),
@@ -183,7 +188,7 @@ def spearman(a, b) -> float:
 
 
 def plan(config, topology: str | None = None, top: int = 3, measure: bool = False, echo=print,
-         phase=silent, num_slices: int = 1):
+         phase=silent, num_slices: int = 1, precisions: tuple[str, ...] = ()):
   """(candidates that compiled and fit, best first; all compiled candidates; the winner as a
   config; Spearman rho of predicted vs measured step times, or None without `measure`).
   `phase` (phases.py) shows which candidate is compiling."""
@@ -198,7 +203,9 @@ def plan(config, topology: str | None = None, top: int = 3, measure: bool = Fals
     chip, devices = None, jax.devices()
     hw = host_hardware(config)
   num_params = count_params(abstract_model(config.model)[1])
-  ranked = rank(config, len(devices), hw, num_params, num_slices)
+  for precision in precisions:  # a one-line error for a name the config does not know, before compiling
+    replace(config, model={"train_precision": precision})
+  ranked = rank(config, len(devices), hw, num_params, num_slices, precisions)
   slices = f" in {num_slices} slices" if num_slices > 1 else ""
   echo(f"{len(layouts(config, len(devices), num_slices))} layouts, {len(ranked)} kept by the analytic model "
        f"on {len(devices)} {hw.name} devices{slices}; compiling the best {top}"
@@ -261,8 +268,8 @@ def format_table(candidates) -> str:
 
 
 def run_plan(config, topology=None, top=3, measure=False, output="plan.yaml", echo=print, phase=silent,
-             num_slices=1):
-  ok, chosen, winner, rho = plan(config, topology, top, measure, echo, phase, num_slices)
+             num_slices=1, precisions=()):
+  ok, chosen, winner, rho = plan(config, topology, top, measure, echo, phase, num_slices, precisions)
   echo(format_table(ok))
   failed = [c for c in chosen if not c.compiled.get("fits")]
   for c in failed:
